@@ -1,0 +1,20 @@
+"""tensorferry: tensors between GPU memory, host memory and NVMe at the speed of the drive.
+
+``import tensorferry`` needs numpy only; framework adapters live in
+``tensorferry.adapters.{pytorch,tensorflow,jax}``.
+"""
+
+from .buffers import PinnedMemoryWarning, PinnedPool, alloc_pinned
+from .config import IOConfig, config_override, default_config, parse_size
+from .engine import DirectIOFallbackWarning, Engine, File, IOFuture, io_uring_probe, open
+from .errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, EngineClosedError,
+                     TensorferryError, TensorferryIOError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError", "DirectIOFallbackWarning",
+    "Engine", "EngineClosedError", "File", "IOConfig", "IOFuture", "PinnedMemoryWarning", "PinnedPool",
+    "TensorferryError", "TensorferryIOError", "alloc_pinned", "config_override", "default_config",
+    "io_uring_probe", "open", "parse_size",
+]

@@ -1,0 +1,122 @@
+"""Host memory for I/O: page-aligned, page-locked where allowed, pooled and reused."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+
+from . import _native
+from .errors import ConfigError
+
+_warned_unlocked = False
+
+# DLPack device types that live in host memory: kDLCPU and kDLCUDAHost (pinned).
+_HOST_DLPACK_DEVICES = (1, 3)
+
+
+class PinnedMemoryWarning(UserWarning):
+    """Page-locking was refused (RLIMIT_MEMLOCK); the buffer is aligned but pageable."""
+
+
+def alloc_pinned(nbytes: int) -> np.ndarray:
+    """A page-aligned uint8 array, locked in RAM when RLIMIT_MEMLOCK allows.
+
+    Without permission to lock, the memory is still aligned for O_DIRECT and one
+    :class:`PinnedMemoryWarning` is given per process. Use it from torch without a
+    copy as ``torch.from_numpy(buf)``.
+    """
+    if nbytes < 0:
+        raise ConfigError(f"nbytes must not be negative, got {nbytes}")
+    array, locked = _native.alloc_pinned(int(nbytes))
+    if not locked:
+        global _warned_unlocked
+        if not _warned_unlocked:
+            _warned_unlocked = True
+            warnings.warn(
+                f"could not page-lock {nbytes} bytes (RLIMIT_MEMLOCK too low?); using aligned, "
+                "pageable memory instead. Raise `ulimit -l` for pinned buffers.",
+                PinnedMemoryWarning, stacklevel=2)
+    return array
+
+
+def byte_view(buffer: Any, *, writable: bool) -> np.ndarray:
+    """A zero-copy, contiguous uint8 view of a host buffer.
+
+    Accepts numpy arrays, anything with the buffer protocol (bytes, bytearray,
+    memoryview, mmap) and DLPack producers on the host (torch CPU tensors, jax
+    arrays). Raises TypeError for device memory and ValueError for memory that is
+    not contiguous or, where ``writable`` is asked, read-only.
+    """
+    if isinstance(buffer, np.ndarray):
+        array = buffer
+    elif hasattr(buffer, "__dlpack__") and not isinstance(buffer, (bytes, bytearray, memoryview)):
+        device = int(buffer.__dlpack_device__()[0])
+        if device not in _HOST_DLPACK_DEVICES:
+            raise TypeError(
+                f"{type(buffer).__name__} lives in device memory (DLPack device {device}); "
+                "host I/O needs host memory: copy it to the host or use the GDS path")
+        array = np.from_dlpack(buffer)
+    else:
+        try:
+            array = np.frombuffer(memoryview(buffer), dtype=np.uint8)
+        except TypeError:
+            raise TypeError(f"{type(buffer).__name__} has neither the buffer protocol nor DLPack") from None
+        except ValueError as exc:
+            raise ValueError(f"buffer is not contiguous: {exc}") from None
+    if not array.flags.c_contiguous:
+        raise ValueError("buffer is not C-contiguous; pass a contiguous copy")
+    if writable and not array.flags.writeable:
+        raise ValueError(f"{type(buffer).__name__} is read-only and cannot receive data")
+    return array.reshape(-1).view(np.uint8)
+
+
+class PinnedPool:
+    """A bounded cache of pinned buffers, reused by size class (powers of two).
+
+    ``acquire(n)`` returns a buffer of at least ``n`` bytes; ``release(buf)`` gives it
+    back. Released buffers are kept while the cache holds under ``max_cached_bytes``.
+    """
+
+    def __init__(self, max_cached_bytes: int = 256 << 20) -> None:
+        self.max_cached_bytes = max_cached_bytes
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._cached = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _size_class(nbytes: int) -> int:
+        return max(4096, 1 << (max(nbytes, 1) - 1).bit_length())
+
+    def acquire(self, nbytes: int) -> np.ndarray:
+        """A pinned uint8 buffer of exactly ``nbytes`` (a view into its size class)."""
+        size = self._size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                base = free.pop()
+                self._cached -= size
+                return base[:nbytes]
+        return alloc_pinned(size)[:nbytes]
+
+    def release(self, buffer: np.ndarray) -> None:
+        """Returns a buffer from :meth:`acquire` to the pool (dropped if the pool is full)."""
+        base = buffer.base if buffer.base is not None and isinstance(buffer.base, np.ndarray) else buffer
+        size = base.nbytes
+        with self._lock:
+            if self._cached + size <= self.max_cached_bytes:
+                self._free.setdefault(size, []).append(base)
+                self._cached += size
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes held by idle buffers."""
+        return self._cached
+
+    def clear(self) -> None:
+        """Frees every idle buffer."""
+        with self._lock:
+            self._free.clear()
+            self._cached = 0

@@ -1,0 +1,158 @@
+"""One home for I/O settings: defaults, environment overrides and DeepSpeed's "aio" section."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+from typing import Any, Iterator, Mapping
+
+from .errors import ConfigError
+
+BACKENDS = ("auto", "io_uring", "threads")
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_size(value: int | str, name: str = "size") -> int:
+    """Reads a byte count such as ``1048576``, ``"1M"``, ``"512KiB"`` or ``"2G"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a byte count, got {value!r}")
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*", str(value).lower())
+    if not match:
+        raise ConfigError(f"{name}: cannot read {value!r} as a byte count (examples: 4096, 1M, 2GiB)")
+    return int(match.group(1)) * _SIZE_UNITS[match.group(2)]
+
+
+def _parse_bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{name}: expected a boolean, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class IOConfig:
+    """Settings of an :class:`Engine`.
+
+    Args:
+        block_size: requests larger than this are split into blocks of this size.
+        queue_depth: blocks kept in flight at once (io_uring backend).
+        threads: worker threads (threads backend).
+        direct: use O_DIRECT for the aligned middle of each request where the
+            filesystem allows it.
+        backend: ``"auto"`` (io_uring if this kernel and sandbox allow it, else
+            threads), ``"io_uring"`` or ``"threads"``.
+        use_gds: read and write device buffers through GPUDirect Storage (kvikio).
+
+    Every field can be overridden by an environment variable ``TENSORFERRY_<FIELD>``
+    (``TENSORFERRY_BLOCK_SIZE=4M``); :func:`IOConfig.from_env` reads them.
+    """
+
+    block_size: int = 1 << 20
+    queue_depth: int = 32
+    threads: int = 4
+    direct: bool = True
+    backend: str = "auto"
+    use_gds: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_size", parse_size(self.block_size, "block_size"))
+        object.__setattr__(self, "direct", _parse_bool(self.direct, "direct"))
+        object.__setattr__(self, "use_gds", _parse_bool(self.use_gds, "use_gds"))
+        for name in ("queue_depth", "threads"):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, int(value))
+            except (TypeError, ValueError):
+                raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
+        if not 4096 <= self.block_size <= 1 << 30:
+            raise ConfigError(f"block_size: {self.block_size} is outside 4 KiB .. 1 GiB")
+        if not 1 <= self.queue_depth <= 4096:
+            raise ConfigError(f"queue_depth: {self.queue_depth} is outside 1 .. 4096")
+        if not 1 <= self.threads <= 1024:
+            raise ConfigError(f"threads: {self.threads} is outside 1 .. 1024")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
+
+    def replace(self, **changes: Any) -> "IOConfig":
+        """A copy with some fields changed; unknown names raise :class:`ConfigError`."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, base: "IOConfig | None" = None, environ: Mapping[str, str] | None = None) -> "IOConfig":
+        """``base`` (or the defaults) with ``TENSORFERRY_*`` environment variables applied."""
+        environ = os.environ if environ is None else environ
+        changes = {}
+        for field in dataclasses.fields(cls):
+            key = f"TENSORFERRY_{field.name.upper()}"
+            if key in environ:
+                changes[field.name] = environ[key]
+        return (base or cls()).replace(**changes)
+
+    @classmethod
+    def from_deepspeed(cls, config: Mapping[str, Any]) -> "IOConfig":
+        """Reads DeepSpeed's ``"aio"`` section (or a whole DeepSpeed config holding one).
+
+        ``block_size``, ``queue_depth``, ``thread_count`` (or ``intra_op_parallelism``)
+        and ``use_gds`` carry over. ``single_submit`` and ``overlap_events`` are
+        accepted and have no counterpart: submission here is always batched and
+        always overlapped.
+        """
+        section = config.get("aio", config)
+        known = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism",
+                 "single_submit", "overlap_events", "use_gds"}
+        unknown = set(section) - known
+        if unknown:
+            raise ConfigError(f"unknown DeepSpeed aio setting(s): {', '.join(sorted(unknown))}")
+        changes: dict[str, Any] = {}
+        if "block_size" in section:
+            changes["block_size"] = section["block_size"]
+        if "queue_depth" in section:
+            changes["queue_depth"] = section["queue_depth"]
+        threads = section.get("intra_op_parallelism", section.get("thread_count"))
+        if threads is not None:
+            changes["threads"] = threads
+        if "use_gds" in section:
+            changes["use_gds"] = section["use_gds"]
+        for flag in ("single_submit", "overlap_events"):
+            if flag in section:
+                _parse_bool(section[flag], flag)
+        return cls().replace(**changes)
+
+    def to_deepspeed(self) -> dict[str, Any]:
+        """This configuration as a DeepSpeed ``"aio"`` section."""
+        return {"aio": {"block_size": self.block_size, "queue_depth": self.queue_depth,
+                        "intra_op_parallelism": self.threads, "single_submit": False,
+                        "overlap_events": True, "use_gds": self.use_gds}}
+
+
+_default: IOConfig | None = None
+
+
+def default_config() -> IOConfig:
+    """The configuration engines get when none is given: defaults plus environment."""
+    return _default if _default is not None else IOConfig.from_env()
+
+
+@contextlib.contextmanager
+def config_override(**changes: Any) -> Iterator[IOConfig]:
+    """Within the block, :func:`default_config` has these fields changed (for tests)."""
+    global _default
+    previous = _default
+    _default = default_config().replace(**changes)
+    try:
+        yield _default
+    finally:
+        _default = previous

@@ -1,0 +1,323 @@
+"""The asynchronous I/O engine: positional reads and writes of host buffers, as futures."""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import warnings
+from typing import Any, Iterable, Union
+
+from . import _native
+from .buffers import byte_view
+from .config import IOConfig, default_config
+from .errors import ConfigError, EngineClosedError, TensorferryIOError
+
+_native.set_io_error_type(TensorferryIOError)
+
+PathLike = Union[str, "os.PathLike[str]"]
+_MODES = ("r", "r+", "w", "w+", "a")
+
+
+class DirectIOFallbackWarning(UserWarning):
+    """A filesystem refused O_DIRECT; I/O on it goes through the page cache."""
+
+
+_warned_filesystems: set[int] = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_direct_refused(path: str) -> None:
+    try:
+        device = os.stat(path).st_dev
+    except OSError:
+        device = -1
+    with _warn_lock:
+        if device in _warned_filesystems:
+            return
+        _warned_filesystems.add(device)
+    warnings.warn(f"the filesystem holding {path} does not support O_DIRECT; "
+                  "using buffered I/O on it", DirectIOFallbackWarning, stacklevel=4)
+
+
+class File:
+    """An open file for engine I/O (``tensorferry.open``).
+
+    Holds a buffered descriptor and, where the filesystem allows it and ``direct``
+    is set, an O_DIRECT one for aligned ranges. Modes: ``"r"``, ``"r+"``, ``"w"``
+    (create, truncate), ``"w+"`` and ``"a"`` (create, keep contents; writes are
+    positional, not appended).
+    """
+
+    def __init__(self, path: PathLike, mode: str = "r", *, direct: bool | None = None) -> None:
+        if mode not in _MODES:
+            raise ConfigError(f"mode {mode!r} is not one of {', '.join(_MODES)}")
+        self.path = os.fspath(path)
+        self.mode = mode
+        want_direct = default_config().direct if direct is None else bool(direct)
+        self._native = _native.File(self.path, mode, want_direct)
+        if self._native.direct_refused:
+            _warn_direct_refused(self.path)
+
+    @classmethod
+    def from_fd(cls, fd: int, label: str | None = None) -> "File":
+        """Wraps a descriptor the caller keeps owning (it is not closed here)."""
+        self = cls.__new__(cls)
+        self.path = label or f"<fd {fd}>"
+        self.mode = "fd"
+        self._native = _native.File(int(fd), self.path)
+        return self
+
+    @property
+    def direct(self) -> bool:
+        """Whether O_DIRECT is in use for aligned ranges."""
+        return self._native.direct
+
+    @property
+    def closed(self) -> bool:
+        return self._native.closed
+
+    @property
+    def size(self) -> int:
+        """The file's current size in bytes."""
+        self._check_open()
+        return self._native.size
+
+    @property
+    def alignment(self) -> int:
+        """File-offset alignment that O_DIRECT ranges keep (>= the page size)."""
+        return self._native.offset_align
+
+    def fileno(self) -> int:
+        self._check_open()
+        return self._native.fileno
+
+    def fsync(self) -> None:
+        """Makes everything written so far durable."""
+        self._check_open()
+        self._native.fsync()
+
+    def truncate(self, size: int) -> None:
+        self._check_open()
+        self._native.truncate(size)
+
+    def reserve(self, size: int) -> None:
+        """Allocates blocks up to ``size`` bytes so later direct writes do not extend the file."""
+        self._check_open()
+        self._native.reserve(size)
+
+    def close(self) -> None:
+        """Closes the descriptors once no request still uses them."""
+        self._native.close()
+
+    def _check_open(self) -> None:
+        if self._native.closed:
+            raise EngineClosedError(f"I/O on closed file {self.path}")
+
+    def __enter__(self) -> "File":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("direct" if self.direct else "buffered")
+        return f"<tensorferry.File {self.path!r} mode={self.mode!r} {state}>"
+
+
+def open(path: PathLike, mode: str = "r", *, direct: bool | None = None) -> File:  # noqa: A001
+    """Opens a file for engine I/O; see :class:`File`."""
+    return File(path, mode, direct=direct)
+
+
+class IOFuture:
+    """The pending result of one or more reads or writes.
+
+    ``result(timeout=None)`` waits (without holding the GIL) and returns the bytes
+    transferred, or raises :class:`TensorferryIOError` naming file, offset and errno.
+    """
+
+    __slots__ = ("_requests", "_keepalive", "_paths", "_nbytes")
+
+    def __init__(self, requests: Iterable[Any] = (), keepalive: Any = None, paths: Iterable[str] = ()) -> None:
+        self._requests = list(requests)
+        self._keepalive = keepalive  # the buffers must outlive the I/O
+        self._paths = list(paths)
+        self._nbytes = sum(r.nbytes for r in self._requests)
+
+    @classmethod
+    def gather(cls, futures: Iterable["IOFuture"]) -> "IOFuture":
+        """One future for several: done when all are, its result their total."""
+        merged = cls()
+        for f in futures:
+            merged._requests += f._requests
+            merged._paths += f._paths
+            merged._nbytes += f._nbytes
+        merged._keepalive = [f._keepalive for f in futures] if isinstance(futures, list) else None
+        return merged
+
+    def done(self) -> bool:
+        """True once every part has finished, successfully or not."""
+        return all(r.done() for r in self._requests)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits for completion; False if ``timeout`` seconds passed first."""
+        for r in self._requests:
+            if not r.wait(-1.0 if timeout is None else float(timeout)):
+                return False
+        return True
+
+    def exception(self, timeout: float | None = None) -> TensorferryIOError | None:
+        """The error of the first failed part, or None."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"I/O not finished after {timeout} s")
+        for request, path in zip(self._requests, self._paths):
+            if request.failed:
+                err, what, offset, length = request.error
+                return TensorferryIOError(err, f"{what}: {os.strerror(err)}", path, offset, length)
+        return None
+
+    def result(self, timeout: float | None = None) -> int:
+        """Bytes transferred; raises the I/O error if any part failed."""
+        error = self.exception(timeout)
+        self._keepalive = None
+        if error is not None:
+            raise error
+        return self._nbytes
+
+    def __repr__(self) -> str:
+        return f"<IOFuture {self._nbytes} bytes {'done' if self.done() else 'pending'}>"
+
+
+def _resolve_backend(name: str) -> str:
+    if name != "auto":
+        if name == "io_uring":
+            usable, why = io_uring_probe()
+            if not usable:
+                raise ConfigError(f"backend 'io_uring' is not usable here: {why}")
+        return name
+    return "io_uring" if io_uring_probe()[0] else "threads"
+
+
+_probe_result: tuple[bool, str] | None = None
+
+
+def io_uring_probe() -> tuple[bool, str]:
+    """(usable, reason): whether io_uring works in this kernel and sandbox (cached)."""
+    global _probe_result
+    if _probe_result is None:
+        _probe_result = tuple(_native.io_uring_probe())
+    return _probe_result
+
+
+class Engine:
+    """Asynchronous positional I/O between host buffers and files.
+
+    ``Engine(config=None, **overrides)`` takes an :class:`IOConfig` (default:
+    :func:`default_config`) and field overrides. Requests larger than
+    ``block_size`` are split and kept ``queue_depth`` deep in flight; the GIL is
+    released while I/O runs and while waiting.
+
+    Example::
+
+        with tensorferry.Engine() as engine:
+            engine.write(array, "/data/x.bin")
+            engine.pread(out, "/data/x.bin", offset=4096).result()
+    """
+
+    def __init__(self, config: IOConfig | None = None, **overrides: Any) -> None:
+        self.config = (config or default_config()).replace(**overrides)
+        self.backend = _resolve_backend(self.config.backend)
+        self._native = _native.Engine(self.backend, self.config.block_size,
+                                      self.config.queue_depth, self.config.threads)
+        self._inflight: collections.deque[IOFuture] = collections.deque()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def pwrite(self, buffer: Any, file: PathLike | File | int, offset: int = 0,
+               nbytes: int | None = None) -> IOFuture:
+        """Starts writing ``buffer`` (or its first ``nbytes``) at ``offset`` of ``file``.
+
+        ``file`` is a path (created if missing, never truncated), a :class:`File`
+        or a raw descriptor.
+        """
+        return self._submit(buffer, file, offset, nbytes, is_write=True)
+
+    def pread(self, buffer: Any, file: PathLike | File | int, offset: int = 0,
+              nbytes: int | None = None) -> IOFuture:
+        """Starts reading ``len(buffer)`` (or ``nbytes``) bytes at ``offset`` into ``buffer``.
+
+        Reading past the end of the file fails with ``errno.ENODATA``.
+        """
+        return self._submit(buffer, file, offset, nbytes, is_write=False)
+
+    def write(self, buffer: Any, file: PathLike | File | int, offset: int = 0,
+              nbytes: int | None = None) -> int:
+        """Synchronous :meth:`pwrite`: returns the bytes written."""
+        return self.pwrite(buffer, file, offset, nbytes).result()
+
+    def read(self, buffer: Any, file: PathLike | File | int, offset: int = 0,
+             nbytes: int | None = None) -> int:
+        """Synchronous :meth:`pread`: returns the bytes read."""
+        return self.pread(buffer, file, offset, nbytes).result()
+
+    def _submit(self, buffer: Any, file: PathLike | File | int, offset: int, nbytes: int | None,
+                *, is_write: bool) -> IOFuture:
+        if self._closed:
+            raise EngineClosedError("I/O on a closed Engine")
+        view = byte_view(buffer, writable=not is_write)
+        if nbytes is None:
+            nbytes = view.nbytes
+        elif nbytes < 0 or nbytes > view.nbytes:
+            raise ValueError(f"buffer too small: {view.nbytes} bytes, asked to "
+                             f"{'write' if is_write else 'read'} {nbytes}")
+        if offset < 0:
+            raise ValueError(f"offset must not be negative, got {offset}")
+        handle = self._file_handle(file, is_write)
+        if handle.closed:
+            raise EngineClosedError(f"I/O on closed file {handle.path}")
+        request = self._native.submit(handle, is_write, view.ctypes.data, nbytes, offset)
+        future = IOFuture([request], keepalive=(buffer, view), paths=[handle.path])
+        self._track(future)
+        return future
+
+    def _file_handle(self, file: PathLike | File | int, is_write: bool) -> Any:
+        if isinstance(file, File):
+            return file._native
+        if isinstance(file, int):
+            return _native.File(file, f"<fd {file}>")
+        path = os.fspath(file)
+        handle = _native.File(path, "a" if is_write else "r", self.config.direct)
+        if handle.direct_refused:
+            _warn_direct_refused(path)
+        return handle
+
+    def _track(self, future: IOFuture) -> None:
+        # Futures the caller dropped still hold their buffers until the I/O ends.
+        with self._lock:
+            self._inflight.append(future)
+            while self._inflight and self._inflight[0].done():
+                self._inflight.popleft()
+
+    def close(self) -> None:
+        """Waits for outstanding I/O, then stops the backend. Later I/O raises."""
+        if self._closed:
+            return
+        self._closed = True
+        self._native.close()
+        self._inflight.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"<tensorferry.Engine backend={self.backend} block_size={c.block_size} "
+                f"queue_depth={c.queue_depth} threads={c.threads} direct={c.direct}>")

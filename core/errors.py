@@ -1,0 +1,47 @@
+"""The exception hierarchy: one base, and subclasses that are also the builtin they refine."""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+
+class TensorferryError(Exception):
+    """Base of every error tensorferry raises."""
+
+
+class TensorferryIOError(TensorferryError, OSError):
+    """A failed or short read or write, with the file, offset, length and errno.
+
+    ``except OSError`` catches it; ``.errno``, ``.filename``, ``.offset`` and
+    ``.length`` say what failed where.
+    """
+
+    def __init__(self, err: int, message: str, path: str | None = None,
+                 offset: int = 0, length: int = 0) -> None:
+        where = f" at offset {offset} ({length} bytes)" if length else ""
+        super().__init__(err, f"{message}{where}", path)
+        self.offset = offset
+        self.length = length
+
+    def __reduce__(self):
+        return (type(self), (self.errno, self.strerror, self.filename, self.offset, self.length))
+
+
+class EngineClosedError(TensorferryError, ValueError):
+    """I/O was asked of an engine, file or store after its ``close()``."""
+
+
+class ConfigError(TensorferryError, ValueError):
+    """An invalid setting, named with the value that was refused."""
+
+
+class CorruptCheckpointError(TensorferryError, ValueError):
+    """A file or checkpoint that is truncated, inconsistent or fails its checksum."""
+
+
+class CheckpointNotFoundError(TensorferryError, FileNotFoundError):
+    """No complete checkpoint where one was asked for."""
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None) -> None:
+        super().__init__(_errno.ENOENT, message, None if path is None else os.fspath(path))

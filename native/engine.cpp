@@ -1,0 +1,143 @@
+#include "engine.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+
+namespace tf {
+
+Request::Request(std::shared_ptr<File> file, bool is_write, uint64_t offset, uint64_t nbytes)
+    : file_(std::move(file)), is_write_(is_write), offset_(offset), nbytes_(nbytes) {}
+
+void Request::set_task_count(int64_t n) { remaining_.fetch_add(n, std::memory_order_relaxed); }
+
+void Request::fail(int err, uint64_t offset, uint64_t length, const char *what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failed_.load(std::memory_order_relaxed)) return;  // the first error is the one reported
+  err_ = err;
+  err_offset_ = offset;
+  err_length_ = length;
+  err_what_ = what;
+  failed_.store(true, std::memory_order_release);
+}
+
+void Request::task_finished() {
+  if (remaining_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  finished_.store(true, std::memory_order_release);
+  cv_.notify_all();
+}
+
+bool Request::wait(double timeout_seconds) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto is_done = [this] { return finished_.load(std::memory_order_acquire); };
+  if (timeout_seconds < 0) {
+    cv_.wait(lock, is_done);
+    return true;
+  }
+  return cv_.wait_for(lock, std::chrono::duration<double>(timeout_seconds), is_done);
+}
+
+AlignedBuffer::AlignedBuffer(uint64_t nbytes) {
+  const uint64_t rounded = (nbytes + 4095) & ~uint64_t(4095);
+  data_ = static_cast<char *>(std::aligned_alloc(4096, rounded));
+  if (data_ == nullptr) throw IOError{ENOMEM, "", "allocating an aligned staging buffer", 0, rounded};
+}
+AlignedBuffer::~AlignedBuffer() { std::free(data_); }
+AlignedBuffer::AlignedBuffer(AlignedBuffer &&other) noexcept : data_(other.data_) { other.data_ = nullptr; }
+AlignedBuffer &AlignedBuffer::operator=(AlignedBuffer &&other) noexcept {
+  std::swap(data_, other.data_);
+  return *this;
+}
+
+void run_task_blocking(const Task &task, char *bounce) {
+  Request &req = *task.req;
+  const bool is_write = req.is_write();
+  char *mem = task.needs_bounce ? bounce : task.ptr;
+  if (is_write && task.needs_bounce) std::memcpy(bounce, task.ptr, task.length);
+  int fd = task.fd;
+  uint64_t done = 0;
+  while (done < task.length && !req.failed()) {
+    const uint64_t want = task.length - done;
+    const off_t at = static_cast<off_t>(task.offset + done);
+    const ssize_t n = is_write ? ::pwrite(fd, mem + done, want, at) : ::pread(fd, mem + done, want, at);
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      req.fail(errno, task.offset + done, want, is_write ? "pwrite" : "pread");
+      break;
+    }
+    if (n == 0) {
+      if (is_write)
+        req.fail(EIO, task.offset + done, want, "pwrite made no progress");
+      else
+        req.fail(ENODATA, task.offset + done, want, "read past end of file");
+      break;
+    }
+    done += static_cast<uint64_t>(n);
+    // A short direct transfer can leave an unaligned remainder, which only the
+    // buffered descriptor accepts.
+    if (done < task.length && fd == req.file().direct_fd() &&
+        (task.offset + done) % req.file().offset_align() != 0)
+      fd = req.file().buffered_fd();
+  }
+  if (!is_write && task.needs_bounce) std::memcpy(task.ptr, bounce, done);
+  req.add_bytes(done);
+}
+
+Engine::Engine(const Config &config) : config_(config) {
+  if (config.block_size == 0 || config.block_size > (1ull << 30))
+    throw IOError{EINVAL, "", "block_size must be between 1 byte and 1 GiB"};
+  if (config.backend == "threads")
+    backend_ = make_thread_backend(config.threads, config.block_size);
+  else if (config.backend == "io_uring")
+    backend_ = make_uring_backend(config.queue_depth, config.block_size);
+  else
+    throw IOError{EINVAL, "", "unknown backend '" + config.backend + "'"};
+}
+
+Engine::~Engine() { close(); }
+
+void Engine::close() {
+  if (backend_) backend_->shutdown();
+}
+
+std::shared_ptr<Request> Engine::submit(std::shared_ptr<File> file, bool is_write, char *ptr,
+                                        uint64_t nbytes, uint64_t offset) {
+  if (file->is_closed()) throw IOError{EBADF, file->path(), "I/O on a closed file", offset, nbytes};
+  auto req = std::make_shared<Request>(file, is_write, offset, nbytes);
+  std::vector<Task> tasks;
+  const uint64_t end = offset + nbytes;
+
+  auto add_range = [&](int fd, uint64_t from, uint64_t to, uint64_t chunk, bool direct) {
+    for (uint64_t at = from; at < to; at += chunk) {
+      const uint64_t len = std::min(chunk, to - at);
+      char *p = ptr + (at - offset);
+      const bool misaligned = direct && reinterpret_cast<uintptr_t>(p) % file->mem_align() != 0;
+      tasks.push_back(Task{req, fd, p, at, len, misaligned});
+    }
+  };
+
+  const uint64_t align = file->offset_align();
+  const uint64_t lo = (offset + align - 1) / align * align;
+  const uint64_t hi = end / align * align;
+  if (file->direct() && lo < hi) {
+    if (is_write) file->reserve(end);
+    const uint64_t chunk = std::max<uint64_t>(align, config_.block_size / align * align);
+    add_range(file->buffered_fd(), offset, lo, config_.block_size, false);
+    add_range(file->direct_fd(), lo, hi, chunk, true);
+    add_range(file->buffered_fd(), hi, end, config_.block_size, false);
+  } else {
+    add_range(file->buffered_fd(), offset, end, config_.block_size, false);
+  }
+
+  req->set_task_count(static_cast<int64_t>(tasks.size()));
+  if (!tasks.empty()) backend_->submit(std::move(tasks));
+  req->task_finished();  // releases the guard count taken at construction
+  return req;
+}
+
+}  // namespace tf

@@ -1,0 +1,182 @@
+// tensorferry native I/O core: files, requests, backends. Knows no Python object
+// other than the raw memory ranges the binding layer hands it.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace tf {
+
+// An open file: a buffered descriptor for unaligned edges and, when the filesystem
+// accepts it, an O_DIRECT descriptor for the aligned middle of each request.
+class File {
+ public:
+  // mode: "r", "r+", "w" (create, truncate), "w+" (read/write, create, truncate),
+  // "a" (write, create, keep contents: positional writes into an existing file).
+  File(const std::string &path, const std::string &mode, bool want_direct);
+  // Wraps a descriptor the caller owns; it is never closed here.
+  File(int fd, const std::string &label);
+  ~File();
+  File(const File &) = delete;
+  File &operator=(const File &) = delete;
+
+  void close();
+  void fsync();
+  void truncate(uint64_t size);
+  // Extends the file to at least `size` bytes with allocated blocks, so that O_DIRECT
+  // writes into it do not extend the file (ext4 serialises extending direct writes).
+  void reserve(uint64_t size);
+  uint64_t size() const;
+
+  const std::string &path() const { return path_; }
+  int buffered_fd() const { return fd_buffered_; }
+  int direct_fd() const { return fd_direct_; }
+  bool is_closed() const { return fd_buffered_ < 0; }
+  bool direct() const { return fd_direct_ >= 0; }
+  // O_DIRECT was asked for and the filesystem refused it (EINVAL at open).
+  bool direct_refused() const { return direct_refused_; }
+  uint32_t offset_align() const { return offset_align_; }
+  uint32_t mem_align() const { return mem_align_; }
+
+ private:
+  void probe_alignment(int fd);
+
+  std::string path_;
+  int fd_buffered_ = -1;
+  int fd_direct_ = -1;
+  bool owns_fd_ = true;
+  bool direct_refused_ = false;
+  uint32_t offset_align_ = 4096;
+  uint32_t mem_align_ = 4096;
+};
+
+// Raised inside the core for failures outside of requests (open, fsync, ...).
+struct IOError {
+  int err;
+  std::string path;
+  std::string what;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+// One user-visible pread/pwrite. Completed when every task it was split into is done.
+class Request {
+ public:
+  Request(std::shared_ptr<File> file, bool is_write, uint64_t offset, uint64_t nbytes);
+
+  bool wait(double timeout_seconds);  // false on timeout
+  bool done() const { return finished_.load(std::memory_order_acquire); }
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+
+  void fail(int err, uint64_t offset, uint64_t length, const char *what);
+  void add_bytes(uint64_t n) { bytes_done_.fetch_add(n, std::memory_order_relaxed); }
+  void task_finished();
+  void set_task_count(int64_t n);
+
+  uint64_t bytes_done() const { return bytes_done_.load(std::memory_order_relaxed); }
+  uint64_t nbytes() const { return nbytes_; }
+  uint64_t offset() const { return offset_; }
+  bool is_write() const { return is_write_; }
+  const File &file() const { return *file_; }
+  int error() const { return err_; }
+  uint64_t error_offset() const { return err_offset_; }
+  uint64_t error_length() const { return err_length_; }
+  const std::string &error_what() const { return err_what_; }
+
+ private:
+  std::shared_ptr<File> file_;  // keeps the descriptors open until the request ends
+  bool is_write_;
+  uint64_t offset_, nbytes_;
+  std::atomic<int64_t> remaining_{1};
+  std::atomic<uint64_t> bytes_done_{0};
+  std::atomic<bool> finished_{false};
+  std::atomic<bool> failed_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int err_ = 0;
+  uint64_t err_offset_ = 0, err_length_ = 0;
+  std::string err_what_;
+};
+
+// A contiguous piece of a request, issued as one pread/pwrite.
+struct Task {
+  std::shared_ptr<Request> req;
+  int fd;
+  char *ptr;
+  uint64_t offset;
+  uint64_t length;
+  // The memory is not aligned for O_DIRECT: stage it through an aligned buffer.
+  bool needs_bounce;
+};
+
+// Performs tasks. Implementations must finish every task they accept exactly once,
+// successfully or by failing its request.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual void submit(std::vector<Task> &&tasks) = 0;
+  virtual void shutdown() = 0;  // waits for accepted tasks, then stops
+  virtual const char *name() const = 0;
+};
+
+std::unique_ptr<Backend> make_thread_backend(int threads, uint64_t block_size);
+std::unique_ptr<Backend> make_uring_backend(int queue_depth, uint64_t block_size);
+// Whether this kernel and sandbox let us create and use an io_uring instance.
+bool uring_available(std::string *why);
+
+// Runs one task synchronously with pread/pwrite, resuming short transfers.
+// `bounce` is an aligned scratch buffer of at least task.length bytes, used when
+// task.needs_bounce is set.
+void run_task_blocking(const Task &task, char *bounce);
+
+struct Config {
+  std::string backend = "threads";  // "threads" or "io_uring"
+  uint64_t block_size = 1 << 20;
+  int queue_depth = 32;
+  int threads = 4;
+};
+
+class Engine {
+ public:
+  explicit Engine(const Config &config);
+  ~Engine();
+  std::shared_ptr<Request> submit(std::shared_ptr<File> file, bool is_write, char *ptr,
+                                  uint64_t nbytes, uint64_t offset);
+  void close();
+  const char *backend_name() const { return backend_->name(); }
+  const Config &config() const { return config_; }
+
+ private:
+  Config config_;
+  std::unique_ptr<Backend> backend_;
+};
+
+// Page-aligned host memory, locked in RAM when RLIMIT_MEMLOCK allows.
+struct PinnedAllocation {
+  void *ptr;
+  uint64_t nbytes;
+  bool locked;
+};
+PinnedAllocation pinned_alloc(uint64_t nbytes);
+void pinned_free(const PinnedAllocation &a);
+
+// Aligned scratch memory owned by one backend worker.
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  explicit AlignedBuffer(uint64_t nbytes);
+  ~AlignedBuffer();
+  AlignedBuffer(AlignedBuffer &&other) noexcept;
+  AlignedBuffer &operator=(AlignedBuffer &&other) noexcept;
+  char *data() const { return data_; }
+
+ private:
+  char *data_ = nullptr;
+};
+
+}  // namespace tf

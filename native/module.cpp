@@ -1,0 +1,112 @@
+// Python binding of the native core. Memory crosses as (address, length) pairs that the
+// Python layer takes from buffer-protocol or DLPack objects it keeps alive meanwhile.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <cstring>
+
+#include "engine.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+// The Python exception type for I/O failures (tensorferry.TensorferryIOError), set by
+// the Python package at import so that native errors arrive as the public type.
+nb::object io_error_type;
+
+[[noreturn]] void raise_io_error(int err, const std::string &path, const std::string &what, uint64_t offset,
+                                 uint64_t length) {
+  nb::gil_scoped_acquire gil;
+  const std::string message = what + ": " + std::strerror(err);
+  nb::object exc = io_error_type.is_valid()
+                       ? io_error_type(err, message, path.empty() ? nb::none() : nb::cast(path), offset, length)
+                       : nb::module_::import_("builtins").attr("OSError")(err, message, path);
+  PyErr_SetObject(reinterpret_cast<PyObject *>(Py_TYPE(exc.ptr())), exc.ptr());
+  throw nb::python_error();
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "tensorferry native I/O core";
+
+  nb::register_exception_translator([](const std::exception_ptr &p, void *) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const tf::IOError &e) {
+      raise_io_error(e.err, e.path, e.what, e.offset, e.length);
+    }
+  });
+
+  m.def("set_io_error_type", [](nb::object type) { io_error_type = type; });
+  m.def("io_uring_probe", [] {
+    std::string why;
+    const bool ok = tf::uring_available(&why);
+    return std::make_tuple(ok, why);
+  }, "Returns (usable, reason): whether io_uring works in this kernel and sandbox.");
+
+  nb::class_<tf::File>(m, "File")
+      .def(nb::init<const std::string &, const std::string &, bool>(), "path"_a, "mode"_a, "direct"_a)
+      .def(nb::init<int, const std::string &>(), "fd"_a, "label"_a)
+      .def("close", &tf::File::close)
+      .def("fsync", &tf::File::fsync, nb::call_guard<nb::gil_scoped_release>())
+      .def("truncate", &tf::File::truncate, "size"_a)
+      .def("reserve", &tf::File::reserve, "size"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("size", &tf::File::size)
+      .def_prop_ro("path", &tf::File::path)
+      .def_prop_ro("closed", &tf::File::is_closed)
+      .def_prop_ro("direct", &tf::File::direct)
+      .def_prop_ro("direct_refused", &tf::File::direct_refused)
+      .def_prop_ro("offset_align", &tf::File::offset_align)
+      .def_prop_ro("mem_align", &tf::File::mem_align)
+      .def_prop_ro("fileno", &tf::File::buffered_fd);
+
+  nb::class_<tf::Request>(m, "Request")
+      .def("wait", &tf::Request::wait, "timeout"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("done", &tf::Request::done)
+      .def_prop_ro("failed", &tf::Request::failed)
+      .def_prop_ro("bytes_done", &tf::Request::bytes_done)
+      .def_prop_ro("nbytes", &tf::Request::nbytes)
+      .def_prop_ro("offset", &tf::Request::offset)
+      .def_prop_ro("error", [](const tf::Request &r) {
+        return std::make_tuple(r.error(), r.error_what(), r.error_offset(), r.error_length());
+      });
+
+  nb::class_<tf::Engine>(m, "Engine")
+      .def("__init__",
+           [](tf::Engine *self, const std::string &backend, uint64_t block_size, int queue_depth, int threads) {
+             tf::Config c;
+             c.backend = backend;
+             c.block_size = block_size;
+             c.queue_depth = queue_depth;
+             c.threads = threads;
+             new (self) tf::Engine(c);
+           },
+           "backend"_a, "block_size"_a, "queue_depth"_a, "threads"_a)
+      .def("submit",
+           [](tf::Engine &e, std::shared_ptr<tf::File> file, bool is_write, uintptr_t address, uint64_t nbytes,
+              uint64_t offset) {
+             return e.submit(std::move(file), is_write, reinterpret_cast<char *>(address), nbytes, offset);
+           },
+           "file"_a, "is_write"_a, "address"_a, "nbytes"_a, "offset"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("close", &tf::Engine::close, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("backend", &tf::Engine::backend_name);
+
+  m.def("alloc_pinned", [](uint64_t nbytes) {
+    const tf::PinnedAllocation a = tf::pinned_alloc(nbytes);
+    auto *owned = new tf::PinnedAllocation(a);
+    nb::capsule owner(owned, [](void *p) noexcept {
+      auto *alloc = static_cast<tf::PinnedAllocation *>(p);
+      tf::pinned_free(*alloc);
+      delete alloc;
+    });
+    const size_t shape[1] = {static_cast<size_t>(nbytes)};
+    auto array = nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(a.ptr, 1, shape, owner);
+    return std::make_tuple(array, a.locked);
+  }, "nbytes"_a, "Page-aligned host memory, mlocked if RLIMIT_MEMLOCK allows: (uint8 array, locked).");
+}

@@ -1,0 +1,346 @@
+// io_uring through raw syscalls and the kernel's own <linux/io_uring.h>: no liburing.
+// One thread owns the ring; it keeps up to queue_depth tasks in flight and is woken
+// for new work by a poll on an eventfd, so submitters never touch the ring.
+#include <linux/io_uring.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <thread>
+
+#include "engine.hpp"
+
+namespace tf {
+
+namespace {
+
+int sys_setup(unsigned entries, io_uring_params *p) {
+  return static_cast<int>(syscall(__NR_io_uring_setup, entries, p));
+}
+int sys_enter(int fd, unsigned to_submit, unsigned min_complete, unsigned flags) {
+  return static_cast<int>(syscall(__NR_io_uring_enter, fd, to_submit, min_complete, flags, nullptr, 0));
+}
+
+// The mapped rings of one io_uring instance.
+class Ring {
+ public:
+  explicit Ring(unsigned entries) {
+    io_uring_params p;
+    std::memset(&p, 0, sizeof p);
+    fd_ = sys_setup(entries, &p);
+    if (fd_ < 0) throw IOError{errno, "", "io_uring_setup"};
+    sq_len_ = p.sq_off.array + p.sq_entries * sizeof(unsigned);
+    cq_len_ = p.cq_off.cqes + p.cq_entries * sizeof(io_uring_cqe);
+    const bool single = p.features & IORING_FEAT_SINGLE_MMAP;
+    if (single) sq_len_ = cq_len_ = std::max(sq_len_, cq_len_);
+    sq_ptr_ = map(sq_len_, IORING_OFF_SQ_RING);
+    cq_ptr_ = single ? sq_ptr_ : map(cq_len_, IORING_OFF_CQ_RING);
+    sqes_len_ = p.sq_entries * sizeof(io_uring_sqe);
+    sqes_ = static_cast<io_uring_sqe *>(map(sqes_len_, IORING_OFF_SQES));
+
+    auto *sq = static_cast<char *>(sq_ptr_);
+    sq_head_ = reinterpret_cast<unsigned *>(sq + p.sq_off.head);
+    sq_tail_ = reinterpret_cast<unsigned *>(sq + p.sq_off.tail);
+    sq_mask_ = *reinterpret_cast<unsigned *>(sq + p.sq_off.ring_mask);
+    sq_array_ = reinterpret_cast<unsigned *>(sq + p.sq_off.array);
+    auto *cq = static_cast<char *>(cq_ptr_);
+    cq_head_ = reinterpret_cast<unsigned *>(cq + p.cq_off.head);
+    cq_tail_ = reinterpret_cast<unsigned *>(cq + p.cq_off.tail);
+    cq_mask_ = *reinterpret_cast<unsigned *>(cq + p.cq_off.ring_mask);
+    cqes_ = reinterpret_cast<io_uring_cqe *>(cq + p.cq_off.cqes);
+    entries_ = p.sq_entries;
+  }
+
+  ~Ring() {
+    if (sqes_) munmap(sqes_, sqes_len_);
+    if (cq_ptr_ && cq_ptr_ != sq_ptr_) munmap(cq_ptr_, cq_len_);
+    if (sq_ptr_) munmap(sq_ptr_, sq_len_);
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  unsigned entries() const { return entries_; }
+
+  // A zeroed submission entry; the caller fills it, and enter() submits it.
+  io_uring_sqe *next_sqe() {
+    const unsigned tail = local_tail_;
+    io_uring_sqe *sqe = &sqes_[tail & sq_mask_];
+    std::memset(sqe, 0, sizeof *sqe);
+    sq_array_[tail & sq_mask_] = tail & sq_mask_;
+    ++local_tail_;
+    ++unsubmitted_;
+    return sqe;
+  }
+
+  // Submits what next_sqe() prepared and, if `wait`, blocks for one completion.
+  void enter(bool wait) {
+    __atomic_store_n(sq_tail_, local_tail_, __ATOMIC_RELEASE);
+    for (;;) {
+      const int r = sys_enter(fd_, unsubmitted_, wait ? 1 : 0, wait ? IORING_ENTER_GETEVENTS : 0);
+      if (r >= 0) {
+        unsubmitted_ -= static_cast<unsigned>(r);
+        if (unsubmitted_ == 0 || !wait) return;
+        continue;
+      }
+      if (errno == EINTR) continue;
+      // A full completion queue: the caller reaps, then we come back.
+      if (errno == EBUSY || errno == EAGAIN) return;
+      throw IOError{errno, "", "io_uring_enter"};
+    }
+  }
+
+  template <class F>
+  void reap(F &&on_completion) {
+    unsigned head = *cq_head_;
+    const unsigned tail = __atomic_load_n(cq_tail_, __ATOMIC_ACQUIRE);
+    while (head != tail) {
+      const io_uring_cqe cqe = cqes_[head & cq_mask_];
+      ++head;
+      __atomic_store_n(cq_head_, head, __ATOMIC_RELEASE);
+      on_completion(cqe.user_data, cqe.res);
+    }
+  }
+
+ private:
+  void *map(size_t len, off_t offset) {
+    void *p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_, offset);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd_);
+      fd_ = -1;
+      throw IOError{err, "", "mmap of the io_uring rings"};
+    }
+    return p;
+  }
+
+  int fd_ = -1;
+  void *sq_ptr_ = nullptr, *cq_ptr_ = nullptr;
+  size_t sq_len_ = 0, cq_len_ = 0, sqes_len_ = 0;
+  io_uring_sqe *sqes_ = nullptr;
+  unsigned *sq_head_, *sq_tail_, *sq_array_, *cq_head_, *cq_tail_;
+  unsigned sq_mask_, cq_mask_;
+  io_uring_cqe *cqes_;
+  unsigned entries_ = 0;
+  unsigned local_tail_ = 0;
+  unsigned unsubmitted_ = 0;
+};
+
+constexpr uint64_t kWakeTag = ~uint64_t(0);
+
+class UringBackend final : public Backend {
+ public:
+  UringBackend(int queue_depth, uint64_t block_size)
+      : depth_(queue_depth), block_size_(block_size), ring_(static_cast<unsigned>(queue_depth) + 1) {
+    if (queue_depth < 1 || queue_depth > 4096) throw IOError{EINVAL, "", "queue_depth must be between 1 and 4096"};
+    wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (wake_fd_ < 0) throw IOError{errno, "", "eventfd"};
+    slots_.resize(static_cast<size_t>(depth_));
+    bounce_.resize(static_cast<size_t>(depth_));
+    for (int i = depth_ - 1; i >= 0; --i) free_slots_.push_back(i);
+    loop_ = std::thread([this] { run(); });
+  }
+
+  ~UringBackend() override {
+    shutdown();
+    ::close(wake_fd_);
+  }
+
+  void submit(std::vector<Task> &&tasks) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) throw IOError{EBADF, "", "I/O submitted to a closed engine"};
+      for (auto &t : tasks) pending_.push_back(std::move(t));
+    }
+    wake();
+  }
+
+  void shutdown() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    wake();
+    loop_.join();
+  }
+
+  const char *name() const override { return "io_uring"; }
+
+ private:
+  struct Slot {
+    Task task;
+    uint64_t done = 0;
+    int fd = -1;
+  };
+
+  void wake() {
+    const uint64_t one = 1;
+    // EAGAIN means the counter is already non-zero: the loop is being woken anyway.
+    while (::write(wake_fd_, &one, sizeof one) < 0 && errno == EINTR) {
+    }
+  }
+
+  void arm_wake() {
+    io_uring_sqe *sqe = ring_.next_sqe();
+    sqe->opcode = IORING_OP_POLL_ADD;
+    sqe->fd = wake_fd_;
+    sqe->poll32_events = POLLIN;
+    sqe->user_data = kWakeTag;
+  }
+
+  void prepare(int slot_index) {
+    Slot &s = slots_[static_cast<size_t>(slot_index)];
+    const Task &t = s.task;
+    char *mem = t.needs_bounce ? bounce_[static_cast<size_t>(slot_index)].data() : t.ptr;
+    io_uring_sqe *sqe = ring_.next_sqe();
+    sqe->opcode = t.req->is_write() ? IORING_OP_WRITE : IORING_OP_READ;
+    sqe->fd = s.fd;
+    sqe->addr = reinterpret_cast<uint64_t>(mem + s.done);
+    sqe->len = static_cast<uint32_t>(t.length - s.done);
+    sqe->off = t.offset + s.done;
+    sqe->user_data = static_cast<uint64_t>(slot_index);
+  }
+
+  // Moves queued tasks into free slots. Returns false once stopping and idle.
+  bool take_new_work() {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (!pending_.empty() && !free_slots_.empty()) {
+      const int i = free_slots_.back();
+      free_slots_.pop_back();
+      Slot &s = slots_[static_cast<size_t>(i)];
+      s.task = std::move(pending_.front());
+      pending_.pop_front();
+      s.done = 0;
+      s.fd = s.task.fd;
+      if (s.task.req->failed()) {  // a sibling task failed: skip the work
+        finish(i);
+        continue;
+      }
+      if (s.task.needs_bounce) {
+        AlignedBuffer &b = bounce_[static_cast<size_t>(i)];
+        if (b.data() == nullptr) b = AlignedBuffer(block_size_);
+        if (s.task.req->is_write()) std::memcpy(b.data(), s.task.ptr, s.task.length);
+      }
+      prepare(i);
+    }
+    return !(stopping_ && pending_.empty() && free_slots_.size() == slots_.size());
+  }
+
+  void finish(int i) {
+    Slot &s = slots_[static_cast<size_t>(i)];
+    if (!s.task.req->is_write() && s.task.needs_bounce)
+      std::memcpy(s.task.ptr, bounce_[static_cast<size_t>(i)].data(), s.done);
+    s.task.req->add_bytes(s.done);
+    auto req = std::move(s.task.req);
+    s.task = Task{};
+    free_slots_.push_back(i);
+    req->task_finished();
+  }
+
+  void complete(uint64_t tag, int res) {
+    if (tag == kWakeTag) {
+      uint64_t count;
+      while (::read(wake_fd_, &count, sizeof count) > 0) {
+      }
+      arm_wake();
+      return;
+    }
+    const int i = static_cast<int>(tag);
+    Slot &s = slots_[static_cast<size_t>(i)];
+    Request &req = *s.task.req;
+    const bool is_write = req.is_write();
+    const uint64_t want = s.task.length - s.done;
+    if (res < 0) {
+      if (res == -EAGAIN || res == -EINTR) {
+        prepare(i);
+        return;
+      }
+      req.fail(-res, s.task.offset + s.done, want, is_write ? "pwrite" : "pread");
+    } else if (res == 0) {
+      if (is_write)
+        req.fail(EIO, s.task.offset + s.done, want, "pwrite made no progress");
+      else
+        req.fail(ENODATA, s.task.offset + s.done, want, "read past end of file");
+    } else {
+      s.done += static_cast<uint64_t>(res);
+      if (s.done < s.task.length && !req.failed()) {
+        // Resume a short transfer; an unaligned remainder must go buffered.
+        if (s.fd == req.file().direct_fd() && (s.task.offset + s.done) % req.file().offset_align() != 0)
+          s.fd = req.file().buffered_fd();
+        prepare(i);
+        return;
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    finish(i);
+  }
+
+  void run() {
+    arm_wake();
+    try {
+      while (take_new_work()) {
+        ring_.enter(true);
+        ring_.reap([this](uint64_t tag, int res) { complete(tag, res); });
+      }
+    } catch (const IOError &e) {
+      fail_everything(e);
+    }
+  }
+
+  // The ring itself broke (io_uring_enter failed): no task may be left hanging.
+  void fail_everything(const IOError &e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      if (!slots_[i].task.req) continue;
+      slots_[i].task.req->fail(e.err, slots_[i].task.offset, slots_[i].task.length, e.what.c_str());
+      finish(static_cast<int>(i));
+    }
+    for (auto &t : pending_) {
+      t.req->fail(e.err, t.offset, t.length, e.what.c_str());
+      t.req->task_finished();
+    }
+    pending_.clear();
+    stopping_ = true;
+  }
+
+  int depth_;
+  uint64_t block_size_;
+  Ring ring_;
+  int wake_fd_ = -1;
+  std::mutex mu_;
+  std::deque<Task> pending_;
+  bool stopping_ = false;
+  std::vector<Slot> slots_;
+  std::vector<AlignedBuffer> bounce_;
+  std::vector<int> free_slots_;
+  std::thread loop_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_uring_backend(int queue_depth, uint64_t block_size) {
+  return std::make_unique<UringBackend>(queue_depth, block_size);
+}
+
+bool uring_available(std::string *why) {
+  try {
+    Ring ring(2);
+    io_uring_sqe *sqe = ring.next_sqe();
+    sqe->opcode = IORING_OP_NOP;
+    sqe->user_data = 7;
+    ring.enter(true);
+    bool ok = false;
+    ring.reap([&](uint64_t tag, int res) { ok = (tag == 7 && res == 0); });
+    if (!ok && why) *why = "io_uring NOP did not complete";
+    return ok;
+  } catch (const IOError &e) {
+    if (why) *why = e.what + ": " + std::strerror(e.err);
+    return false;
+  }
+}
+
+}  // namespace tf
