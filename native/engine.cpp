@@ -17,7 +17,9 @@ void Request::set_task_count(int64_t n) { remaining_.fetch_add(n, std::memory_or
 
 void Request::fail(int err, uint64_t offset, uint64_t length, const char *what) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (failed_.load(std::memory_order_relaxed)) return;  // the first error is the one reported
+  // Blocks fail in any order; report the failure nearest the start of the request,
+  // which is where the data stops being good.
+  if (failed_.load(std::memory_order_relaxed) && offset >= err_offset_) return;
   err_ = err;
   err_offset_ = offset;
   err_length_ = length;
@@ -56,12 +58,13 @@ AlignedBuffer &AlignedBuffer::operator=(AlignedBuffer &&other) noexcept {
 
 void run_task_blocking(const Task &task, char *bounce) {
   Request &req = *task.req;
+  if (req.failed()) return;  // a sibling block failed first: skip the work
   const bool is_write = req.is_write();
   char *mem = task.needs_bounce ? bounce : task.ptr;
   if (is_write && task.needs_bounce) std::memcpy(bounce, task.ptr, task.length);
   int fd = task.fd;
   uint64_t done = 0;
-  while (done < task.length && !req.failed()) {
+  while (done < task.length) {
     const uint64_t want = task.length - done;
     const off_t at = static_cast<off_t>(task.offset + done);
     const ssize_t n = is_write ? ::pwrite(fd, mem + done, want, at) : ::pread(fd, mem + done, want, at);

@@ -19,15 +19,14 @@ namespace {
 // the Python package at import so that native errors arrive as the public type.
 nb::object io_error_type;
 
-[[noreturn]] void raise_io_error(int err, const std::string &path, const std::string &what, uint64_t offset,
+// Sets the Python error for a native IOError; a translator must set it, not throw.
+void set_io_error(int err, const std::string &path, const std::string &what, uint64_t offset,
                                  uint64_t length) {
-  nb::gil_scoped_acquire gil;
   const std::string message = what + ": " + std::strerror(err);
   nb::object exc = io_error_type.is_valid()
                        ? io_error_type(err, message, path.empty() ? nb::none() : nb::cast(path), offset, length)
                        : nb::module_::import_("builtins").attr("OSError")(err, message, path);
   PyErr_SetObject(reinterpret_cast<PyObject *>(Py_TYPE(exc.ptr())), exc.ptr());
-  throw nb::python_error();
 }
 
 }  // namespace
@@ -39,7 +38,7 @@ NB_MODULE(_native, m) {
     try {
       std::rethrow_exception(p);
     } catch (const tf::IOError &e) {
-      raise_io_error(e.err, e.path, e.what, e.offset, e.length);
+      set_io_error(e.err, e.path, e.what, e.offset, e.length);
     }
   });
 

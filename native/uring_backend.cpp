@@ -267,7 +267,7 @@ class UringBackend final : public Backend {
         req.fail(ENODATA, s.task.offset + s.done, want, "read past end of file");
     } else {
       s.done += static_cast<uint64_t>(res);
-      if (s.done < s.task.length && !req.failed()) {
+      if (s.done < s.task.length) {
         // Resume a short transfer; an unaligned remainder must go buffered.
         if (s.fd == req.file().direct_fd() && (s.task.offset + s.done) % req.file().offset_align() != 0)
           s.fd = req.file().buffered_fd();

@@ -1,0 +1,117 @@
+"""Pinned buffers, the pool, and settings."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+import tensorferry
+from tensorferry import ConfigError, IOConfig
+
+
+def test_alloc_pinned_is_aligned_and_usable_from_numpy_and_torch() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tensorferry.PinnedMemoryWarning)
+        buf = tensorferry.alloc_pinned(1 << 20)
+    assert buf.dtype == np.uint8 and buf.nbytes == 1 << 20
+    assert buf.ctypes.data % 4096 == 0
+    buf[:] = 7
+    torch = pytest.importorskip("torch")
+    t = torch.from_numpy(buf)
+    t[0] = 9
+    assert buf[0] == 9  # same memory
+
+
+def test_pinned_falls_back_with_one_warning_beyond_memlock() -> None:
+    import resource
+    import shutil
+    import subprocess
+    import sys
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        pytest.skip("RLIMIT_MEMLOCK is unlimited here: every allocation locks")
+    prefix = []
+    if os.geteuid() == 0:  # root locks past the limit (CAP_IPC_LOCK): run without it
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv to drop CAP_IPC_LOCK")
+        prefix = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock"]
+    script = f"""
+import warnings, tensorferry
+with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    a = tensorferry.alloc_pinned({soft} + (1 << 20))
+    b = tensorferry.alloc_pinned({soft} + (1 << 20))
+assert [w.category.__name__ for w in record] == ["PinnedMemoryWarning"], record
+assert a.ctypes.data % 4096 == 0 and b.ctypes.data % 4096 == 0
+a[-1] = 1
+print("ok")
+"""
+    result = subprocess.run(prefix + [sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_pool_reuses_and_bounds() -> None:
+    pool = tensorferry.PinnedPool(max_cached_bytes=1 << 20)
+    a = pool.acquire(300_000)
+    assert a.nbytes == 300_000
+    address = a.ctypes.data
+    pool.release(a)
+    assert pool.cached_bytes == 512 << 10
+    b = pool.acquire(400_000)  # same size class: the same memory comes back
+    assert b.ctypes.data == address and pool.cached_bytes == 0
+    c = pool.acquire(1 << 20)
+    pool.release(b)
+    pool.release(c)  # would exceed the bound: dropped
+    assert pool.cached_bytes == 512 << 10
+    pool.clear()
+    assert pool.cached_bytes == 0
+
+
+def test_config_defaults_and_validation() -> None:
+    c = IOConfig()
+    assert c.block_size == 1 << 20 and c.backend == "auto"
+    assert IOConfig(block_size="4M").block_size == 4 << 20
+    for bad in [dict(block_size="lots"), dict(block_size=100), dict(queue_depth=0), dict(threads="x"),
+                dict(backend="aio"), dict(direct="maybe")]:
+        with pytest.raises(ConfigError):
+            IOConfig(**bad)
+    with pytest.raises(ConfigError, match="unknown"):
+        c.replace(blocksize=1)
+    with pytest.raises(ConfigError):
+        tensorferry.Engine(queue_depth=-1)
+
+
+def test_config_from_environment() -> None:
+    env = {"TENSORFERRY_BLOCK_SIZE": "2MiB", "TENSORFERRY_THREADS": "8", "TENSORFERRY_DIRECT": "0",
+           "TENSORFERRY_BACKEND": "threads"}
+    c = IOConfig.from_env(environ=env)
+    assert (c.block_size, c.threads, c.direct, c.backend) == (2 << 20, 8, False, "threads")
+    with pytest.raises(ConfigError):
+        IOConfig.from_env(environ={"TENSORFERRY_QUEUE_DEPTH": "deep"})
+
+
+def test_config_override_context(monkeypatch) -> None:
+    monkeypatch.setenv("TENSORFERRY_THREADS", "2")
+    assert tensorferry.default_config().threads == 2
+    with tensorferry.config_override(threads=6, backend="threads"):
+        with tensorferry.Engine() as e:
+            assert e.config.threads == 6 and e.backend == "threads"
+    assert tensorferry.default_config().threads == 2
+
+
+def test_config_from_deepspeed() -> None:
+    ds = {"aio": {"block_size": 1048576, "queue_depth": 16, "thread_count": 8, "single_submit": False,
+                  "overlap_events": True, "use_gds": False}}
+    c = IOConfig.from_deepspeed(ds)
+    assert (c.block_size, c.queue_depth, c.threads, c.use_gds) == (1 << 20, 16, 8, False)
+    assert IOConfig.from_deepspeed({"intra_op_parallelism": 3}).threads == 3
+    assert IOConfig.from_deepspeed(c.to_deepspeed()) == c
+    with pytest.raises(ConfigError, match="unknown"):
+        IOConfig.from_deepspeed({"aio": {"blocksize": 1}})
+    with pytest.raises(ConfigError):
+        IOConfig.from_deepspeed({"aio": {"overlap_events": "sometimes"}})

@@ -1,0 +1,314 @@
+"""The engine conformance suite: every case runs over every backend."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tensorferry
+from tensorferry import Engine, EngineClosedError, TensorferryIOError
+
+from conftest import mounted
+
+SIZES = [0, 1, 511, 4096, 4097, 64 << 10, (64 << 10) + 1, (3 << 20) + 12345]
+
+
+def random_bytes(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("nbytes", SIZES)
+@pytest.mark.parametrize("offset", [0, 3, 4096, 8191])
+def test_round_trip_sizes_and_offsets(engine: Engine, tmp_path, nbytes: int, offset: int) -> None:
+    data = random_bytes(nbytes, seed=nbytes + offset)
+    path = tmp_path / "f.bin"
+    assert engine.write(data, path, offset=offset) == nbytes
+    assert os.path.getsize(path) == (offset + nbytes if nbytes else 0)
+    out = np.zeros(nbytes, np.uint8)
+    assert engine.read(out, path, offset=offset) == nbytes
+    np.testing.assert_array_equal(out, data)
+    with open(path, "rb") as f:  # what an ordinary reader sees
+        f.seek(offset)
+        assert f.read() == data.tobytes()
+
+
+@pytest.mark.parametrize("shift", [1, 7, 100])
+def test_misaligned_memory_goes_through_staging(engine: Engine, tmp_path, shift: int) -> None:
+    backing = random_bytes((1 << 20) + 200, seed=shift)
+    data = backing[shift:shift + (1 << 20)]  # address not aligned for O_DIRECT
+    path = tmp_path / "f.bin"
+    with tensorferry.open(path, "w") as f:
+        engine.write(data, f)
+        assert f.direct
+    out_backing = np.zeros((1 << 20) + 200, np.uint8)
+    out = out_backing[shift:shift + (1 << 20)]
+    engine.read(out, path)
+    np.testing.assert_array_equal(out, data)
+
+
+def test_many_requests_on_many_files_in_flight(engine: Engine, tmp_path) -> None:
+    arrays = [random_bytes(100_000 + i * 4099, seed=i) for i in range(24)]
+    futures = [engine.pwrite(a, tmp_path / f"{i}.bin") for i, a in enumerate(arrays)]
+    assert [f.result() for f in futures] == [a.nbytes for a in arrays]
+    outs = [np.empty_like(a) for a in arrays]
+    futures = [engine.pread(o, tmp_path / f"{i}.bin") for i, o in enumerate(outs)]
+    assert tensorferry.IOFuture.gather(futures).result() == sum(a.nbytes for a in arrays)
+    for a, o in zip(arrays, outs):
+        np.testing.assert_array_equal(a, o)
+
+
+def test_disjoint_ranges_of_one_file_concurrently(engine: Engine, tmp_path) -> None:
+    data = random_bytes(2_000_003)
+    path = tmp_path / "f.bin"
+    with tensorferry.open(path, "w+") as f:
+        cuts = [0, 1, 4095, 70_000, 700_001, 1_500_000, data.nbytes]
+        futures = [engine.pwrite(data[a:b], f, offset=a) for a, b in zip(cuts, cuts[1:])]
+        for fut in futures:
+            fut.result()
+        out = np.empty_like(data)
+        futures = [engine.pread(out[a:b], f, offset=a) for a, b in zip(cuts, cuts[1:])]
+        for fut in futures:
+            fut.result()
+    np.testing.assert_array_equal(out, data)
+
+
+def test_buffer_kinds(engine: Engine, tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "f.bin"
+    payload = bytes(range(256)) * 100
+    engine.write(payload, path)  # bytes: read-only is fine for writing
+    engine.write(memoryview(bytearray(payload)), path, offset=len(payload))
+    target = bytearray(2 * len(payload))
+    engine.read(target, path)
+    assert bytes(target) == payload * 2
+    tensor = torch.arange(10_000, dtype=torch.float32)
+    engine.write(tensor, path)
+    back = torch.empty_like(tensor)
+    engine.read(back, path)  # zero-copy into the tensor's own memory
+    assert torch.equal(back, tensor)
+    with pytest.raises(ValueError, match="read-only"):
+        engine.read(payload, path)
+
+
+def test_fd_and_file_objects(engine: Engine, tmp_path) -> None:
+    path = tmp_path / "f.bin"
+    data = random_bytes(300_000)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT)
+    try:
+        engine.write(data, fd)
+        out = np.empty_like(data)
+        engine.read(out, fd)
+        np.testing.assert_array_equal(out, data)
+        os.fstat(fd)  # still open: the caller owns it
+    finally:
+        os.close(fd)
+
+
+def test_future_interface(engine: Engine, tmp_path) -> None:
+    data = random_bytes(1 << 20)
+    fut = engine.pwrite(data, tmp_path / "f.bin")
+    assert fut.wait(timeout=30)
+    assert fut.done()
+    assert fut.exception() is None
+    assert fut.result(timeout=0) == data.nbytes
+
+
+def test_backend_is_reported(backend: str) -> None:
+    with Engine(backend=backend) as e:
+        assert e.backend == backend
+
+
+def test_auto_backend_picks_a_working_one() -> None:
+    with Engine(backend="auto") as e:
+        expected = "io_uring" if tensorferry.io_uring_probe()[0] else "threads"
+        assert e.backend == expected
+
+
+# --- errors: every failure is an exception naming file, offset and errno ---------------
+
+
+def test_missing_directory(engine: Engine, tmp_path) -> None:
+    path = tmp_path / "no" / "such" / "dir" / "f.bin"
+    with pytest.raises(TensorferryIOError) as info:
+        engine.write(b"x", path)
+    assert info.value.errno == errno.ENOENT
+    assert info.value.filename == str(path)
+    assert isinstance(info.value, OSError) and isinstance(info.value, FileNotFoundError) is False
+
+
+def test_permission_denied(engine: Engine, tmp_path) -> None:
+    path = tmp_path / "ro.bin"
+    path.write_bytes(b"hello")
+    os.chmod(path, 0o400)
+    if os.geteuid() == 0:  # root ignores mode bits; a read-only bind of the file still refuses
+        with mounted("tmpfs", "size=1m,mode=0755") as d:
+            target = os.path.join(d, "f.bin")
+            open(target, "wb").close()
+            os.system(f"mount -o remount,ro {d}")
+            with pytest.raises(TensorferryIOError) as info:
+                engine.write(b"x", target)
+            assert info.value.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+            assert info.value.filename == target
+    else:
+        with pytest.raises(TensorferryIOError) as info:
+            engine.write(b"x", path)
+        assert info.value.errno in (errno.EACCES, errno.EPERM)
+
+
+def test_read_past_end_of_file(engine: Engine, tmp_path) -> None:
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(10_000))
+    out = np.empty(20_000, np.uint8)
+    with pytest.raises(TensorferryIOError) as info:
+        engine.read(out, path, offset=0)
+    err = info.value
+    assert err.errno == errno.ENODATA
+    assert err.filename == str(path)
+    assert err.offset == 10_000 and err.length > 0  # the first missing byte
+    assert "end of file" in str(err)
+
+
+def test_missing_file_for_reading(engine: Engine, tmp_path) -> None:
+    with pytest.raises(TensorferryIOError) as info:
+        engine.read(bytearray(4), tmp_path / "absent.bin")
+    assert info.value.errno == errno.ENOENT
+
+
+def test_buffer_too_small(engine: Engine, tmp_path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(100))
+    with pytest.raises(ValueError, match="buffer too small"):
+        engine.read(bytearray(10), path, nbytes=100)
+    with pytest.raises(ValueError, match="buffer too small"):
+        engine.write(bytes(10), path, nbytes=11)
+
+
+def test_disk_full(engine: Engine, small_tmpfs: str) -> None:
+    path = os.path.join(small_tmpfs, "big.bin")
+    with pytest.raises(TensorferryIOError) as info:
+        engine.write(random_bytes(8 << 20), path)
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == path
+
+
+def test_use_after_close(backend: str, tmp_path) -> None:
+    e = Engine(backend=backend)
+    e.close()
+    e.close()  # idempotent
+    with pytest.raises(EngineClosedError):
+        e.write(b"x", tmp_path / "f.bin")
+    f = tensorferry.open(tmp_path / "g.bin", "w")
+    f.close()
+    with Engine(backend=backend) as e2, pytest.raises(EngineClosedError):
+        e2.write(b"x", f)
+
+
+def test_pending_io_finishes_before_close(backend: str, tmp_path) -> None:
+    data = random_bytes(4 << 20)
+    e = Engine(backend=backend, block_size=64 << 10)
+    futures = [e.pwrite(data, tmp_path / f"{i}.bin") for i in range(4)]
+    e.close()
+    assert all(f.done() for f in futures)
+    assert all(os.path.getsize(tmp_path / f"{i}.bin") == data.nbytes for i in range(4))
+
+
+def test_device_buffer_is_refused_clearly(engine: Engine, tmp_path) -> None:
+    class FakeDeviceArray:  # what a CUDA tensor reports through DLPack
+        def __dlpack__(self, stream=None):
+            raise AssertionError("must not be exported")
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    with pytest.raises(TypeError, match="device memory"):
+        engine.write(FakeDeviceArray(), tmp_path / "f.bin")
+
+
+def test_gil_is_released_during_io(backend: str, tmp_path) -> None:
+    data = random_bytes(64 << 20)
+    path = tmp_path / "big.bin"
+    # Tiny blocks and one worker make the write long enough to observe.
+    with Engine(backend=backend, block_size=4096, queue_depth=1, threads=1, direct=False) as e:
+        ticks = 0
+        stop = threading.Event()
+
+        def count() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+
+        counter = threading.Thread(target=count)
+        counter.start()
+        try:
+            start = time.monotonic()
+            e.write(data, path)
+            elapsed = time.monotonic() - start
+        finally:
+            stop.set()
+            counter.join()
+    assert elapsed > 0
+    # The counting thread ran while the main thread waited in result().
+    assert ticks > 1000
+
+
+# --- O_DIRECT on other filesystems ---------------------------------------------------
+
+
+def test_direct_io_on_dev_shm(engine: Engine) -> None:
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("/dev/shm is absent")
+    path = f"/dev/shm/tensorferry-test-{os.getpid()}.bin"
+    try:
+        data = random_bytes(1_000_001)
+        with tensorferry.open(path, "w") as f:
+            engine.write(data, f)
+            assert f.direct, "tmpfs on this kernel accepts O_DIRECT"
+        out = np.empty_like(data)
+        engine.read(out, path)
+        np.testing.assert_array_equal(out, data)
+    finally:
+        os.unlink(path)
+
+
+def test_direct_io_on_a_mounted_tmpfs(engine: Engine) -> None:
+    with mounted("tmpfs", "size=16m") as d:
+        data = random_bytes(3_000_000)
+        path = os.path.join(d, "f.bin")
+        engine.write(data, path, offset=5)
+        out = np.empty_like(data)
+        engine.read(out, path, offset=5)
+        np.testing.assert_array_equal(out, data)
+
+
+def test_filesystem_without_direct_io_falls_back_with_one_warning(engine: Engine) -> None:
+    with mounted("ramfs") as d:  # ramfs has no O_DIRECT
+        path = os.path.join(d, "f.bin")
+        tensorferry.engine._warned_filesystems.clear()  # mount numbers are reused
+        with pytest.warns(tensorferry.DirectIOFallbackWarning) as record:
+            f = tensorferry.open(path, "w+")
+            g = tensorferry.open(os.path.join(d, "g.bin"), "w+")
+        assert len(record) == 1
+        assert not f.direct
+        data = random_bytes(500_000)
+        engine.write(data, f)
+        out = np.empty_like(data)
+        engine.read(out, f)
+        np.testing.assert_array_equal(out, data)
+        f.close()
+        g.close()
+
+
+def test_buffered_mode_when_direct_is_off(backend: str, tmp_path) -> None:
+    with Engine(backend=backend, direct=False) as e:
+        data = random_bytes(200_000)
+        e.write(data, tmp_path / "f.bin")
+        with tensorferry.open(tmp_path / "f.bin", "r", direct=False) as f:
+            assert not f.direct
+            out = np.empty_like(data)
+            e.read(out, f)
+        np.testing.assert_array_equal(out, data)
