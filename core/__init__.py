@@ -6,7 +6,10 @@
 
 from .buffers import PinnedMemoryWarning, PinnedPool, alloc_pinned
 from .config import IOConfig, config_override, default_config, parse_size
-from .engine import DirectIOFallbackWarning, Engine, File, IOFuture, io_uring_probe, open
+from .checkpoint import (PendingCheckpoint, latest_checkpoint, list_checkpoints, load_checkpoint,
+                         prune_checkpoints, read_manifest, save_checkpoint, verify_checkpoint)
+from .engine import DirectIOFallbackWarning, Engine, File, IOFuture, default_engine, io_uring_probe, open
+from .shard import ShardInfo, ShardReader, ShardWriter, TensorInfo
 from .errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, EngineClosedError,
                      TensorferryError, TensorferryIOError)
 
@@ -17,4 +20,7 @@ __all__ = [
     "Engine", "EngineClosedError", "File", "IOConfig", "IOFuture", "PinnedMemoryWarning", "PinnedPool",
     "TensorferryError", "TensorferryIOError", "alloc_pinned", "config_override", "default_config",
     "io_uring_probe", "open", "parse_size",
+    "PendingCheckpoint", "ShardInfo", "ShardReader", "ShardWriter", "TensorInfo", "default_engine",
+    "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prune_checkpoints", "read_manifest",
+    "save_checkpoint", "verify_checkpoint",
 ]

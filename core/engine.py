@@ -321,3 +321,22 @@ class Engine:
         c = self.config
         return (f"<tensorferry.Engine backend={self.backend} block_size={c.block_size} "
                 f"queue_depth={c.queue_depth} threads={c.threads} direct={c.direct}>")
+
+
+_shared_engine: Engine | None = None
+_shared_engine_pid = -1
+_shared_lock = threading.Lock()
+
+
+def default_engine() -> Engine:
+    """A process-wide engine with :func:`default_config`, made on first use.
+
+    A forked child (a DataLoader worker, say) gets its own, since the parent's I/O
+    threads do not survive a fork.
+    """
+    global _shared_engine, _shared_engine_pid
+    with _shared_lock:
+        if _shared_engine is None or _shared_engine.closed or _shared_engine_pid != os.getpid():
+            _shared_engine = Engine()
+            _shared_engine_pid = os.getpid()
+        return _shared_engine

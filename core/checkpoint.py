@@ -1,0 +1,308 @@
+"""Checkpoint directories: shard files plus a manifest, committed atomically.
+
+Commit protocol: everything is written into a temporary sibling
+``<dir>.tmp-<token>/``; shard files are fsynced as they close; the manifest
+``tensorferry.json`` is written and fsynced last; the directory is renamed to
+``<dir>`` and the parent fsynced. A directory without a manifest, or with a
+``.tmp-`` name, is never loaded nor reported as latest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from .engine import Engine, default_engine
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .shard import CHECKSUM_ALGORITHM, ShardInfo, ShardReader, ShardWriter, digest
+
+MANIFEST = "tensorferry.json"
+FORMAT_VERSION = 1
+TMP_MARKER = ".tmp-"
+DEFAULT_SHARD_BYTES = 512 << 20
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint being written: the steps of the commit protocol, for one or many writers.
+
+    The coordinator calls :meth:`begin`; every writer (each rank or process) writes
+    its shard files under :attr:`tmp_path` (with :meth:`writer`) and hands the
+    resulting :class:`ShardInfo` to the coordinator through its framework's
+    collective; after the framework's barrier the coordinator calls :meth:`commit`.
+    Other writers join with ``PendingCheckpoint(directory, token)``, the token being
+    broadcast by the framework.
+    """
+
+    directory: str
+    token: str
+
+    @classmethod
+    def begin(cls, directory: str | os.PathLike, token: str | None = None) -> "PendingCheckpoint":
+        """Creates the temporary directory (the parent must exist)."""
+        directory = os.path.abspath(os.fspath(directory))
+        pending = cls(directory, token or secrets.token_hex(6))
+        os.makedirs(pending.tmp_path)
+        return pending
+
+    @property
+    def tmp_path(self) -> str:
+        return f"{self.directory}{TMP_MARKER}{self.token}"
+
+    def writer(self, filename: str, engine: Engine | None = None, **kwargs: Any) -> ShardWriter:
+        """A :class:`ShardWriter` for a file inside the temporary directory."""
+        if os.sep in filename or filename in (MANIFEST, "", ".", ".."):
+            raise ValueError(f"invalid shard file name {filename!r}")
+        return ShardWriter(os.path.join(self.tmp_path, filename), engine, **kwargs)
+
+    def commit(self, shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None = None,
+               *, overwrite: bool = False) -> str:
+        """Writes the manifest and renames the directory into place; returns its path.
+
+        With ``overwrite``, an existing checkpoint of the same name is replaced only
+        after the new one is complete.
+        """
+        manifest = build_manifest(shards, metadata)
+        for name, entry in manifest["files"].items():
+            path = os.path.join(self.tmp_path, name)
+            if not os.path.isfile(path) or os.path.getsize(path) != entry["size"]:
+                raise CorruptCheckpointError(f"{path}: missing or of the wrong size before commit")
+        manifest_path = os.path.join(self.tmp_path, MANIFEST)
+        with open(manifest_path, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(self.tmp_path)
+        old = None
+        if os.path.lexists(self.directory):
+            if not overwrite:
+                raise FileExistsError(f"{self.directory} exists; pass overwrite=True to replace it")
+            old = f"{self.directory}{TMP_MARKER}old-{secrets.token_hex(4)}"
+            os.rename(self.directory, old)
+        os.rename(self.tmp_path, self.directory)
+        _fsync_dir(os.path.dirname(self.directory))
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return self.directory
+
+    def abort(self) -> None:
+        """Removes the temporary directory and everything in it."""
+        shutil.rmtree(self.tmp_path, ignore_errors=True)
+
+
+def build_manifest(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest for these shard files: files with size and checksum, and where each tensor lives."""
+    files: dict[str, Any] = {}
+    tensors: dict[str, Any] = {}
+    for shard in shards:
+        name = os.path.basename(shard.path)
+        if name in files:
+            raise ValueError(f"two shards named {name!r}")
+        files[name] = {"size": shard.size, "checksum": shard.checksum}
+        for tensor_name, t in shard.tensors.items():
+            if tensor_name in tensors:
+                raise ValueError(f"tensor {tensor_name!r} is in both {tensors[tensor_name]['file']} and {name}")
+            tensors[tensor_name] = {"file": name, **t.to_json()}
+    return {"format": "tensorferry", "format_version": FORMAT_VERSION,
+            "checksum_algorithm": CHECKSUM_ALGORITHM, "committed_at": time.time(),
+            "files": files, "tensors": tensors, "metadata": dict(metadata or {})}
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; raises if ``directory`` is not one."""
+    directory = os.fspath(directory)
+    if TMP_MARKER in os.path.basename(directory.rstrip(os.sep)):
+        raise CheckpointNotFoundError(f"{directory} is an unfinished checkpoint (temporary directory)", directory)
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read())
+    except FileNotFoundError:
+        if os.path.isdir(directory):
+            raise CheckpointNotFoundError(f"{directory} has no {MANIFEST}: not a complete checkpoint",
+                                          directory) from None
+        raise CheckpointNotFoundError(f"no checkpoint at {directory}", directory) from None
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "tensorferry":
+        raise CorruptCheckpointError(f"{path} is not a tensorferry manifest")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{path} has format version {manifest['format_version']}; "
+                                     f"this tensorferry reads up to {FORMAT_VERSION}")
+    return manifest
+
+
+def _split(arrays: Mapping[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:
+    """Balances tensors over the fewest shards of about ``max_shard_bytes`` (largest first)."""
+    sizes = {name: np.asarray(a).nbytes for name, a in arrays.items()}
+    count = max(1, -(-sum(sizes.values()) // max_shard_bytes))
+    shards: list[list[str]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for name in sorted(sizes, key=lambda n: -sizes[n]):
+        i = loads.index(min(loads))
+        shards[i].append(name)
+        loads[i] += sizes[name]
+    return [s for s in shards if s] or [[]]
+
+
+def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
+                    metadata: Mapping[str, Any] | None = None, *, engine: Engine | None = None,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False) -> str:
+    """Saves named arrays as a checkpoint directory, atomically; returns its path.
+
+    A state larger than ``max_shard_bytes`` is split over several shard files,
+    written concurrently. ``metadata`` is any JSON-serialisable mapping. On any
+    failure (a full disk, say) the temporary directory is removed and an existing
+    checkpoint is left as it was.
+    """
+    engine = engine or default_engine()
+    json.dumps(dict(metadata or {}))  # fail before writing anything if it cannot be saved
+    groups = _split(arrays, max_shard_bytes)
+    pending = PendingCheckpoint.begin(directory)
+    try:
+        def write(index: int) -> ShardInfo:
+            with pending.writer(f"shard-{index:05d}.safetensors", engine) as w:
+                for name in groups[index]:
+                    w.add(name, arrays[name])
+            return w.info
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, len(groups))) as pool:
+            infos = list(pool.map(write, range(len(groups))))
+        return pending.commit(infos, metadata, overwrite=overwrite)
+    except BaseException:
+        pending.abort()
+        raise
+
+
+def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = None, *,
+                    engine: Engine | None = None, verify: bool = True) -> dict[str, np.ndarray]:
+    """Loads a checkpoint's arrays (or just ``names``), reading all files in parallel."""
+    directory = os.fspath(directory)
+    manifest = read_manifest(directory)
+    tensors = manifest["tensors"]
+    wanted = list(tensors) if names is None else list(names)
+    missing = [n for n in wanted if n not in tensors]
+    if missing:
+        raise KeyError(f"{directory} holds no tensor(s) {', '.join(map(repr, missing))}")
+    by_file: dict[str, list[str]] = {}
+    for n in wanted:
+        by_file.setdefault(tensors[n]["file"], []).append(n)
+    readers = [open_shard(directory, manifest, f, engine=engine, verify=verify) for f in by_file]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, max(1, len(readers)))) as pool:
+            parts = pool.map(lambda r: r.read_many(by_file[os.path.basename(r.path)]), readers)
+            result: dict[str, np.ndarray] = {}
+            for part in parts:
+                result.update(part)
+    finally:
+        for r in readers:
+            r.close()
+    return {n: result[n] for n in wanted}
+
+
+def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, engine: Engine | None = None,
+               verify: bool = True) -> ShardReader:
+    """A reader for one of a checkpoint's files, checked against the manifest."""
+    entry = manifest["files"].get(filename)
+    path = os.path.join(directory, filename)
+    if entry is None:
+        raise CorruptCheckpointError(f"{directory}: {filename} is not listed in the manifest")
+    if not os.path.exists(path):
+        raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete")
+    size = os.path.getsize(path)
+    if size != entry["size"]:
+        raise CorruptCheckpointError(f"{path} has {size} bytes, the manifest says {entry['size']}: "
+                                     "truncated or replaced")
+    reader = ShardReader(path, engine, verify=verify)
+    if verify and reader.checksum != entry["checksum"]:
+        reader.close()
+        raise CorruptCheckpointError(f"{path}: header checksum does not match the manifest")
+    return reader
+
+
+_STEP = re.compile(r"(\d+)$")
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[str]:
+    """Complete checkpoints directly under ``root``, oldest first.
+
+    Ordered by the number that ends the directory name (``step_1000``) when every
+    name has one, else by commit time.
+    """
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for entry in os.scandir(root):
+        if not entry.is_dir() or TMP_MARKER in entry.name:
+            continue
+        try:
+            manifest = read_manifest(entry.path)
+        except (CheckpointNotFoundError, CorruptCheckpointError):
+            continue
+        found.append((entry.name, entry.path, manifest.get("committed_at", 0.0)))
+    steps = [_STEP.search(name) for name, _, _ in found]
+    if all(steps):
+        keyed = [(int(m.group(1)), t, p) for m, (_, p, t) in zip(steps, found)]
+    else:
+        keyed = [(t, 0, p) for _, p, t in found]
+    return [p for *_, p in sorted(keyed)]
+
+
+def latest_checkpoint(root: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    checkpoints = list_checkpoints(root)
+    return checkpoints[-1] if checkpoints else None
+
+
+def prune_checkpoints(root: str | os.PathLike, keep_last: int, *, remove_unfinished: bool = False) -> list[str]:
+    """Deletes all but the newest ``keep_last`` complete checkpoints; returns what was removed.
+
+    With ``remove_unfinished``, leftover temporary directories of interrupted saves
+    go too (only when no save is running under ``root``).
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    checkpoints = list_checkpoints(root)
+    doomed = checkpoints[:-keep_last]
+    if remove_unfinished:
+        doomed += [e.path for e in os.scandir(os.fspath(root)) if e.is_dir() and TMP_MARKER in e.name]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = None) -> list[str]:
+    """Re-reads every file against the manifest; returns a list of problems (empty if sound)."""
+    directory = os.fspath(directory)
+    manifest = read_manifest(directory)
+    problems = []
+    for filename in manifest["files"]:
+        try:
+            with open_shard(directory, manifest, filename, engine=engine) as reader:
+                reader.read_many()
+        except (CorruptCheckpointError, OSError) as exc:
+            problems.append(f"{filename}: {exc}")
+    return problems
+
+
+__all__ = ["MANIFEST", "PendingCheckpoint", "build_manifest", "latest_checkpoint", "list_checkpoints",
+           "load_checkpoint", "open_shard", "prune_checkpoints", "read_manifest", "save_checkpoint",
+           "verify_checkpoint", "digest"]

@@ -1,0 +1,230 @@
+"""Parallel, read-ahead reads of many files or byte ranges, handed out as numpy arrays."""
+
+from __future__ import annotations
+
+import collections
+import errno
+import operator
+import os
+import stat
+import weakref
+from typing import Any, Iterable, Sequence, Tuple, Union
+
+import numpy as np
+
+from .buffers import PinnedPool
+from .engine import Engine, IOFuture, PathLike
+
+Record = Tuple[str, int, int]
+Item = Union[PathLike, Tuple[PathLike, int, int]]
+
+
+class _Shared:
+    """What a source and the sources derived from it (shuffle, shard) use together."""
+
+    def __init__(self, engine: Engine | None, pool: PinnedPool | None) -> None:
+        self.engine = engine if engine is not None else Engine()
+        self.pool = pool if pool is not None else PinnedPool()
+        # Buffers handed to callers, by id, so that release() refuses strangers and
+        # double releases, which would let two later reads share one buffer.
+        self.lent: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+
+def _records(items: Iterable[Item]) -> list[Record]:
+    records = []
+    sizes: dict[str, int] = {}
+    for item in items:
+        if isinstance(item, (str, os.PathLike)):
+            path, offset, length = os.fspath(item), 0, None
+        else:
+            try:
+                path, offset, length = item
+            except (TypeError, ValueError):
+                raise TypeError(f"a FileSource item is a path or a (path, offset, length) record, "
+                                f"got {item!r}") from None
+            path, offset, length = os.fspath(path), operator.index(offset), operator.index(length)
+            if offset < 0 or length < 0:
+                raise ValueError(f"record {item!r}: offset and length must not be negative")
+        if path not in sizes:
+            st = os.stat(path)  # FileNotFoundError names the path
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "a FileSource item is a directory", path)
+            sizes[path] = st.st_size
+        records.append((path, offset, sizes[path] if length is None else length))
+    return records
+
+
+class FileSource:
+    """The bytes of many files, or of byte ranges in them, read in parallel ahead of use.
+
+    Iterating yields each item's bytes, in order, as a uint8 array from a pinned
+    pool, keeping ``window`` reads in flight behind the one being handed out.
+
+    Args:
+        items: paths (the whole file, sized by ``os.stat`` now) or
+            ``(path, offset, length)`` records. A record that runs past the end
+            of its file fails when read, with the engine's TensorferryIOError
+            (``errno.ENODATA``).
+        engine: the :class:`Engine` to read with; by default one is created,
+            shared with the sources that :meth:`shuffle` and :meth:`shard` derive,
+            and stopped when the last of them is garbage collected.
+        window: reads kept in flight ahead of the consumer.
+        pool: the :class:`PinnedPool` that buffers come from (default: a new one,
+            shared with derived sources).
+
+    Buffers: every array handed out belongs to the caller and stays valid for as
+    long as it is referenced. Giving it back with :meth:`release` when done lets
+    later reads reuse its pinned memory instead of allocating more.
+
+    Example::
+
+        source = FileSource(sorted(glob.glob("/data/shard-*.bin"))).shuffle(epoch).shard(rank, world)
+        for array in source:
+            consume(array)
+            source.release(array)
+    """
+
+    def __init__(self, items: Iterable[Item], *, engine: Engine | None = None, window: int = 16,
+                 pool: PinnedPool | None = None) -> None:
+        self._setup(_records(items), _Shared(engine, pool), window)
+
+    def _setup(self, records: Sequence[Record], shared: _Shared, window: int) -> None:
+        window = operator.index(window)
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        self._records = tuple(records)
+        self._shared = shared
+        self.window = window
+
+    def _derive(self, records: Sequence[Record]) -> "FileSource":
+        source = FileSource.__new__(FileSource)
+        source._setup(records, self._shared, self.window)
+        return source
+
+    @property
+    def records(self) -> tuple[Record, ...]:
+        """The items as ``(path, offset, length)``, in reading order."""
+        return self._records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> "FileSourceIterator":
+        return FileSourceIterator(self)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        """The bytes of item ``index`` (negative counts from the end), read now."""
+        return self.read_batch([index])[0]
+
+    def read_batch(self, indices: Iterable[int]) -> list[np.ndarray]:
+        """The bytes of the items at ``indices``, all read at once, in the order asked."""
+        reads = [self._start(self._records[self._position(i)]) for i in indices]
+        errors = []
+        for buffer, read in reads:
+            error = self._wait(buffer, read)
+            if error is not None:
+                errors.append(error)
+        if errors:
+            for buffer, _ in reads:
+                if buffer is not None and id(buffer) in self._shared.lent:
+                    self.release(buffer)
+            raise errors[0]
+        return [buffer for buffer, _ in reads]
+
+    def shuffle(self, seed: int) -> "FileSource":
+        """A source of the same items in a permuted order, the same for the same ``seed``."""
+        order = np.random.default_rng(seed).permutation(len(self._records))
+        return self._derive([self._records[i] for i in order])
+
+    def shard(self, index: int, count: int) -> "FileSource":
+        """Items ``index``, ``index + count``, ...: ``count`` shards cover every item once."""
+        if not 0 <= index < count:
+            raise ValueError(f"shard index must be in 0 .. {count - 1}, got {index}")
+        return self._derive(self._records[index::count])
+
+    def release(self, array: np.ndarray) -> None:
+        """Gives an array this source handed out back to the pool; it must not be used after."""
+        if self._shared.lent.pop(id(array), None) is not array:
+            raise ValueError("not an array handed out by this source, or released already")
+        self._shared.pool.release(array)
+
+    def __repr__(self) -> str:
+        return f"<tensorferry.FileSource {len(self._records)} items window={self.window}>"
+
+    def _position(self, index: int) -> int:
+        position = operator.index(index)
+        n = len(self._records)
+        if not -n <= position < n:
+            raise IndexError(f"item {index} out of range for a FileSource of {n} items")
+        return position % n
+
+    def _start(self, record: Record) -> tuple[np.ndarray | None, IOFuture | OSError]:
+        """Starts one read; an error of the submission is kept to be raised in turn."""
+        path, offset, length = record
+        buffer = self._shared.pool.acquire(length)
+        try:
+            return buffer, self._shared.engine.pread(buffer, path, offset, length)
+        except OSError as exc:
+            self._shared.pool.release(buffer)
+            return None, exc
+
+    def _wait(self, buffer: np.ndarray | None, read: IOFuture | OSError) -> OSError | None:
+        """Waits for a read from :meth:`_start`; lends out its buffer, or returns its error."""
+        if isinstance(read, OSError):
+            return read
+        error = read.exception()
+        if error is not None:
+            self._shared.pool.release(buffer)
+            return error
+        self._shared.lent[id(buffer)] = buffer
+        return None
+
+
+class FileSourceIterator:
+    """Iterates a :class:`FileSource`, keeping its ``window`` reads in flight ahead.
+
+    A failed item raises when it is reached; iterating on afterwards goes on with
+    the next item. :meth:`close` stops early and takes back the buffers of reads
+    already started.
+    """
+
+    def __init__(self, source: FileSource) -> None:
+        self._source = source
+        self._next = 0
+        self._pending: collections.deque[tuple[np.ndarray | None, IOFuture | OSError]] = collections.deque()
+
+    @property
+    def in_flight(self) -> int:
+        """Reads started and not yet handed out."""
+        return len(self._pending)
+
+    def __iter__(self) -> "FileSourceIterator":
+        return self
+
+    def __next__(self) -> np.ndarray:
+        records = self._source._records
+        # The item handed out now, and `window` started behind it.
+        while len(self._pending) <= self._source.window and self._next < len(records):
+            self._pending.append(self._source._start(records[self._next]))
+            self._next += 1
+        if not self._pending:
+            raise StopIteration
+        buffer, read = self._pending.popleft()
+        error = self._source._wait(buffer, read)
+        if error is not None:
+            raise error
+        return buffer
+
+    def close(self) -> None:
+        """Stops: waits for the reads started and returns their buffers to the pool."""
+        self._next = len(self._source._records)
+        while self._pending:
+            buffer, read = self._pending.popleft()
+            if self._source._wait(buffer, read) is None:
+                self._source.release(buffer)
+
+    def __enter__(self) -> "FileSourceIterator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,390 @@
+"""NVMe swap space for arrays that do not fit in memory: swap_out, swap_in, prefetch."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from typing import Any, Iterable
+
+import numpy as np
+
+from .buffers import PinnedPool, byte_view
+from .engine import Engine, IOFuture, PathLike
+from .engine import open as open_file
+from .errors import EngineClosedError, TensorferryIOError
+
+
+def _finished(nbytes: int) -> IOFuture:
+    """An already completed future whose result() is ``nbytes``."""
+    future = IOFuture()
+    # IOFuture has no public constructor for a finished transfer (see the report).
+    future._nbytes = nbytes
+    return future
+
+
+@dataclasses.dataclass
+class _Staged:
+    """A prefetch read of one key into a pooled pinned buffer."""
+
+    buffer: np.ndarray
+    future: IOFuture
+    charge: int  # pinned bytes it holds: the pool's size class, not the key's size
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One key: its backing file and the I/O on it."""
+
+    path: str
+    nbytes: int
+    write: IOFuture | None = None
+    reads: list[IOFuture] = dataclasses.field(default_factory=list)
+    staged: _Staged | None = None
+
+    def write_in_flight(self) -> IOFuture | None:
+        return self.write if self.write is not None and not self.write.done() else None
+
+    def in_flight(self) -> list[IOFuture]:
+        """Every unfinished request on the file (writes, reads, the prefetch read)."""
+        self.reads = [r for r in self.reads if not r.done()]
+        busy = list(self.reads)
+        if self.write is not None and not self.write.done():
+            busy.append(self.write)
+        if self.staged is not None and not self.staged.future.done():
+            busy.append(self.staged.future)
+        return busy
+
+    def write_error(self) -> TensorferryIOError | None:
+        """The error of the last write, once it has finished and failed."""
+        if self.write is None or not self.write.done():
+            return None
+        return self.write.exception()
+
+
+class OffloadStore:
+    """Swap space on a fast drive for host buffers, keyed by name (ZeRO-Infinity style offload).
+
+    Args:
+        directory: an existing directory on the drive. The store works in a fresh
+            subdirectory ``tensorferry-offload-<pid>-<random>`` of it, which
+            :meth:`close` removes (as does garbage collection or interpreter exit if
+            close is never called), so no later run mistakes its files for state.
+        engine: the :class:`Engine` to use; by default the store creates one and
+            closes it in :meth:`close`. Files are opened with O_DIRECT whatever the
+            engine's ``direct`` setting (filesystems that refuse it fall back to the
+            page cache, with a warning).
+        max_pool_bytes: bound on the pinned memory of prefetch buffers, in use and
+            idle together. Buffers come in power-of-two size classes, so a key
+            charges up to twice its size.
+
+    Layout: one file per key. Deleting or resizing a key returns its space to the
+    filesystem at once (so an ENOSPC can be cured by deleting keys), the
+    filesystem's allocator deals with keys of many sizes, and rewriting a key of
+    the same size overwrites its allocated blocks in place. Files are opened per
+    request rather than held open, so a store of many thousand keys does not run
+    into the descriptor limit; an open costs microseconds against the transfer.
+
+    Buffers given to :meth:`swap_out` must not change until its future is done.
+    Calls on different keys may come from different threads at once.
+
+    Example::
+
+        with tensorferry.OffloadStore("/nvme") as store:
+            store.swap_out("layer0.exp_avg", exp_avg).result()
+            store.prefetch(["layer0.exp_avg"])
+            store.swap_in("layer0.exp_avg", exp_avg).result()
+    """
+
+    def __init__(self, directory: PathLike, engine: Engine | None = None, *,
+                 max_pool_bytes: int = 256 << 20) -> None:
+        directory = os.fspath(directory)
+        if max_pool_bytes < 0:
+            raise ValueError(f"max_pool_bytes must not be negative, got {max_pool_bytes}")
+        if not os.path.exists(directory):
+            raise FileNotFoundError(errno.ENOENT, "offload directory does not exist", directory)
+        if not os.path.isdir(directory):
+            raise NotADirectoryError(errno.ENOTDIR, "offload directory is not a directory", directory)
+        try:
+            self.path = tempfile.mkdtemp(prefix=f"tensorferry-offload-{os.getpid()}-", dir=directory)
+        except OSError as exc:
+            raise type(exc)(exc.errno, f"cannot create the offload store's files in {directory}: "
+                                       f"{exc.strerror}", directory) from exc
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.path, True)
+        self.max_pool_bytes = max_pool_bytes
+        self._engine = engine if engine is not None else Engine()
+        self._owns_engine = engine is None
+        self._pool = PinnedPool(max_cached_bytes=max_pool_bytes)
+        # How many idle buffers of each size class the pool holds. The pool is the
+        # store's alone, so this mirror is exact and tells whether an acquire reuses
+        # memory or allocates more.
+        self._idle: collections.Counter[int] = collections.Counter()
+        self._held = 0  # pinned bytes in staged prefetch buffers
+        self._slots: dict[str, _Slot] = {}
+        self._names = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stats = dict.fromkeys(("bytes_out", "bytes_in", "swaps_out", "swaps_in", "prefetch_hits"), 0)
+
+    def swap_out(self, key: str, buffer: Any) -> IOFuture:
+        """Starts writing the bytes of ``buffer`` (any host buffer) to the store under ``key``.
+
+        Waits first for I/O still running on ``key``, so writes of one key land in
+        call order. A failure (ENOSPC, EIO) raises from the future's ``result()``, or
+        at once when the file cannot be allocated; either way ``key`` is no longer in
+        the store.
+        """
+        view = byte_view(buffer, writable=False)
+        while True:
+            with self._lock:
+                self._check_open()
+                slot = self._slots.get(key)
+                busy = slot.in_flight() if slot is not None else []
+                if not busy:
+                    return self._start_write(key, slot, view)
+            for future in busy:
+                future.wait()
+
+    def _start_write(self, key: str, slot: _Slot | None, view: np.ndarray) -> IOFuture:
+        if slot is not None:
+            self._unstage(slot)
+            if slot.write_error() is not None:
+                self._drop(key)
+                slot = None
+        if slot is None:
+            slot = _Slot(os.path.join(self.path, f"{next(self._names)}.swap"), view.nbytes)
+            self._slots[key] = slot
+            mode = "w"
+        elif slot.nbytes != view.nbytes:
+            # Truncating gives back the old blocks; the engine allocates the new size.
+            slot.nbytes = view.nbytes
+            mode = "w"
+        else:
+            mode = "r+"
+        try:
+            future = self._engine.pwrite(view, open_file(slot.path, mode, direct=True), 0, view.nbytes)
+        except BaseException:
+            # The file is truncated or half-allocated: whatever it held is gone.
+            self._drop(key)
+            raise
+        slot.write = future
+        self._stats["bytes_out"] += view.nbytes
+        self._stats["swaps_out"] += 1
+        return future
+
+    def swap_in(self, key: str, into: Any) -> IOFuture:
+        """Starts reading the bytes of ``key`` into the first ``nbytes(key)`` bytes of ``into``.
+
+        Sees the data of a swap_out still in flight (waits for it first). For a key
+        that :meth:`prefetch` staged, waits for the prefetch read if it is still
+        running, copies from memory and returns a finished future.
+
+        Raises:
+            KeyError: ``key`` is not in the store (or its last write failed).
+            ValueError: ``into`` is smaller than the key's data.
+        """
+        view = byte_view(into, writable=True)
+        while True:
+            with self._lock:
+                self._check_open()
+                slot = self._live_slot(key)
+                if view.nbytes < slot.nbytes:
+                    raise ValueError(f"buffer too small for {key!r}: {view.nbytes} bytes, "
+                                     f"the key holds {slot.nbytes}")
+                pending_write = slot.write_in_flight()
+                if pending_write is None:
+                    staged, slot.staged = slot.staged, None
+                    nbytes = slot.nbytes
+                    if staged is None:
+                        future = self._engine.pread(view, open_file(slot.path, "r", direct=True), 0, nbytes)
+                        slot.reads.append(future)
+                        self._stats["bytes_in"] += nbytes
+                        self._stats["swaps_in"] += 1
+                        return future
+            if pending_write is not None:
+                pending_write.wait()
+                continue
+            staged.future.wait()
+            hit = staged.future.exception() is None
+            if hit:
+                np.copyto(view[:nbytes], staged.buffer)
+            with self._lock:
+                if not self._closed:
+                    self._release(staged.buffer, staged.charge)
+                if hit:
+                    self._stats["bytes_in"] += nbytes
+                    self._stats["swaps_in"] += 1
+                    self._stats["prefetch_hits"] += 1
+                    return _finished(nbytes)
+            # The prefetch read failed: read again from the drive, whose future reports why.
+
+    def prefetch(self, keys: Iterable[str]) -> int:
+        """Starts reading ``keys``, in order, into pooled pinned buffers for later :meth:`swap_in`.
+
+        Stops at the first key whose buffer would take the prefetch memory past
+        ``max_pool_bytes``: it never waits for room and never allocates beyond the
+        bound. Keys already staged, and keys with a write in flight, are passed
+        over. Returns how many reads it started.
+
+        Raises:
+            KeyError: one of ``keys`` is not in the store (before any read starts).
+        """
+        with self._lock:
+            self._check_open()
+            slots = [self._live_slot(key) for key in keys]
+            started = 0
+            for slot in slots:
+                if slot.staged is not None or slot.write_in_flight() is not None:
+                    continue
+                taken = self._take_buffer(slot.nbytes)
+                if taken is None:
+                    break
+                buffer, charge = taken
+                try:
+                    future = self._engine.pread(buffer, open_file(slot.path, "r", direct=True), 0, slot.nbytes)
+                except BaseException:
+                    self._release(buffer, charge)
+                    raise
+                slot.staged = _Staged(buffer, future, charge)
+                started += 1
+            return started
+
+    def delete(self, key: str) -> None:
+        """Removes ``key`` and its file, after the I/O running on it has finished."""
+        while True:
+            with self._lock:
+                self._check_open()
+                slot = self._live_slot(key)
+                busy = slot.in_flight()
+                if not busy:
+                    self._drop(key)
+                    return
+            for future in busy:
+                future.wait()
+
+    def keys(self) -> list[str]:
+        """The keys in the store, including those whose write is still in flight."""
+        with self._lock:
+            self._check_open()
+            return [key for key in list(self._slots) if self._settle(key) is None]
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            self._check_open()
+            return key in self._slots and self._settle(key) is None
+
+    def nbytes(self, key: str) -> int:
+        """The size in bytes of what ``key`` holds."""
+        with self._lock:
+            self._check_open()
+            return self._live_slot(key).nbytes
+
+    def stats(self) -> dict[str, int]:
+        """Counters: bytes_out, bytes_in, swaps_out, swaps_in, prefetch_hits, files,
+        disk_bytes (bytes the backing files hold) and pool_bytes (pinned prefetch
+        memory, in use and idle)."""
+        with self._lock:
+            self._check_open()
+            for key in list(self._slots):
+                self._settle(key)
+            return {**self._stats, "files": len(self._slots),
+                    "disk_bytes": sum(slot.nbytes for slot in self._slots.values()),
+                    "pool_bytes": self._held + self._pool.cached_bytes}
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Waits for the I/O in flight, then frees the buffers and removes the store's files.
+
+        Errors of that I/O are left to the futures that report them. Later calls
+        raise :class:`EngineClosedError`.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            busy = [future for slot in self._slots.values() for future in slot.in_flight()]
+        for future in busy:
+            future.wait()
+        with self._lock:
+            self._slots.clear()
+            self._held = 0
+            self._pool.clear()
+            self._idle.clear()
+        if self._owns_engine:
+            self._engine.close()
+        self._cleanup()
+
+    def __enter__(self) -> "OffloadStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._slots)} keys"
+        return f"<tensorferry.OffloadStore {self.path!r} {state}>"
+
+    # The helpers below run with self._lock held.
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("use of a closed OffloadStore")
+
+    def _settle(self, key: str) -> TensorferryIOError | None:
+        """Drops ``key`` if its last write failed, and returns that write's error."""
+        error = self._slots[key].write_error()
+        if error is not None:
+            self._drop(key)
+        return error
+
+    def _live_slot(self, key: str) -> _Slot:
+        if key not in self._slots:
+            raise KeyError(key)
+        error = self._settle(key)
+        if error is not None:
+            raise KeyError(f"{key!r}: its last swap_out failed ({error})") from error
+        return self._slots[key]
+
+    def _drop(self, key: str) -> None:
+        slot = self._slots.pop(key)
+        self._unstage(slot)
+        try:
+            os.unlink(slot.path)
+        except FileNotFoundError:
+            pass
+
+    def _unstage(self, slot: _Slot) -> None:
+        """Frees the slot's prefetch buffer; its read must have finished."""
+        if slot.staged is not None:
+            self._release(slot.staged.buffer, slot.staged.charge)
+            slot.staged = None
+
+    def _take_buffer(self, nbytes: int) -> tuple[np.ndarray, int] | None:
+        """A pooled buffer and its charge, or None if it would break ``max_pool_bytes``."""
+        charge = PinnedPool._size_class(nbytes)
+        if self._held + charge > self.max_pool_bytes:
+            return None
+        if self._idle[charge]:
+            self._idle[charge] -= 1
+        elif self._held + self._pool.cached_bytes + charge > self.max_pool_bytes:
+            # Idle buffers of other sizes give way to the one needed now.
+            self._pool.clear()
+            self._idle.clear()
+        self._held += charge
+        return self._pool.acquire(nbytes), charge
+
+    def _release(self, buffer: np.ndarray, charge: int) -> None:
+        cached = self._pool.cached_bytes
+        self._pool.release(buffer)
+        if self._pool.cached_bytes > cached:
+            self._idle[charge] += 1
+        self._held -= charge

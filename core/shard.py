@@ -1,0 +1,506 @@
+"""Shard files: safetensors-compatible files written and read at drive speed.
+
+Layout: 8-byte little-endian header length, a JSON header padded with spaces so
+that tensor data starts on a 4096-byte boundary, then the tensors packed without
+holes, largest element size first so each starts aligned to its element size.
+The header's metadata holds one xxh3-64 checksum per tensor
+(``tensorferry.checksums``); the file's checksum is the xxh3-64 of its whole
+header, which therefore covers the data too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Union
+
+import numpy as np
+
+from .buffers import PinnedPool, byte_view
+from .dtypes import to_numpy_dtype, to_safetensors_dtype
+from .engine import Engine, File, IOFuture, default_engine
+from .errors import CorruptCheckpointError
+
+ALIGNMENT = 4096
+MAX_HEADER_BYTES = 100 << 20  # the safetensors library refuses larger headers too
+CHECKSUMS_KEY = "tensorferry.checksums"
+CHECKSUM_ALGORITHM = "xxh3_64"
+_DIGEST_CHARS = 16
+
+Source = Union[Any, Callable[[], Any]]
+_pool = PinnedPool()
+
+
+def _xxh3():
+    try:
+        import xxhash
+    except ImportError:
+        raise ImportError("checksums need the xxhash package: pip install xxhash") from None
+    return xxhash.xxh3_64
+
+
+def digest(data: Any) -> str:
+    """The xxh3-64 checksum of a buffer, as 16 hex digits."""
+    return _xxh3()(data).hexdigest()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives in a shard file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # byte offsets relative to the start of the data section
+    end: int
+    checksum: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    def to_json(self) -> dict[str, Any]:
+        entry = {"dtype": self.dtype, "shape": list(self.shape), "data_offsets": [self.begin, self.end]}
+        if self.checksum:
+            entry["checksum"] = self.checksum
+        return entry
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What :meth:`ShardWriter.close` returns: enough for a manifest entry."""
+
+    path: str
+    size: int
+    checksum: str
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "checksum": self.checksum,
+                "tensors": {name: t.to_json() for name, t in self.tensors.items()}}
+
+
+@dataclass
+class _Entry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    source: Source
+
+
+class ShardWriter:
+    """Streams named arrays into one safetensors-compatible file.
+
+    ``add`` records arrays (no copy is made); ``close`` lays them out, streams them
+    through a double buffer of page-locked memory (copy into one half while the
+    other is written with O_DIRECT), folds each tensor's checksum in as its bytes
+    pass, writes large arrays straight from their own memory, fsyncs, and returns a
+    :class:`ShardInfo`. Memory stays near ``2 * buffer_size``.
+
+    Example::
+
+        with ShardWriter("model.safetensors") as w:
+            w.add("weight", np.ones((1024, 1024), np.float32))
+        info = w.info
+    """
+
+    def __init__(self, path: str | os.PathLike, engine: Engine | None = None,
+                 buffer_size: int = 16 << 20, *, metadata: Mapping[str, str] | None = None) -> None:
+        self.path = os.fspath(path)
+        self.engine = engine or default_engine()
+        self.buffer_size = max(ALIGNMENT, _round_up(buffer_size, ALIGNMENT))
+        self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
+        if CHECKSUMS_KEY in self.metadata:
+            raise ValueError(f"metadata key {CHECKSUMS_KEY!r} is reserved")
+        self._entries: dict[str, _Entry] = {}
+        self.info: ShardInfo | None = None
+
+    def add(self, name: str, array_or_dtype: Any, shape: Iterable[int] | None = None,
+            data: Source | None = None) -> None:
+        """Adds a tensor: ``add(name, array)`` or ``add(name, dtype, shape, data)``.
+
+        ``data`` is a bytes-like object or a callable returning one, called when the
+        tensor's turn comes (to stage device memory one tensor at a time).
+        """
+        if self.info is not None:
+            raise ValueError(f"{self.path}: add() after close()")
+        if name in self._entries:
+            raise ValueError(f"{self.path}: tensor {name!r} added twice")
+        if shape is None and data is None:
+            array = np.asarray(array_or_dtype)
+            if array.dtype.byteorder == ">":
+                array = array.astype(array.dtype.newbyteorder("<"))
+            dtype = to_safetensors_dtype(array.dtype)
+            dims = tuple(int(d) for d in array.shape)
+            source: Source = np.ascontiguousarray(array) if array.ndim else array.reshape(1)
+        else:
+            dtype = to_safetensors_dtype(array_or_dtype)
+            dims = tuple(int(d) for d in (shape or ()))
+            source = data
+        nbytes = math.prod(dims) * to_numpy_dtype(dtype).itemsize
+        self._entries[name] = _Entry(name, dtype, dims, nbytes, source)
+
+    def close(self) -> ShardInfo:
+        """Writes the file, makes it durable and returns its :class:`ShardInfo`."""
+        if self.info is not None:
+            return self.info
+        entries = sorted(self._entries.values(), key=lambda e: -to_numpy_dtype(e.dtype).itemsize)
+        layout, offset = {}, 0
+        for e in entries:
+            layout[e.name] = (offset, offset + e.nbytes)
+            offset += e.nbytes
+        data_start = self._header_size(entries, layout)
+        file = File(self.path, "w")
+        try:
+            file.reserve(data_start + offset)
+            checksums = _Streamer(self.engine, file, data_start, self.buffer_size).write(entries)
+            tensors = {e.name: TensorInfo(e.dtype, e.shape, *layout[e.name], checksums[e.name]) for e in entries}
+            header = self._header(tensors, data_start)
+            self.engine.write(header, file, 0)
+            file.fsync()
+            size = data_start + offset
+        except BaseException:
+            file.close()
+            _remove_quietly(self.path)
+            raise
+        file.close()
+        self.info = ShardInfo(self.path, size, digest(header), tensors)
+        return self.info
+
+    def abort(self) -> None:
+        """Discards the file (if any was started)."""
+        self.info = None
+        _remove_quietly(self.path)
+
+    def _header_json(self, tensors: Mapping[str, TensorInfo]) -> bytes:
+        metadata = dict(self.metadata)
+        metadata[CHECKSUMS_KEY] = json.dumps({n: t.checksum or "0" * _DIGEST_CHARS for n, t in tensors.items()},
+                                             separators=(",", ":"))
+        header: dict[str, Any] = {"__metadata__": metadata}
+        for name, t in tensors.items():
+            header[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
+        return json.dumps(header, separators=(",", ":")).encode()
+
+    def _header_size(self, entries: list[_Entry], layout: Mapping[str, tuple[int, int]]) -> int:
+        # Checksums are fixed-width, so placeholders give the final header's length.
+        placeholder = {e.name: TensorInfo(e.dtype, e.shape, *layout[e.name]) for e in entries}
+        return _round_up(8 + len(self._header_json(placeholder)), ALIGNMENT)
+
+    def _header(self, tensors: Mapping[str, TensorInfo], data_start: int) -> bytes:
+        body = self._header_json(tensors)
+        body += b" " * (data_start - 8 - len(body))
+        return struct.pack("<Q", len(body)) + body
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class _Streamer:
+    """The write pipeline of one shard: coalesce small tensors, write large ones directly.
+
+    Invariant: the current half holds ``fill`` bytes destined for file offsets
+    ``[half_start, position)``.
+    """
+
+    def __init__(self, engine: Engine, file: File, start: int, buffer_size: int) -> None:
+        self.engine, self.file, self.buffer_size = engine, file, buffer_size
+        self.direct_threshold = buffer_size // 2
+        self.halves = [_pool.acquire(buffer_size), _pool.acquire(buffer_size)]
+        self.half_futures: list[IOFuture | None] = [None, None]
+        self.current = self.fill = 0
+        self.half_start = self.position = start
+        self.direct_futures: list[IOFuture] = []
+
+    def write(self, entries: list[_Entry]) -> dict[str, str]:
+        checksums = {}
+        try:
+            for e in entries:
+                data = self._bytes_of(e)
+                if data.nbytes >= self.direct_threshold:
+                    self._flush()
+                    self.direct_futures.append(self.engine.pwrite(data, self.file, self.position))
+                    self.position += data.nbytes
+                    self.half_start = self.position
+                    checksums[e.name] = digest(data)  # hashed while the write is in flight
+                    self._bound_direct_writes(lazy=callable(e.source))
+                else:
+                    checksums[e.name] = digest(data)
+                    self._copy_in(data)
+            self._flush()
+            for f in self.half_futures + self.direct_futures:
+                if f is not None:
+                    f.result()
+        finally:
+            for f in self.half_futures + self.direct_futures:
+                if f is not None:
+                    f.wait()  # the halves go back to the pool only once idle
+            for half in self.halves:
+                _pool.release(half)
+        return checksums
+
+    @staticmethod
+    def _bytes_of(e: _Entry) -> np.ndarray:
+        source = e.source() if callable(e.source) else e.source
+        if isinstance(source, np.ndarray):
+            if source.dtype.byteorder == ">":
+                source = source.astype(source.dtype.newbyteorder("<"))
+            source = np.ascontiguousarray(source)
+        data = byte_view(source, writable=False)
+        if data.nbytes != e.nbytes:
+            raise ValueError(f"tensor {e.name!r}: {e.dtype}{list(e.shape)} needs {e.nbytes} bytes, "
+                             f"got {data.nbytes}")
+        return data
+
+    def _copy_in(self, data: np.ndarray) -> None:
+        done = 0
+        while done < data.nbytes:
+            take = min(self.buffer_size - self.fill, data.nbytes - done)
+            self.halves[self.current][self.fill:self.fill + take] = data[done:done + take]
+            self.fill += take
+            self.position += take
+            done += take
+            if self.fill == self.buffer_size:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Starts writing the current half, then waits until the other half is free."""
+        if self.fill:
+            half = self.halves[self.current]
+            self.half_futures[self.current] = self.engine.pwrite(half, self.file, self.half_start, self.fill)
+            self.current ^= 1
+            self.fill = 0
+            pending = self.half_futures[self.current]
+            if pending is not None:
+                pending.result()
+                self.half_futures[self.current] = None
+        self.half_start = self.position
+
+    def _bound_direct_writes(self, lazy: bool) -> None:
+        # Arrays produced on demand exist only for their write: keep two in flight.
+        keep = 2 if lazy else 64
+        while len(self.direct_futures) > keep:
+            self.direct_futures.pop(0).result()
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _aligned_empty(nbytes: int, phase: int) -> np.ndarray:
+    """A uint8 array whose address is congruent to ``phase`` modulo 4096, so that a read
+    from a file offset with that phase needs no staging copy for O_DIRECT."""
+    base = np.empty(nbytes + 2 * ALIGNMENT, np.uint8)
+    start = (phase - base.ctypes.data) % ALIGNMENT
+    return base[start:start + nbytes]
+
+
+class ShardReader:
+    """Reads tensors from a safetensors file, validating the header before trusting it.
+
+    Reads one, some or all tensors in parallel, into new aligned arrays or into
+    caller-given destinations, and verifies each tensor's checksum (files written
+    by tensorferry carry them) unless ``verify=False``. Truncated, corrupt or
+    hostile files raise :class:`CorruptCheckpointError`.
+    """
+
+    def __init__(self, path: str | os.PathLike, engine: Engine | None = None, *, verify: bool = True,
+                 chunk_size: int = 64 << 20) -> None:
+        self.path = os.fspath(path)
+        self.engine = engine or default_engine()
+        self.verify = verify
+        self.chunk_size = chunk_size
+        self._file = File(self.path, "r")
+        try:
+            self._parse_header()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _corrupt(self, why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self.path}: {why}")
+
+    def _parse_header(self) -> None:
+        self.size = self._file.size
+        if self.size < 8:
+            raise self._corrupt(f"{self.size} bytes is too short for a safetensors header")
+        prefix = bytearray(8)
+        self.engine.read(prefix, self._file, 0)
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_BYTES:
+            raise self._corrupt(f"header length {length} exceeds the {MAX_HEADER_BYTES}-byte cap")
+        if 8 + length > self.size:
+            raise self._corrupt(f"header length {length} runs past the end of the {self.size}-byte file")
+        raw = bytearray(8 + length)
+        self.engine.read(raw, self._file, 0)
+        self.header_bytes = bytes(raw)
+        try:
+            header = json.loads(raw[8:].decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise self._corrupt(f"header is not valid JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise self._corrupt("header is not a JSON object")
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise self._corrupt("__metadata__ must map strings to strings")
+        self.data_start = 8 + length
+        data_size = self.size - self.data_start
+        self.tensors = {name: self._validate(name, entry, data_size) for name, entry in header.items()}
+        spans = sorted((t.begin, t.end, n) for n, t in self.tensors.items() if t.nbytes)
+        for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+            if begin_b < end_a:
+                raise self._corrupt(f"tensors {a!r} and {b!r} overlap")
+        checksums = metadata.pop(CHECKSUMS_KEY, None)
+        if checksums is not None:
+            self._attach_checksums(checksums)
+        self.metadata: dict[str, str] = metadata
+
+    def _validate(self, name: str, entry: Any, data_size: int) -> TensorInfo:
+        if not isinstance(entry, dict):
+            raise self._corrupt(f"entry {name!r} is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise self._corrupt(f"tensor {name!r} has no dtype")
+        try:
+            itemsize = to_numpy_dtype(dtype).itemsize
+        except CorruptCheckpointError as exc:
+            raise self._corrupt(f"tensor {name!r}: {exc}") from None
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                for d in shape)):
+            raise self._corrupt(f"tensor {name!r} has an invalid shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise self._corrupt(f"tensor {name!r} has invalid data_offsets {offsets!r}")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_size:
+            raise self._corrupt(f"tensor {name!r}: data_offsets {offsets} fall outside the "
+                                f"{data_size}-byte data section")
+        expected = math.prod(shape) * itemsize  # Python ints: no overflow on absurd shapes
+        if expected != end - begin:
+            raise self._corrupt(f"tensor {name!r}: {dtype}{shape} needs {expected} bytes "
+                                f"but data_offsets span {end - begin}")
+        return TensorInfo(dtype, tuple(shape), begin, end)
+
+    def _attach_checksums(self, text: str) -> None:
+        try:
+            digests = json.loads(text)
+        except ValueError:
+            raise self._corrupt(f"{CHECKSUMS_KEY} is not valid JSON") from None
+        if not isinstance(digests, dict) or set(digests) != set(self.tensors):
+            raise self._corrupt(f"{CHECKSUMS_KEY} does not list exactly the file's tensors")
+        for name, d in digests.items():
+            if not isinstance(d, str):
+                raise self._corrupt(f"checksum of {name!r} is not a string")
+            self.tensors[name] = dataclasses.replace(self.tensors[name], checksum=d)
+
+    @property
+    def checksum(self) -> str:
+        """The file's checksum (xxh3-64 of its header, which lists every tensor's checksum)."""
+        return digest(self.header_bytes)
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.path} holds no tensor {name!r}") from None
+
+    def read(self, name: str, out: Any = None) -> np.ndarray:
+        """One tensor, into ``out`` if given (it must have the tensor's byte size)."""
+        return self.read_many([name], None if out is None else {name: out})[name]
+
+    def read_many(self, names: Iterable[str] | None = None, out: Mapping[str, Any] | None = None
+                  ) -> dict[str, np.ndarray]:
+        """Several tensors (default: all), read in parallel.
+
+        Tensors named in ``out`` are read into those buffers (any host buffer of the
+        right byte size); the others into new arrays that share large aligned blocks.
+        """
+        names = list(self.tensors) if names is None else list(names)
+        out = dict(out or {})
+        infos = {n: self.info(n) for n in [*names, *out]}
+        results: dict[str, np.ndarray] = {}
+        pending: list[tuple[IOFuture, list[tuple[str, np.ndarray]]]] = []
+        for name, target in out.items():
+            t = infos[name]
+            view = byte_view(target, writable=True)
+            if view.nbytes != t.nbytes:
+                raise ValueError(f"{self.path}: destination for {name!r} has {view.nbytes} bytes, "
+                                 f"the tensor {t.nbytes}")
+            pending.append((self.engine.pread(view, self._file, self.data_start + t.begin, t.nbytes),
+                            [(name, view)]))
+            results[name] = target
+        for chunk in self._chunks([n for n in names if n not in out]):
+            begin, end = infos[chunk[0]].begin, max(infos[n].end for n in chunk)
+            buffer = _aligned_empty(end - begin, (self.data_start + begin) % ALIGNMENT)
+            views = [(n, buffer[infos[n].begin - begin:infos[n].end - begin]) for n in chunk]
+            future = self.engine.pread(buffer, self._file, self.data_start + begin) if buffer.nbytes \
+                else IOFuture()
+            pending.append((future, views))
+            for n, v in views:
+                t = infos[n]
+                results[n] = v.view(to_numpy_dtype(t.dtype)).reshape(t.shape)
+        for future, views in pending:  # verify each block as it lands, while later ones fly
+            try:
+                future.result()
+            except OSError:
+                for f, _ in pending:
+                    f.wait()
+                raise
+            if self.verify:
+                for n, v in views:
+                    self._check(n, v)
+        return results
+
+    def _chunks(self, names: list[str]) -> list[list[str]]:
+        """Groups tensors that lie next to each other into reads of about ``chunk_size``."""
+        ordered = sorted(names, key=lambda n: self.tensors[n].begin)
+        chunks: list[list[str]] = []
+        for n in ordered:
+            t = self.tensors[n]
+            if chunks:
+                first = self.tensors[chunks[-1][0]]
+                last_end = self.tensors[chunks[-1][-1]].end
+                if t.begin - last_end <= ALIGNMENT and t.end - first.begin <= self.chunk_size:
+                    chunks[-1].append(n)
+                    continue
+            chunks.append([n])
+        return chunks
+
+    def _check(self, name: str, data: np.ndarray) -> None:
+        expected = self.tensors[name].checksum
+        if expected is not None and digest(data) != expected:
+            raise self._corrupt(f"checksum mismatch in tensor {name!r}: the data is corrupt")
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
