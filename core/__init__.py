@@ -10,6 +10,8 @@ from .checkpoint import (PendingCheckpoint, latest_checkpoint, list_checkpoints,
                          prune_checkpoints, read_manifest, save_checkpoint, verify_checkpoint)
 from .engine import DirectIOFallbackWarning, Engine, File, IOFuture, default_engine, io_uring_probe, open
 from .shard import ShardInfo, ShardReader, ShardWriter, TensorInfo
+from .data import FileSource
+from .offload import OffloadStore
 from .errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, EngineClosedError,
                      TensorferryError, TensorferryIOError)
 
@@ -22,5 +24,5 @@ __all__ = [
     "io_uring_probe", "open", "parse_size",
     "PendingCheckpoint", "ShardInfo", "ShardReader", "ShardWriter", "TensorInfo", "default_engine",
     "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prune_checkpoints", "read_manifest",
-    "save_checkpoint", "verify_checkpoint",
+    "save_checkpoint", "verify_checkpoint", "FileSource", "OffloadStore",
 ]

@@ -121,18 +121,23 @@ def engine_round(directory: str, backend: str, data: np.ndarray) -> list[Measure
 
 def report(measurements: list[Measurement], as_json: bool = False) -> str:
     """A table (or JSON) of GB/s, CPU s/GB and the ratio to fio for the same operation."""
-    ceilings = {m.op: m.gbps for m in measurements if m.name == "fio"}
+    # Each measurement is compared with the fio run of the same operation and label.
+    def label(m: Measurement) -> str:
+        return m.name[m.name.index(" ["):] if " [" in m.name else ""
+
+    ceilings = {(m.op, label(m)): m.gbps for m in measurements if m.name.startswith("fio")}
     rows = []
     for m in measurements:
-        ratio = m.gbps / ceilings[m.op] if m.op in ceilings else None
+        ceiling = ceilings.get((m.op, label(m)))
+        ratio = m.gbps / ceiling if ceiling else None
         rows.append({**asdict(m), "gbps": round(m.gbps, 3), "cpu_s_per_gb": round(m.cpu_per_gb, 3),
                      "ratio_to_fio": None if ratio is None else round(ratio, 3)})
     if as_json:
         return json.dumps(rows, indent=2)
-    lines = [f"{'what':<26}{'op':<7}{'GB/s':>8}{'CPU s/GB':>10}{'vs fio':>8}"]
+    lines = [f"{'what':<44}{'op':<7}{'GB/s':>8}{'CPU s/GB':>10}{'vs fio':>8}"]
     for r in rows:
         ratio = "" if r["ratio_to_fio"] is None else f"{r['ratio_to_fio']:.2f}"
-        lines.append(f"{r['name']:<26}{r['op']:<7}{r['gbps']:>8.2f}{r['cpu_s_per_gb']:>10.2f}{ratio:>8}")
+        lines.append(f"{r['name']:<44}{r['op']:<7}{r['gbps']:>8.2f}{r['cpu_s_per_gb']:>10.2f}{ratio:>8}")
     return "\n".join(lines)
 
 
@@ -145,9 +150,6 @@ def bench_engine(directory: str, nbytes: int, backends: list[str], repeat: int =
             results += [run_fio(directory, "write", nbytes), run_fio(directory, "read", nbytes)]
         for backend in backends:
             results += engine_round(directory, backend, data)
-    fio_file = os.path.join(directory, "fio.bin")
-    if os.path.exists(fio_file):
-        os.unlink(fio_file)
     return _best_of(results)
 
 
@@ -160,22 +162,122 @@ def _best_of(results: list[Measurement]) -> list[Measurement]:
     return list(best.values())
 
 
+def _peak_rss_reset() -> None:
+    # Writing 5 to clear_refs resets VmHWM, the peak resident set, for this process.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def make_state(nbytes: int, count: int) -> dict[str, np.ndarray]:
+    """``count`` random float32 arrays adding up to ``nbytes``."""
+    rng = np.random.default_rng(1)
+    each = nbytes // count // 4
+    return {f"layer{i:05d}.weight": rng.standard_normal(each, dtype=np.float32) for i in range(count)}
+
+
+def bench_checkpoint(directory: str, state: dict[str, np.ndarray], label: str) -> list[Measurement]:
+    """save_checkpoint / load_checkpoint against fio and the usual ways of saving numpy state."""
+    from . import checkpoint, shard
+
+    nbytes = sum(a.nbytes for a in state.values())
+    results: list[Measurement] = []
+    if fio_available():
+        results += [run_fio(directory, "write", nbytes), run_fio(directory, "read", nbytes)]
+
+    target = os.path.join(directory, "ckpt")
+    shutil.rmtree(target, ignore_errors=True)
+    _peak_rss_reset()
+    rss_before = _rss_bytes("VmRSS")
+    results.append(timed("tensorferry save", "write", nbytes, lambda: checkpoint.save_checkpoint(target, state)))
+    rss_growth = _rss_bytes("VmHWM") - rss_before
+    drop_cache(files_under(target))
+    results.append(timed("tensorferry load", "read", nbytes, lambda: checkpoint.load_checkpoint(target)))
+
+    shutil.rmtree(target)
+    real_digest = shard.digest
+    shard.digest = lambda data: "0" * 16  # the same save with hashing switched off
+    try:
+        results.append(timed("tensorferry save, no hash", "write", nbytes,
+                             lambda: checkpoint.save_checkpoint(target, state)))
+    finally:
+        shard.digest = real_digest
+    shutil.rmtree(target)
+
+    plain = os.path.join(directory, "plain.bin")
+
+    def python_write() -> None:
+        with open(plain, "wb") as f:
+            for a in state.values():
+                f.write(memoryview(a).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+
+    results.append(timed("python write+fsync", "write", nbytes, python_write))
+    os.unlink(plain)
+    try:
+        import safetensors.numpy as stnp
+    except ImportError:
+        stnp = None
+    if stnp is not None:
+        st_path = os.path.join(directory, "peer.safetensors")
+
+        def st_save() -> None:
+            stnp.save_file(state, st_path)
+            fd = os.open(st_path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+        def st_load() -> None:
+            loaded = stnp.load_file(st_path)
+            for a in loaded.values():  # make sure every byte really came off the disk
+                real_digest(a)
+
+        results.append(timed("safetensors save_file", "write", nbytes, st_save))
+        drop_cache([st_path])
+        results.append(timed("safetensors load_file", "read", nbytes, st_load))
+        os.unlink(st_path)
+    for m in results:
+        m.name = f"{m.name} [{label}]"
+    print(f"[{label}] peak RSS growth during save: {rss_growth / 2**20:.0f} MiB", file=sys.stderr)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tensorferry.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     engine = sub.add_parser("engine", help="raw engine write/read of one file vs fio")
-    engine.add_argument("--dir", default=None, help="directory on the drive to measure (default: a temp dir)")
-    engine.add_argument("--size", default="2G", help="bytes to move (default 2G)")
     engine.add_argument("--backends", default="io_uring,threads")
     engine.add_argument("--repeat", type=int, default=1, help="rounds; the best of each is reported")
-    engine.add_argument("--json", action="store_true", help="machine-readable output")
+    ckpt = sub.add_parser("checkpoint", help="save_checkpoint/load_checkpoint vs fio and peers")
+    ckpt.add_argument("--counts", default="64,4096", help="comma-separated array counts to try")
+    for p in (engine, ckpt):
+        p.add_argument("--dir", default=None, help="directory on the drive to measure (default: a temp dir)")
+        p.add_argument("--size", default="2G", help="bytes to move (default 2G)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     directory = args.dir or tempfile.mkdtemp(prefix="tensorferry-bench-")
     os.makedirs(directory, exist_ok=True)
     if not fio_available():
         print("fio is not installed: no ceiling to compare with", file=sys.stderr)
-    results = bench_engine(directory, parse_size(args.size), args.backends.split(","), args.repeat)
+    nbytes = parse_size(args.size)
+    if args.what == "engine":
+        results = bench_engine(directory, nbytes, args.backends.split(","), args.repeat)
+    else:
+        results = []
+        for count in (int(c) for c in args.counts.split(",")):
+            results += bench_checkpoint(directory, make_state(nbytes, count), f"{count} arrays")
+    fio_file = os.path.join(directory, "fio.bin")
+    if os.path.exists(fio_file):
+        os.unlink(fio_file)
     print(report(results, args.json))
     return 0
 

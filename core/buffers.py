@@ -87,12 +87,13 @@ class PinnedPool:
         self._lock = threading.Lock()
 
     @staticmethod
-    def _size_class(nbytes: int) -> int:
+    def size_class(nbytes: int) -> int:
+        """The bytes a buffer of ``nbytes`` really takes from the pool (a power of two, >= 4 KiB)."""
         return max(4096, 1 << (max(nbytes, 1) - 1).bit_length())
 
     def acquire(self, nbytes: int) -> np.ndarray:
         """A pinned uint8 buffer of exactly ``nbytes`` (a view into its size class)."""
-        size = self._size_class(nbytes)
+        size = self.size_class(nbytes)
         with self._lock:
             free = self._free.get(size)
             if free:

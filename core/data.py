@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence, Tuple, Union
 import numpy as np
 
 from .buffers import PinnedPool
-from .engine import Engine, IOFuture, PathLike
+from .engine import Engine, IOFuture, PathLike, default_engine
 
 Record = Tuple[str, int, int]
 Item = Union[PathLike, Tuple[PathLike, int, int]]
@@ -23,11 +23,17 @@ class _Shared:
     """What a source and the sources derived from it (shuffle, shard) use together."""
 
     def __init__(self, engine: Engine | None, pool: PinnedPool | None) -> None:
-        self.engine = engine if engine is not None else Engine()
+        self._engine = engine
         self.pool = pool if pool is not None else PinnedPool()
         # Buffers handed to callers, by id, so that release() refuses strangers and
         # double releases, which would let two later reads share one buffer.
         self.lent: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+    @property
+    def engine(self) -> Engine:
+        # Looked up at each read, not at construction: a source made before a fork
+        # (DataLoader workers) must not use the parent's engine, whose threads stay behind.
+        return self._engine if self._engine is not None else default_engine()
 
 
 def _records(items: Iterable[Item]) -> list[Record]:
@@ -65,9 +71,8 @@ class FileSource:
             ``(path, offset, length)`` records. A record that runs past the end
             of its file fails when read, with the engine's TensorferryIOError
             (``errno.ENODATA``).
-        engine: the :class:`Engine` to read with; by default one is created,
-            shared with the sources that :meth:`shuffle` and :meth:`shard` derive,
-            and stopped when the last of them is garbage collected.
+        engine: the :class:`Engine` to read with (default: :func:`default_engine`,
+            looked up at each read, so a source survives a fork into worker processes).
         window: reads kept in flight ahead of the consumer.
         pool: the :class:`PinnedPool` that buffers come from (default: a new one,
             shared with derived sources).

@@ -56,6 +56,7 @@ class File:
         self.mode = mode
         want_direct = default_config().direct if direct is None else bool(direct)
         self._native = _native.File(self.path, mode, want_direct)
+        self._closed = False
         if self._native.direct_refused:
             _warn_direct_refused(self.path)
 
@@ -66,16 +67,17 @@ class File:
         self.path = label or f"<fd {fd}>"
         self.mode = "fd"
         self._native = _native.File(int(fd), self.path)
+        self._closed = False
         return self
 
     @property
     def direct(self) -> bool:
         """Whether O_DIRECT is in use for aligned ranges."""
-        return self._native.direct
+        return not self._closed and self._native.direct
 
     @property
     def closed(self) -> bool:
-        return self._native.closed
+        return self._closed
 
     @property
     def size(self) -> int:
@@ -86,6 +88,7 @@ class File:
     @property
     def alignment(self) -> int:
         """File-offset alignment that O_DIRECT ranges keep (>= the page size)."""
+        self._check_open()
         return self._native.offset_align
 
     def fileno(self) -> int:
@@ -107,11 +110,13 @@ class File:
         self._native.reserve(size)
 
     def close(self) -> None:
-        """Closes the descriptors once no request still uses them."""
-        self._native.close()
+        """Closes the file. Requests already submitted keep their descriptors open
+        until they finish; new I/O on this object raises."""
+        self._closed = True
+        self._native = None  # the descriptors close when the last request lets go
 
     def _check_open(self) -> None:
-        if self._native.closed:
+        if self._closed:
             raise EngineClosedError(f"I/O on closed file {self.path}")
 
     def __enter__(self) -> "File":
@@ -144,6 +149,13 @@ class IOFuture:
         self._keepalive = keepalive  # the buffers must outlive the I/O
         self._paths = list(paths)
         self._nbytes = sum(r.nbytes for r in self._requests)
+
+    @classmethod
+    def completed(cls, nbytes: int = 0) -> "IOFuture":
+        """A future that is already done, with ``nbytes`` as its result."""
+        future = cls()
+        future._nbytes = nbytes
+        return future
 
     @classmethod
     def gather(cls, futures: Iterable["IOFuture"]) -> "IOFuture":
@@ -231,6 +243,7 @@ class Engine:
         self._native = _native.Engine(self.backend, self.config.block_size,
                                       self.config.queue_depth, self.config.threads)
         self._inflight: collections.deque[IOFuture] = collections.deque()
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -265,6 +278,9 @@ class Engine:
                 *, is_write: bool) -> IOFuture:
         if self._closed:
             raise EngineClosedError("I/O on a closed Engine")
+        if self._pid != os.getpid():
+            raise EngineClosedError("this Engine was made in the parent of a fork and has no I/O threads "
+                                    "here; make a new one in the child (default_engine() does)")
         view = byte_view(buffer, writable=not is_write)
         if nbytes is None:
             nbytes = view.nbytes
@@ -274,8 +290,6 @@ class Engine:
         if offset < 0:
             raise ValueError(f"offset must not be negative, got {offset}")
         handle = self._file_handle(file, is_write)
-        if handle.closed:
-            raise EngineClosedError(f"I/O on closed file {handle.path}")
         request = self._native.submit(handle, is_write, view.ctypes.data, nbytes, offset)
         future = IOFuture([request], keepalive=(buffer, view), paths=[handle.path])
         self._track(future)
@@ -283,6 +297,7 @@ class Engine:
 
     def _file_handle(self, file: PathLike | File | int, is_write: bool) -> Any:
         if isinstance(file, File):
+            file._check_open()
             return file._native
         if isinstance(file, int):
             return _native.File(file, f"<fd {file}>")

@@ -21,14 +21,6 @@ from .engine import open as open_file
 from .errors import EngineClosedError, TensorferryIOError
 
 
-def _finished(nbytes: int) -> IOFuture:
-    """An already completed future whose result() is ``nbytes``."""
-    future = IOFuture()
-    # IOFuture has no public constructor for a finished transfer (see the report).
-    future._nbytes = nbytes
-    return future
-
-
 @dataclasses.dataclass
 class _Staged:
     """A prefetch read of one key into a pooled pinned buffer."""
@@ -221,7 +213,7 @@ class OffloadStore:
                     self._stats["bytes_in"] += nbytes
                     self._stats["swaps_in"] += 1
                     self._stats["prefetch_hits"] += 1
-                    return _finished(nbytes)
+                    return IOFuture.completed(nbytes)
             # The prefetch read failed: read again from the drive, whose future reports why.
 
     def prefetch(self, keys: Iterable[str]) -> int:
@@ -235,6 +227,8 @@ class OffloadStore:
         Raises:
             KeyError: one of ``keys`` is not in the store (before any read starts).
         """
+        if isinstance(keys, str):
+            raise TypeError("prefetch takes a list of keys, not one key")
         with self._lock:
             self._check_open()
             slots = [self._live_slot(key) for key in keys]
@@ -370,7 +364,7 @@ class OffloadStore:
 
     def _take_buffer(self, nbytes: int) -> tuple[np.ndarray, int] | None:
         """A pooled buffer and its charge, or None if it would break ``max_pool_bytes``."""
-        charge = PinnedPool._size_class(nbytes)
+        charge = PinnedPool.size_class(nbytes)
         if self._held + charge > self.max_pool_bytes:
             return None
         if self._idle[charge]:

@@ -48,6 +48,7 @@ AlignedBuffer::AlignedBuffer(uint64_t nbytes) {
   const uint64_t rounded = (nbytes + 4095) & ~uint64_t(4095);
   data_ = static_cast<char *>(std::aligned_alloc(4096, rounded));
   if (data_ == nullptr) throw IOError{ENOMEM, "", "allocating an aligned staging buffer", 0, rounded};
+  std::memset(data_, 0, rounded);  // fault the pages in once, not during each transfer
 }
 AlignedBuffer::~AlignedBuffer() { std::free(data_); }
 AlignedBuffer::AlignedBuffer(AlignedBuffer &&other) noexcept : data_(other.data_) { other.data_ = nullptr; }
@@ -91,6 +92,9 @@ void run_task_blocking(const Task &task, char *bounce) {
   req.add_bytes(done);
 }
 
+Backend::Backend() : owner_pid_(getpid()) {}
+bool Backend::forked() const { return getpid() != owner_pid_; }
+
 Engine::Engine(const Config &config) : config_(config) {
   if (config.block_size == 0 || config.block_size > (1ull << 30))
     throw IOError{EINVAL, "", "block_size must be between 1 byte and 1 GiB"};
@@ -128,7 +132,15 @@ std::shared_ptr<Request> Engine::submit(std::shared_ptr<File> file, bool is_writ
   const uint64_t lo = (offset + align - 1) / align * align;
   const uint64_t hi = end / align * align;
   if (file->direct() && lo < hi) {
-    if (is_write) file->reserve(end);
+    if (is_write) {
+      try {
+        file->reserve(end);
+      } catch (const IOError &e) {  // a full disk shows up here: report it through the future
+        req->fail(e.err, e.offset, e.length, e.what.c_str());
+        req->task_finished();
+        return req;
+      }
+    }
     const uint64_t chunk = std::max<uint64_t>(align, config_.block_size / align * align);
     add_range(file->buffered_fd(), offset, lo, config_.block_size, false);
     add_range(file->direct_fd(), lo, hi, chunk, true);

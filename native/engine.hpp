@@ -118,10 +118,16 @@ struct Task {
 // successfully or by failing its request.
 class Backend {
  public:
+  Backend();
   virtual ~Backend() = default;
+  // In a forked child the worker threads do not exist: they cannot be joined.
+  bool forked() const;
   virtual void submit(std::vector<Task> &&tasks) = 0;
   virtual void shutdown() = 0;  // waits for accepted tasks, then stops
   virtual const char *name() const = 0;
+
+ private:
+  int owner_pid_;
 };
 
 std::unique_ptr<Backend> make_thread_backend(int threads, uint64_t block_size);

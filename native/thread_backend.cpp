@@ -30,6 +30,13 @@ class ThreadBackend final : public Backend {
   }
 
   void shutdown() override {
+    if (forked()) {
+      // The threads live only in the parent: joining or detaching their handles
+      // fails here and destroying them aborts, so the handles are left behind (and
+      // the lock, which a parent thread may have held at the fork, is not touched).
+      new std::vector<std::thread>(std::move(workers_));
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return;

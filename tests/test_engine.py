@@ -312,3 +312,31 @@ def test_buffered_mode_when_direct_is_off(backend: str, tmp_path) -> None:
             out = np.empty_like(data)
             e.read(out, f)
         np.testing.assert_array_equal(out, data)
+
+
+def test_engines_across_fork(tmp_path) -> None:
+    """A forked child (a DataLoader worker, say) gets a working default engine."""
+    parent_engine = tensorferry.default_engine()
+    parent_engine.write(b"parent", tmp_path / "p.bin")
+    pid = os.fork()
+    if pid == 0:  # the child reports through its exit status only
+        code = 1
+        try:
+            child_engine = tensorferry.default_engine()
+            assert child_engine is not parent_engine
+            child_engine.write(b"child", tmp_path / "c.bin")
+            try:
+                parent_engine.write(b"x", tmp_path / "x.bin")
+            except EngineClosedError:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (tmp_path / "c.bin").read_bytes() == b"child"
+    assert tensorferry.default_engine() is parent_engine  # the parent's is untouched
+
+
+def test_completed_future() -> None:
+    f = tensorferry.IOFuture.completed(42)
+    assert f.done() and f.result() == 42 and f.exception() is None

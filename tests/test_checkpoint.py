@@ -1,0 +1,403 @@
+"""Shard files and checkpoint directories: format, integrity, crash safety, full disks."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tensorferry
+from tensorferry import CheckpointNotFoundError, CorruptCheckpointError, ShardReader, ShardWriter
+
+DTYPES = [np.float64, np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
+          ml_dtypes.float8_e5m2, np.int64, np.int32, np.int16, np.int8, np.uint64, np.uint32,
+          np.uint16, np.uint8, np.bool_]
+SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (5, 3), (2, 3, 4, 5), (300_001,)]
+
+
+def sample(dtype, shape, seed: int) -> np.ndarray:
+    raw = np.random.default_rng(seed).integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize,
+                                               dtype=np.uint8)
+    if dtype is np.bool_:
+        raw = raw & 1
+    return raw.view(dtype).reshape(shape)
+
+
+def all_kinds() -> dict[str, np.ndarray]:
+    return {f"{np.dtype(d).name}/{'x'.join(map(str, s)) or 'scalar'}": sample(d, s, i * 31 + j)
+            for i, d in enumerate(DTYPES) for j, s in enumerate(SHAPES)}
+
+
+def assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert set(a) == set(b)
+    for name in a:
+        assert b[name].dtype == a[name].dtype, name
+        assert b[name].shape == a[name].shape, name
+        assert b[name].tobytes() == a[name].tobytes(), name
+
+
+def test_round_trip_every_dtype_and_shape(engine, tmp_path) -> None:
+    arrays = all_kinds()
+    path = tmp_path / "all.safetensors"
+    with ShardWriter(path, engine, buffer_size=64 << 10, metadata={"note": "hi"}) as w:
+        for name, a in arrays.items():
+            w.add(name, a)
+    info = w.info
+    assert info.size == os.path.getsize(path)
+    with ShardReader(path, engine) as r:
+        assert r.metadata == {"note": "hi"}
+        assert r.checksum == info.checksum
+        assert_same(arrays, r.read_many())
+
+
+def test_layout_is_aligned(tmp_path) -> None:
+    arrays = {"u8": np.arange(3, dtype=np.uint8), "f64": np.ones(5), "f16": np.ones(3, np.float16),
+              "i32": np.arange(7, dtype=np.int32)}
+    path = tmp_path / "a.safetensors"
+    with ShardWriter(path) as w:
+        for n, a in arrays.items():
+            w.add(n, a)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert (8 + n) % 4096 == 0
+    header = json.loads(raw[8:8 + n])
+    for name, entry in header.items():
+        if name != "__metadata__":
+            assert entry["data_offsets"][0] % np.dtype(arrays[name].dtype).itemsize == 0
+    begins = sorted(e["data_offsets"] for k, e in header.items() if k != "__metadata__")
+    assert all(a[1] == b[0] for a, b in zip(begins, begins[1:])), "packed without holes"
+
+
+def test_files_open_with_the_safetensors_library(tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    arrays = {k: v for k, v in all_kinds().items() if "float8" not in k and "bfloat16" not in k}
+    path = tmp_path / "compat.safetensors"
+    with ShardWriter(path) as w:
+        for n, a in arrays.items():
+            w.add(n, a)
+    assert_same(arrays, {k: np.asarray(v) for k, v in load_file(str(path)).items()})
+    special = {"bf": sample(ml_dtypes.bfloat16, (9, 4), 1), "f8": sample(ml_dtypes.float8_e5m2, (6,), 2)}
+    with ShardWriter(path) as w:
+        for n, a in special.items():
+            w.add(n, a)
+    with safe_open(str(path), framework="pt") as f:
+        assert f.get_tensor("bf").dtype == torch.bfloat16
+        assert f.get_tensor("bf").view(torch.uint16).numpy().tobytes() == special["bf"].tobytes()
+        assert f.get_tensor("f8").view(torch.uint8).numpy().tobytes() == special["f8"].tobytes()
+
+
+def test_reads_files_written_by_safetensors(tmp_path) -> None:
+    from safetensors.numpy import save_file
+    arrays = {"a": np.arange(10, dtype=np.float32), "b": np.ones((3, 3), np.int16)}
+    save_file(arrays, str(tmp_path / "peer.safetensors"), metadata={"k": "v"})
+    with ShardReader(tmp_path / "peer.safetensors") as r:
+        assert r.metadata == {"k": "v"}
+        assert_same(arrays, r.read_many())
+
+
+def test_read_subsets_and_into_destinations(engine, tmp_path) -> None:
+    arrays = {f"t{i}": sample(np.float32, (1000 + i,), i) for i in range(20)}
+    path = tmp_path / "s.safetensors"
+    with ShardWriter(path, engine) as w:
+        for n, a in arrays.items():
+            w.add(n, a)
+    with ShardReader(path, engine, chunk_size=16 << 10) as r:
+        np.testing.assert_array_equal(r.read("t7"), arrays["t7"])
+        dest = np.empty(1003, np.float32)
+        r.read("t3", out=dest)
+        np.testing.assert_array_equal(dest, arrays["t3"])
+        got = r.read_many(["t1", "t19", "t5"], out={"t19": np.empty(1019, np.float32)})
+        assert_same({k: arrays[k] for k in ("t1", "t19", "t5")}, got)
+        with pytest.raises(ValueError, match="destination"):
+            r.read("t0", out=np.empty(3, np.float32))
+        with pytest.raises(KeyError):
+            r.read("nope")
+
+
+def test_lazy_sources_and_explicit_dtype(tmp_path) -> None:
+    path = tmp_path / "lazy.safetensors"
+    calls = []
+
+    def produce() -> bytes:
+        calls.append(1)
+        return np.arange(6, dtype=np.int32).tobytes()
+
+    with ShardWriter(path) as w:
+        w.add("lazy", "I32", (2, 3), produce)
+        w.add("raw", np.float16, (2,), np.array([1, 2], np.float16).tobytes())
+        with pytest.raises(ValueError, match="twice"):
+            w.add("raw", np.ones(1))
+    assert calls == [1]
+    with ShardReader(path) as r:
+        np.testing.assert_array_equal(r.read("lazy"), np.arange(6, dtype=np.int32).reshape(2, 3))
+    with pytest.raises(ValueError, match="needs 24 bytes"):
+        with ShardWriter(tmp_path / "bad.safetensors") as w:
+            w.add("x", "F32", (6,), b"short")
+    assert not (tmp_path / "bad.safetensors").exists()
+
+
+# --- corruption: every case is a clear CorruptCheckpointError ------------------------
+
+
+@pytest.fixture
+def good_file(tmp_path):
+    path = tmp_path / "good.safetensors"
+    with ShardWriter(path) as w:
+        w.add("a", sample(np.float32, (1000,), 1))
+        w.add("b", sample(np.int64, (300,), 2))
+    return path
+
+
+def rewrite_header(path, mutate) -> None:
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    mutate(header)
+    body = json.dumps(header).encode()
+    assert len(body) <= n
+    raw[8:8 + n] = body + b" " * (n - len(body))
+    path.write_bytes(bytes(raw))
+
+
+def test_flipped_data_byte_fails_the_checksum(good_file) -> None:
+    raw = bytearray(good_file.read_bytes())
+    raw[-5] ^= 0x40
+    good_file.write_bytes(bytes(raw))
+    with ShardReader(good_file) as r, pytest.raises(CorruptCheckpointError, match="checksum"):
+        r.read_many()
+    with ShardReader(good_file, verify=False) as r:
+        r.read_many()  # opting out reads the damaged bytes
+
+
+def test_truncated_file(good_file) -> None:
+    raw = good_file.read_bytes()
+    good_file.write_bytes(raw[:-100])
+    with pytest.raises(CorruptCheckpointError, match="outside"):
+        ShardReader(good_file)
+    good_file.write_bytes(raw[:5])
+    with pytest.raises(CorruptCheckpointError, match="too short"):
+        ShardReader(good_file)
+
+
+def test_header_length_past_eof(good_file) -> None:
+    raw = bytearray(good_file.read_bytes())
+    raw[:8] = struct.pack("<Q", len(raw) * 2)
+    good_file.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="past the end"):
+        ShardReader(good_file)
+    raw[:8] = struct.pack("<Q", 2**63)
+    good_file.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="cap"):
+        ShardReader(good_file)
+
+
+def test_overlapping_offsets(good_file) -> None:
+    def overlap(h):
+        h["b"]["data_offsets"] = [h["a"]["data_offsets"][0], h["a"]["data_offsets"][0] + 2400]
+    rewrite_header(good_file, overlap)
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
+        ShardReader(good_file)
+
+
+def test_absurd_shape_allocates_nothing(good_file) -> None:
+    def absurd(h):
+        h["a"]["shape"] = [2**40, 2**40]
+    rewrite_header(good_file, absurd)
+    with pytest.raises(CorruptCheckpointError, match="needs"):
+        ShardReader(good_file)
+
+
+@pytest.mark.parametrize("bad", [
+    {"dtype": "F99"}, {"shape": [-1]}, {"shape": "big"}, {"data_offsets": [5]}, {"data_offsets": [10, 2]},
+])
+def test_invalid_entries(good_file, bad) -> None:
+    rewrite_header(good_file, lambda h: h["a"].update(bad))
+    with pytest.raises(CorruptCheckpointError):
+        ShardReader(good_file)
+
+
+def test_non_json_header(good_file) -> None:
+    raw = bytearray(good_file.read_bytes())
+    raw[8:12] = b"\xff{[("
+    good_file.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="JSON"):
+        ShardReader(good_file)
+    assert issubclass(CorruptCheckpointError, ValueError)
+
+
+# --- checkpoint directories --------------------------------------------------------
+
+
+def test_checkpoint_round_trip_with_sharding(engine, tmp_path) -> None:
+    arrays = {f"layer{i}": sample(np.float32, (50_000,), i) for i in range(12)}
+    arrays.update(all_kinds())
+    path = tensorferry.save_checkpoint(tmp_path / "step_10", arrays, {"step": 10, "lr": 0.1},
+                                       engine=engine, max_shard_bytes=600_000)
+    files = sorted(os.listdir(path))
+    assert "tensorferry.json" in files and len(files) > 3
+    manifest = tensorferry.read_manifest(path)
+    assert manifest["metadata"] == {"step": 10, "lr": 0.1}
+    assert manifest["tensors"]["layer3"]["file"].endswith(".safetensors")
+    assert_same(arrays, tensorferry.load_checkpoint(path, engine=engine))
+    part = tensorferry.load_checkpoint(path, ["layer2", "layer7"], engine=engine)
+    assert_same({k: arrays[k] for k in ("layer2", "layer7")}, part)
+    assert tensorferry.verify_checkpoint(path) == []
+
+
+def test_checkpoint_detects_damage(tmp_path) -> None:
+    arrays = {f"w{i}": sample(np.float32, (40_000,), i) for i in range(4)}
+    path = tensorferry.save_checkpoint(tmp_path / "c", arrays, max_shard_bytes=200_000)
+    shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    victim = os.path.join(path, shards[0])
+    with open(victim, "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-10, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        tensorferry.load_checkpoint(path)
+    assert tensorferry.verify_checkpoint(path) and shards[0] in tensorferry.verify_checkpoint(path)[0]
+    os.unlink(os.path.join(path, shards[1]))
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        tensorferry.load_checkpoint(path)
+    with open(victim, "ab") as f:
+        f.write(b"extra")
+    with pytest.raises(CorruptCheckpointError, match="manifest says"):
+        tensorferry.load_checkpoint(path, [n for n in arrays if True][:1])
+
+
+def test_directory_without_manifest_is_not_a_checkpoint(tmp_path) -> None:
+    (tmp_path / "step_5").mkdir()
+    (tmp_path / "step_5" / "shard-00000.safetensors").write_bytes(b"junk")
+    with pytest.raises(CheckpointNotFoundError, match="not a complete checkpoint"):
+        tensorferry.load_checkpoint(tmp_path / "step_5")
+    with pytest.raises(CheckpointNotFoundError):
+        tensorferry.load_checkpoint(tmp_path / "absent")
+    assert tensorferry.latest_checkpoint(tmp_path) is None
+    tensorferry.save_checkpoint(tmp_path / "step_2", {"x": np.ones(3)})
+    assert tensorferry.latest_checkpoint(tmp_path) == str(tmp_path / "step_2")
+
+
+def test_latest_and_retention(tmp_path) -> None:
+    for step in (1, 2, 10, 9):
+        tensorferry.save_checkpoint(tmp_path / f"step_{step}", {"x": np.full(3, step)})
+    (tmp_path / f"step_11{tensorferry.checkpoint.TMP_MARKER}abc").mkdir()
+    assert tensorferry.latest_checkpoint(tmp_path) == str(tmp_path / "step_10")
+    removed = tensorferry.prune_checkpoints(tmp_path, keep_last=2)
+    assert sorted(os.path.basename(p) for p in removed) == ["step_1", "step_2"]
+    assert [os.path.basename(p) for p in tensorferry.list_checkpoints(tmp_path)] == ["step_9", "step_10"]
+    tensorferry.prune_checkpoints(tmp_path, keep_last=1, remove_unfinished=True)
+    assert sorted(os.listdir(tmp_path)) == ["step_10"]
+
+
+def test_existing_checkpoint_is_replaced_only_on_request(tmp_path) -> None:
+    tensorferry.save_checkpoint(tmp_path / "c", {"x": np.ones(3)})
+    with pytest.raises(FileExistsError):
+        tensorferry.save_checkpoint(tmp_path / "c", {"x": np.zeros(3)})
+    assert tensorferry.load_checkpoint(tmp_path / "c")["x"][0] == 1
+    assert os.listdir(tmp_path) == ["c"], "the failed save left no temporary directory"
+    tensorferry.save_checkpoint(tmp_path / "c", {"x": np.zeros(3)}, overwrite=True)
+    assert tensorferry.load_checkpoint(tmp_path / "c")["x"][0] == 0
+    assert os.listdir(tmp_path) == ["c"]
+
+
+def test_multi_writer_commit(tmp_path) -> None:
+    pending = tensorferry.PendingCheckpoint.begin(tmp_path / "step_3")
+    joined = tensorferry.PendingCheckpoint(pending.directory, pending.token)  # another rank
+    infos = []
+    for rank, p in enumerate([pending, joined]):
+        with p.writer(f"rank{rank}.safetensors") as w:
+            w.add(f"w.rank{rank}", np.full(10, rank, np.float32))
+        infos.append(w.info)
+    assert tensorferry.latest_checkpoint(tmp_path) is None  # nothing visible before commit
+    pending.commit(infos, {"world_size": 2})
+    loaded = tensorferry.load_checkpoint(tmp_path / "step_3")
+    assert loaded["w.rank1"][0] == 1 and loaded["w.rank0"][0] == 0
+    with pytest.raises(ValueError):
+        pending.writer("../escape.safetensors")
+
+
+def test_disk_full_keeps_the_previous_checkpoint(small_tmpfs) -> None:
+    root = small_tmpfs
+    previous = {"w": sample(np.float32, (200_000,), 1)}  # 800 kB
+    tensorferry.save_checkpoint(os.path.join(root, "step_1"), previous)
+    with pytest.raises(OSError) as info:
+        tensorferry.save_checkpoint(os.path.join(root, "step_2"), {"w": sample(np.float32, (2_000_000,), 2)})
+    assert info.value.errno == errno.ENOSPC
+    assert sorted(os.listdir(root)) == ["step_1"], "the temporary directory is removed"
+    assert_same(previous, tensorferry.load_checkpoint(os.path.join(root, "step_1")))
+    assert tensorferry.latest_checkpoint(root) == os.path.join(root, "step_1")
+
+
+def test_missing_parent_is_created(tmp_path) -> None:
+    tensorferry.save_checkpoint(tmp_path / "runs" / "a" / "step_1", {"x": np.ones(2)})
+    assert tensorferry.latest_checkpoint(tmp_path / "runs" / "a").endswith("step_1")
+
+
+def test_unwritable_directory() -> None:
+    from conftest import mounted
+    with mounted("tmpfs", "size=1m,ro") as root:
+        with pytest.raises(OSError) as info:
+            tensorferry.save_checkpoint(os.path.join(root, "step_1"), {"x": np.ones(2)})
+        assert info.value.errno in (errno.EROFS, errno.EACCES)
+        assert os.listdir(root) == []
+
+
+CRASH_SCRIPT = textwrap.dedent("""
+    import sys, numpy as np, tensorferry
+    root = sys.argv[1]
+    arrays = {f"w{i}": np.full(300_000, 2, np.float32) for i in range(24)}
+    print("ready", flush=True)
+    tensorferry.save_checkpoint(root + "/step_2", arrays, max_shard_bytes=4 << 20)
+    print("done", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_killed_saves_never_damage_the_previous_checkpoint(tmp_path) -> None:
+    root = str(tmp_path)
+    good = {f"w{i}": np.full(300_000, 1, np.float32) for i in range(24)}
+    tensorferry.save_checkpoint(os.path.join(root, "step_1"), good, max_shard_bytes=4 << 20)
+    script = tmp_path / "save.py"
+    script.write_text(CRASH_SCRIPT)
+    rng = random.Random(1234)
+    completed = 0
+    for trial in range(24):
+        proc = subprocess.Popen([sys.executable, str(script), root], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.0, 0.25))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        latest = tensorferry.latest_checkpoint(root)
+        assert latest in (os.path.join(root, "step_1"), os.path.join(root, "step_2"))
+        assert_same(good, tensorferry.load_checkpoint(os.path.join(root, "step_1")))
+        for entry in os.listdir(root):
+            path = os.path.join(root, entry)
+            if entry.startswith("step_2") and os.path.isdir(path):
+                if tensorferry.checkpoint.TMP_MARKER in entry:
+                    with pytest.raises(CheckpointNotFoundError):
+                        tensorferry.read_manifest(path)
+                else:  # a finished save is whole
+                    completed += 1
+                    loaded = tensorferry.load_checkpoint(path)
+                    assert all((a == 2).all() for a in loaded.values())
+                    assert latest == path
+        tensorferry.prune_checkpoints(root, keep_last=10, remove_unfinished=True)
+        if os.path.exists(os.path.join(root, "step_2")):
+            import shutil
+            shutil.rmtree(os.path.join(root, "step_2"))
+    assert completed < 24, "some trials must kill the save mid-way"

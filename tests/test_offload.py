@@ -1,0 +1,341 @@
+"""OffloadStore against real files: round trips, ordering, prefetch, memory bounds, errors."""
+
+import errno
+import gc
+import os
+import tempfile
+import threading
+
+import numpy as np
+import psutil
+import pytest
+
+import tensorferry
+from tensorferry.offload import OffloadStore
+
+from conftest import mounted
+
+MiB = 1 << 20
+SIZES = [0, 1, 4095, 4096, 12289, MiB + 3]
+
+
+@pytest.fixture
+def store(tmp_path, engine):
+    with OffloadStore(tmp_path, engine, max_pool_bytes=8 * MiB) as store:
+        yield store
+
+
+def random_bytes(rng, n):
+    return rng.integers(0, 256, n, dtype=np.uint8)
+
+
+def swapped_back(store, key):
+    out = np.empty(store.nbytes(key), np.uint8)
+    assert store.swap_in(key, out).result() == out.nbytes
+    return out
+
+
+def test_swap_cycles_are_bit_exact(store):
+    rng = np.random.default_rng(1)
+    for _ in range(4):
+        written = {f"k{n}": random_bytes(rng, n) for n in SIZES}
+        futures = [store.swap_out(key, data) for key, data in written.items()]
+        tensorferry.IOFuture.gather(futures).result()
+        for key, data in written.items():
+            assert store.nbytes(key) == data.nbytes
+            np.testing.assert_array_equal(swapped_back(store, key), data)
+    assert sorted(store.keys()) == sorted(written)
+    stats = store.stats()
+    assert stats["swaps_out"] == stats["swaps_in"] == 4 * len(SIZES)
+    assert stats["bytes_out"] == stats["bytes_in"] == 4 * sum(SIZES)
+    assert stats["files"] == len(SIZES) and stats["disk_bytes"] == sum(SIZES)
+
+
+def test_typed_unaligned_and_buffer_protocol_objects(store):
+    values = np.random.default_rng(2).standard_normal((33, 77)).astype(np.float32)
+    store.swap_out("f32", values).result()
+    back = np.zeros_like(values)
+    store.swap_in("f32", back).result()
+    np.testing.assert_array_equal(back, values)
+
+    blob = bytes(range(256)) * 41 + b"tail"
+    store.swap_out("bytes", memoryview(blob)[3:]).result()
+    into = bytearray(len(blob) + 100)  # larger than needed: only the head is filled
+    store.swap_in("bytes", into).result()
+    assert into[:len(blob) - 3] == blob[3:] and into[len(blob) - 3:] == bytes(103)
+
+
+def test_same_size_reuses_the_file_and_a_new_size_reallocates(store):
+    rng = np.random.default_rng(3)
+    store.swap_out("k", random_bytes(rng, 3 * 4096 + 5)).result()
+    (name,) = os.listdir(store.path)
+    inode = os.stat(os.path.join(store.path, name)).st_ino
+    for _ in range(3):
+        data = random_bytes(rng, 3 * 4096 + 5)
+        store.swap_out("k", data).result()
+        assert os.listdir(store.path) == [name]
+        assert os.stat(os.path.join(store.path, name)).st_ino == inode
+        np.testing.assert_array_equal(swapped_back(store, "k"), data)
+    for n in (100, 5 * MiB + 1, 7):
+        data = random_bytes(rng, n)
+        store.swap_out("k", data).result()
+        assert store.nbytes("k") == n == os.path.getsize(os.path.join(store.path, name))
+        np.testing.assert_array_equal(swapped_back(store, "k"), data)
+    assert store.stats()["files"] == 1
+
+
+def test_swap_in_sees_a_write_still_in_flight(store):
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        first, second = random_bytes(rng, 8 * MiB + 1), random_bytes(rng, 8 * MiB + 1)
+        store.swap_out("k", first)
+        store.swap_out("k", second)  # waits for the first, so the second lands last
+        out = np.empty_like(second)
+        store.swap_in("k", out).result()
+        np.testing.assert_array_equal(out, second)
+
+
+def test_a_write_after_swap_in_does_not_tear_the_read(store):
+    rng = np.random.default_rng(5)
+    old, new = random_bytes(rng, 8 * MiB), random_bytes(rng, 8 * MiB)
+    store.swap_out("k", old).result()
+    out = np.empty_like(old)
+    read = store.swap_in("k", out)
+    store.swap_out("k", new).result()
+    read.result()
+    np.testing.assert_array_equal(out, old)
+    np.testing.assert_array_equal(swapped_back(store, "k"), new)
+
+
+def test_concurrent_swaps_from_threads(store):
+    errors = []
+
+    def worker(t):
+        try:
+            rng = np.random.default_rng(100 + t)
+            for cycle in range(8):
+                key = f"t{t}-{cycle % 3}"
+                data = random_bytes(rng, int(rng.integers(1, 300_000)))
+                store.swap_out(key, data)
+                if cycle % 2:
+                    store.prefetch([key])
+                out = np.empty_like(data)
+                store.swap_in(key, out).result()
+                np.testing.assert_array_equal(out, data)
+        except BaseException as exc:  # noqa: BLE001 - reported from the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert len(store.keys()) == 12
+    assert store.stats()["pool_bytes"] <= store.max_pool_bytes
+
+
+def test_prefetch_hits_are_counted_and_exact(store):
+    rng = np.random.default_rng(6)
+    written = {f"k{i}": random_bytes(rng, n) for i, n in enumerate(SIZES)}
+    for key, data in written.items():
+        store.swap_out(key, data).result()
+    assert store.prefetch(written) == len(written)
+    assert store.prefetch(written) == 0  # already staged
+    for key, data in written.items():
+        np.testing.assert_array_equal(swapped_back(store, key), data)
+    assert store.stats()["prefetch_hits"] == len(written)
+
+    swapped_back(store, "k0")  # the staged copy was used up: this one reads the drive
+    assert store.stats()["prefetch_hits"] == len(written)
+
+    store.prefetch(["k5"])
+    fresh = random_bytes(rng, SIZES[5])
+    store.swap_out("k5", fresh).result()  # a new write makes the staged copy stale
+    np.testing.assert_array_equal(swapped_back(store, "k5"), fresh)
+    assert store.stats()["prefetch_hits"] == len(written)
+
+
+def test_prefetch_of_a_key_being_written_is_skipped(store):
+    data = random_bytes(np.random.default_rng(7), 16 * MiB)
+    store.swap_out("k", data)
+    started = store.prefetch(["k"])
+    np.testing.assert_array_equal(swapped_back(store, "k"), data)
+    assert store.stats()["prefetch_hits"] == started
+
+
+def test_prefetch_memory_stays_under_the_bound(tmp_path, engine):
+    bound = 3 * MiB
+    rng = np.random.default_rng(8)
+    with OffloadStore(tmp_path, engine, max_pool_bytes=bound) as store:
+        written = {f"k{i}": random_bytes(rng, MiB) for i in range(5)}
+        written["big"] = random_bytes(rng, 2 * MiB)
+        for key, data in written.items():
+            store.swap_out(key, data).result()
+
+        assert store.prefetch([f"k{i}" for i in range(5)]) == 3  # stops at the bound, never waits
+        assert store.stats()["pool_bytes"] == bound
+        for i in range(5):
+            np.testing.assert_array_equal(swapped_back(store, f"k{i}"), written[f"k{i}"])
+            assert store.stats()["pool_bytes"] <= bound
+        assert store.stats()["prefetch_hits"] == 3
+
+        # Idle 1 MiB buffers make room for a 2 MiB one, and the other way round.
+        for keys in (["big"], ["k0", "k1", "k2"], ["big", "k3"], ["k4"]):
+            store.prefetch(keys)
+            assert store.stats()["pool_bytes"] <= bound
+            for key in keys:
+                np.testing.assert_array_equal(swapped_back(store, key), written[key])
+                assert store.stats()["pool_bytes"] <= bound
+        assert store.prefetch(["big", "big"]) == 1
+        store.delete("big")
+        assert store.stats()["pool_bytes"] <= bound
+
+
+def test_rss_stays_bounded_over_many_large_swaps(tmp_path, engine):
+    data = random_bytes(np.random.default_rng(9), 64 * MiB)
+    out = np.zeros_like(data)
+    process = psutil.Process()
+    with OffloadStore(tmp_path, engine, max_pool_bytes=64 * MiB) as store:
+        store.swap_out("k", data).result()
+        store.prefetch(["k"])
+        store.swap_in("k", out).result()
+        baseline = process.memory_info().rss
+        for _ in range(6):
+            store.swap_out("k", data).result()
+            store.prefetch(["k"])
+            store.swap_in("k", out).result()
+            assert store.stats()["pool_bytes"] <= 64 * MiB
+        growth = process.memory_info().rss - baseline
+        assert store.stats()["prefetch_hits"] == 7
+    np.testing.assert_array_equal(out, data)
+    assert growth < 16 * MiB, f"RSS grew by {growth / MiB:.1f} MiB over 6 swaps of 64 MiB"
+
+
+def test_delete(store):
+    rng = np.random.default_rng(10)
+    store.swap_out("a", random_bytes(rng, 5000)).result()
+    store.swap_out("b", random_bytes(rng, 7000))
+    store.prefetch(["a"])
+    store.delete("a")
+    store.delete("b")  # waits for its write
+    assert "a" not in store and store.keys() == []
+    assert os.listdir(store.path) == []
+    stats = store.stats()
+    assert stats["files"] == 0 and stats["disk_bytes"] == 0
+    assert stats["pool_bytes"] <= store.max_pool_bytes
+    with pytest.raises(KeyError):
+        store.delete("a")
+    with pytest.raises(KeyError):
+        store.swap_in("a", np.empty(5000, np.uint8))
+    store.swap_out("a", np.arange(10, dtype=np.uint8)).result()  # the name can be used again
+    np.testing.assert_array_equal(swapped_back(store, "a"), np.arange(10, dtype=np.uint8))
+
+
+def test_usage_errors(store):
+    store.swap_out("k", np.ones(4096 + 1, np.uint8)).result()
+    with pytest.raises(ValueError, match="too small"):
+        store.swap_in("k", np.empty(4096, np.uint8))
+    with pytest.raises(ValueError):
+        store.swap_in("k", bytes(8192))  # read-only
+    for call in (lambda: store.swap_in("nope", np.empty(10, np.uint8)), lambda: store.nbytes("nope"),
+                 lambda: store.prefetch(["k", "nope"]), lambda: store.delete("nope")):
+        with pytest.raises(KeyError):
+            call()
+    assert store.stats()["pool_bytes"] == 0  # the failed prefetch started nothing
+    with pytest.raises(TypeError):
+        store.prefetch("k")
+
+
+def test_missing_or_unusable_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        OffloadStore(tmp_path / "missing")
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError):
+        OffloadStore(tmp_path / "file")
+    with mounted("tmpfs", "ro,size=1m") as readonly:
+        with pytest.raises(OSError, match="cannot create") as info:
+            OffloadStore(readonly)
+    assert info.value.errno == errno.EROFS
+
+
+def test_use_after_close(tmp_path, engine):
+    store = OffloadStore(tmp_path, engine)
+    store.swap_out("k", np.ones(100, np.uint8))
+    store.close()
+    store.close()
+    assert store.closed and not engine.closed  # a caller's engine stays theirs
+    for call in (lambda: store.swap_out("k", b"x"), lambda: store.swap_in("k", bytearray(100)),
+                 lambda: store.prefetch(["k"]), lambda: store.delete("k"), lambda: store.keys(),
+                 lambda: "k" in store, lambda: store.nbytes("k"), lambda: store.stats()):
+        with pytest.raises(tensorferry.EngineClosedError):
+            call()
+
+
+def test_files_live_in_a_private_directory_that_goes_away(tmp_path):
+    with OffloadStore(tmp_path) as store:
+        assert os.path.dirname(store.path) == str(tmp_path)
+        assert os.path.basename(store.path).startswith(f"tensorferry-offload-{os.getpid()}-")
+        store.swap_out("k", np.ones(10_000, np.uint8)).result()
+        with OffloadStore(tmp_path) as other:
+            assert other.path != store.path and "k" not in other
+    assert os.listdir(tmp_path) == []
+
+    forgotten = OffloadStore(tmp_path)
+    forgotten.swap_out("k", np.ones(10_000, np.uint8)).result()
+    del forgotten
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
+def test_works_on_dev_shm(engine):
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    directory = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        data = random_bytes(np.random.default_rng(11), 2 * MiB + 5)
+        with OffloadStore(directory, engine) as store:
+            store.swap_out("k", data).result()
+            store.prefetch(["k"])
+            np.testing.assert_array_equal(swapped_back(store, "k"), data)
+            assert store.stats()["prefetch_hits"] == 1
+        assert os.listdir(directory) == []
+    finally:
+        os.rmdir(directory)
+
+
+def test_disk_full_raises_enospc_and_forgets_the_key(engine):
+    rng = np.random.default_rng(12)
+    with mounted("tmpfs", "size=8m") as small, OffloadStore(small, engine) as store:
+        kept = random_bytes(rng, 3 * MiB)
+        store.swap_out("kept", kept).result()
+        with pytest.raises(OSError) as info:
+            store.swap_out("big", random_bytes(rng, 6 * MiB)).result()
+        assert info.value.errno == errno.ENOSPC
+        assert "big" not in store and store.keys() == ["kept"]
+        with pytest.raises(KeyError):
+            store.swap_in("big", np.empty(6 * MiB, np.uint8))
+
+        # Growing an existing key past the free space loses that key, never half of it.
+        with pytest.raises(OSError) as info:
+            store.swap_out("kept", random_bytes(rng, 9 * MiB)).result()
+        assert info.value.errno == errno.ENOSPC
+        assert "kept" not in store and store.stats()["disk_bytes"] == 0
+
+        # The space came back: the store goes on working.
+        data = random_bytes(rng, 6 * MiB)
+        store.swap_out("big", data).result()
+        np.testing.assert_array_equal(swapped_back(store, "big"), data)
+
+        # A write that fails in flight (a small, buffered one on a full drive) fails its future.
+        with open(os.path.join(small, "filler"), "wb", buffering=0) as filler:
+            with pytest.raises(OSError):
+                while True:
+                    filler.write(bytes(4096))
+        pending = store.swap_out("tiny", b"x" * 100)
+        with pytest.raises(OSError) as info:
+            pending.result()
+        assert info.value.errno == errno.ENOSPC
+        with pytest.raises(KeyError, match="failed"):
+            store.swap_in("tiny", bytearray(100))
+        assert "tiny" not in store and store.keys() == ["big"]
