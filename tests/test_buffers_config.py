@@ -115,3 +115,13 @@ def test_config_from_deepspeed() -> None:
         IOConfig.from_deepspeed({"aio": {"blocksize": 1}})
     with pytest.raises(ConfigError):
         IOConfig.from_deepspeed({"aio": {"overlap_events": "sometimes"}})
+
+
+def test_import_needs_numpy_only() -> None:
+    import subprocess
+    import sys
+    script = ("import sys, tensorferry\n"
+              "heavy = {'xxhash', 'ml_dtypes', 'torch', 'jax', 'tensorflow', 'safetensors'}\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

@@ -1,0 +1,28 @@
+"""The benchmark runs end to end at a small size (its figures are not judged here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tensorferry import bench
+
+
+@pytest.mark.parametrize("what,extra", [("engine", ["--backends", "threads"]), ("checkpoint", ["--counts", "8"])])
+def test_bench_runs_and_reports_json(tmp_path, what: str, extra: list[str]) -> None:
+    cmd = [sys.executable, "-m", "tensorferry.bench", what, "--dir", str(tmp_path), "--size", "8M", "--json", *extra]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    names = {r["name"].split(" [")[0] for r in rows}
+    assert {r["op"] for r in rows} == {"write", "read"}
+    assert all(r["gbps"] > 0 and r["nbytes"] > 0 for r in rows)
+    if bench.fio_available():
+        assert "fio" in names
+        assert all(r["ratio_to_fio"] is not None for r in rows)
+    expected = {"tensorferry threads"} if what == "engine" else {"tensorferry save", "tensorferry load"}
+    assert expected <= names
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "the benchmark cleans up after itself"
