@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Union
 
 import numpy as np
 
+from . import _native
 from .buffers import PinnedPool, byte_view
 from .dtypes import to_numpy_dtype, to_safetensors_dtype
 from .engine import Engine, File, IOFuture, default_engine
@@ -305,9 +306,13 @@ def _remove_quietly(path: str) -> None:
 
 def _aligned_empty(nbytes: int, phase: int) -> np.ndarray:
     """A uint8 array whose address is congruent to ``phase`` modulo 4096, so that a read
-    from a file offset with that phase needs no staging copy for O_DIRECT."""
+    from a file offset with that phase needs no staging copy for O_DIRECT.
+
+    Its pages are faulted in here, on the caller's thread while earlier reads are in
+    flight, rather than by the I/O path (serially, in io_uring's case)."""
     base = np.empty(nbytes + 2 * ALIGNMENT, np.uint8)
     start = (phase - base.ctypes.data) % ALIGNMENT
+    _native.populate(base.ctypes.data, base.nbytes)
     return base[start:start + nbytes]
 
 

@@ -1,5 +1,6 @@
 #include "engine.hpp"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +10,22 @@
 #include <cstring>
 
 namespace tf {
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+// Faults in the pages a read will land in. io_uring tries direct I/O without
+// blocking; pages not yet touched make that fail and the request is retried by
+// kernel workers that fault them in one by one, contending on the mm lock (here:
+// 2 s of system time per GiB read into fresh memory, against 0.05 s populated).
+void populate_for_write(char *ptr, uint64_t len) {
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(ptr) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(ptr) + len + page - 1) & ~(page - 1);
+  // Best effort: memory that cannot be populated this way is faulted in by the I/O.
+  madvise(reinterpret_cast<void *>(begin), end - begin, MADV_POPULATE_WRITE);
+}
 
 Request::Request(std::shared_ptr<File> file, bool is_write, uint64_t offset, uint64_t nbytes)
     : file_(std::move(file)), is_write_(is_write), offset_(offset), nbytes_(nbytes) {}

@@ -135,6 +135,9 @@ std::unique_ptr<Backend> make_uring_backend(int queue_depth, uint64_t block_size
 // Whether this kernel and sandbox let us create and use an io_uring instance.
 bool uring_available(std::string *why);
 
+// Faults in the pages of [ptr, ptr+len) for writing (best effort, no error).
+void populate_for_write(char *ptr, uint64_t len);
+
 // Runs one task synchronously with pread/pwrite, resuming short transfers.
 // `bounce` is an aligned scratch buffer of at least task.length bytes, used when
 // task.needs_bounce is set.
