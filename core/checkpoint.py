@@ -29,6 +29,7 @@ MANIFEST = "tensorferry.json"
 FORMAT_VERSION = 1
 TMP_MARKER = ".tmp-"
 DEFAULT_SHARD_BYTES = 512 << 20
+MAX_CONCURRENT_SHARDS = 4
 
 
 def _fsync_dir(path: str) -> None:
@@ -164,26 +165,30 @@ def _split(arrays: Mapping[str, np.ndarray], max_shard_bytes: int) -> list[list[
 
 def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
                     metadata: Mapping[str, Any] | None = None, *, engine: Engine | None = None,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False) -> str:
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, buffer_size: int = 16 << 20,
+                    overwrite: bool = False) -> str:
     """Saves named arrays as a checkpoint directory, atomically; returns its path.
 
     A state larger than ``max_shard_bytes`` is split over several shard files,
-    written concurrently. ``metadata`` is any JSON-serialisable mapping. On any
-    failure (a full disk, say) the temporary directory is removed and an existing
-    checkpoint is left as it was.
+    written concurrently; together they stage small tensors through at most
+    ``2 * buffer_size`` bytes of page-locked memory. ``metadata`` is any
+    JSON-serialisable mapping. On any failure (a full disk, say) the temporary
+    directory is removed and an existing checkpoint is left as it was.
     """
     engine = engine or default_engine()
     json.dumps(dict(metadata or {}))  # fail before writing anything if it cannot be saved
     groups = _split(arrays, max_shard_bytes)
+    writers = min(MAX_CONCURRENT_SHARDS, len(groups))
     pending = PendingCheckpoint.begin(directory)
     try:
         def write(index: int) -> ShardInfo:
-            with pending.writer(f"shard-{index:05d}.safetensors", engine) as w:
+            with pending.writer(f"shard-{index:05d}.safetensors", engine,
+                                buffer_size=buffer_size // writers) as w:
                 for name in groups[index]:
                     w.add(name, arrays[name])
             return w.info
 
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, len(groups))) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=writers) as pool:
             infos = list(pool.map(write, range(len(groups))))
         return pending.commit(infos, metadata, overwrite=overwrite)
     except BaseException:
@@ -206,7 +211,8 @@ def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = 
         by_file.setdefault(tensors[n]["file"], []).append(n)
     readers = [open_shard(directory, manifest, f, engine=engine, verify=verify) for f in by_file]
     try:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, max(1, len(readers)))) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(MAX_CONCURRENT_SHARDS,
+                                                                    max(1, len(readers)))) as pool:
             parts = pool.map(lambda r: r.read_many(by_file[os.path.basename(r.path)]), readers)
             result: dict[str, np.ndarray] = {}
             for part in parts:

@@ -220,7 +220,7 @@ class _Streamer:
     def __init__(self, engine: Engine, file: File, start: int, buffer_size: int) -> None:
         self.engine, self.file, self.buffer_size = engine, file, buffer_size
         self.direct_threshold = buffer_size // 2
-        self.halves = [_pool.acquire(buffer_size), _pool.acquire(buffer_size)]
+        self.halves: list[np.ndarray] = []  # taken from the pool when a small tensor first needs them
         self.half_futures: list[IOFuture | None] = [None, None]
         self.current = self.fill = 0
         self.half_start = self.position = start
@@ -267,6 +267,8 @@ class _Streamer:
         return data
 
     def _copy_in(self, data: np.ndarray) -> None:
+        if not self.halves:
+            self.halves = [_pool.acquire(self.buffer_size), _pool.acquire(self.buffer_size)]
         done = 0
         while done < data.nbytes:
             take = min(self.buffer_size - self.fill, data.nbytes - done)
