@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import signal
 import struct
 import subprocess
@@ -277,7 +278,7 @@ def test_checkpoint_detects_damage(tmp_path) -> None:
     with open(victim, "ab") as f:
         f.write(b"extra")
     with pytest.raises(CorruptCheckpointError, match="manifest says"):
-        tensorferry.load_checkpoint(path, [n for n in arrays if True][:1])
+        tensorferry.load_checkpoint(path, list(arrays)[:1])
 
 
 def test_directory_without_manifest_is_not_a_checkpoint(tmp_path) -> None:
@@ -398,6 +399,5 @@ def test_killed_saves_never_damage_the_previous_checkpoint(tmp_path) -> None:
                     assert latest == path
         tensorferry.prune_checkpoints(root, keep_last=10, remove_unfinished=True)
         if os.path.exists(os.path.join(root, "step_2")):
-            import shutil
             shutil.rmtree(os.path.join(root, "step_2"))
     assert completed < 24, "some trials must kill the save mid-way"
