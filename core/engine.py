@@ -160,12 +160,12 @@ class IOFuture:
     @classmethod
     def gather(cls, futures: Iterable["IOFuture"]) -> "IOFuture":
         """One future for several: done when all are, its result their total."""
-        merged = cls()
-        for f in futures:
+        parts = list(futures)
+        merged = cls(keepalive=parts)  # the parts hold the buffers
+        for f in parts:
             merged._requests += f._requests
             merged._paths += f._paths
             merged._nbytes += f._nbytes
-        merged._keepalive = [f._keepalive for f in futures] if isinstance(futures, list) else None
         return merged
 
     def done(self) -> bool:
@@ -300,12 +300,9 @@ class Engine:
             file._check_open()
             return file._native
         if isinstance(file, int):
-            return _native.File(file, f"<fd {file}>")
-        path = os.fspath(file)
-        handle = _native.File(path, "a" if is_write else "r", self.config.direct)
-        if handle.direct_refused:
-            _warn_direct_refused(path)
-        return handle
+            return File.from_fd(file)._native
+        # The native handle outlives this wrapper for as long as the request needs it.
+        return File(file, "a" if is_write else "r", direct=self.config.direct)._native
 
     def _track(self, future: IOFuture) -> None:
         # Futures the caller dropped still hold their buffers until the I/O ends.

@@ -137,11 +137,11 @@ class ShardWriter:
             raise ValueError(f"{self.path}: tensor {name!r} added twice")
         if shape is None and data is None:
             array = np.asarray(array_or_dtype)
-            if array.dtype.byteorder == ">":
-                array = array.astype(array.dtype.newbyteorder("<"))
             dtype = to_safetensors_dtype(array.dtype)
             dims = tuple(int(d) for d in array.shape)
-            source: Source = np.ascontiguousarray(array) if array.ndim else array.reshape(1)
+            # Byte order and layout are fixed in _Streamer._bytes_of, one tensor at a
+            # time, so a non-contiguous state is never copied whole.
+            source: Source = array
         else:
             dtype = to_safetensors_dtype(array_or_dtype)
             dims = tuple(int(d) for d in (shape or ()))

@@ -401,3 +401,17 @@ def test_killed_saves_never_damage_the_previous_checkpoint(tmp_path) -> None:
         if os.path.exists(os.path.join(root, "step_2")):
             shutil.rmtree(os.path.join(root, "step_2"))
     assert completed < 24, "some trials must kill the save mid-way"
+
+
+def test_non_contiguous_and_big_endian_arrays(tmp_path) -> None:
+    base = sample(np.float32, (64, 64), 5)
+    arrays = {"strided": base[::2, 1::3], "transposed": base.T, "big_endian": base.astype(">f4")}
+    path = tmp_path / "layouts.safetensors"
+    with ShardWriter(path) as w:
+        for n, a in arrays.items():
+            w.add(n, a)
+    with ShardReader(path) as r:
+        got = r.read_many()
+    for n, a in arrays.items():
+        np.testing.assert_array_equal(got[n], a)
+        assert got[n].dtype == np.float32

@@ -56,7 +56,7 @@ def test_many_requests_on_many_files_in_flight(engine: Engine, tmp_path) -> None
     futures = [engine.pwrite(a, tmp_path / f"{i}.bin") for i, a in enumerate(arrays)]
     assert [f.result() for f in futures] == [a.nbytes for a in arrays]
     outs = [np.empty_like(a) for a in arrays]
-    futures = [engine.pread(o, tmp_path / f"{i}.bin") for i, o in enumerate(outs)]
+    futures = (engine.pread(o, tmp_path / f"{i}.bin") for i, o in enumerate(outs))  # any iterable
     assert tensorferry.IOFuture.gather(futures).result() == sum(a.nbytes for a in arrays)
     for a, o in zip(arrays, outs):
         np.testing.assert_array_equal(a, o)
