@@ -21,6 +21,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from .dtypes import to_numpy_dtype
 from .engine import Engine, default_engine
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .shard import CHECKSUM_ALGORITHM, ShardInfo, ShardReader, ShardWriter, digest
@@ -197,30 +198,54 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
 
 
 def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = None, *,
-                    engine: Engine | None = None, verify: bool = True) -> dict[str, np.ndarray]:
-    """Loads a checkpoint's arrays (or just ``names``), reading all files in parallel."""
+                    out: Mapping[str, Any] | None = None, engine: Engine | None = None,
+                    verify: bool = True) -> dict[str, np.ndarray]:
+    """Loads a checkpoint's arrays (or just ``names``), reading all files in parallel.
+
+    Tensors named in ``out`` are read in place into those buffers (numpy arrays,
+    torch CPU tensors, anything on the host with the buffer protocol or DLPack),
+    whose shape and dtype must match; the returned dict then holds those objects.
+    By default (``names`` None) only the tensors in ``out`` are loaded if ``out`` is
+    given, and all of them otherwise.
+    """
     directory = os.fspath(directory)
     manifest = read_manifest(directory)
     tensors = manifest["tensors"]
-    wanted = list(tensors) if names is None else list(names)
-    missing = [n for n in wanted if n not in tensors]
+    out = dict(out or {})
+    wanted = list(names) if names is not None else list(out) if out else list(tensors)
+    missing = [n for n in [*wanted, *out] if n not in tensors]
     if missing:
         raise KeyError(f"{directory} holds no tensor(s) {', '.join(map(repr, missing))}")
+    for name, dest in out.items():
+        _check_destination(directory, name, tensors[name], dest)
     by_file: dict[str, list[str]] = {}
-    for n in wanted:
+    for n in dict.fromkeys([*wanted, *out]):
         by_file.setdefault(tensors[n]["file"], []).append(n)
     readers = [open_shard(directory, manifest, f, engine=engine, verify=verify) for f in by_file]
+
+    def read(reader: ShardReader) -> dict[str, np.ndarray]:
+        names_here = by_file[os.path.basename(reader.path)]
+        return reader.read_many(names_here, {n: out[n] for n in names_here if n in out})
+
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(MAX_CONCURRENT_SHARDS,
                                                                     max(1, len(readers)))) as pool:
-            parts = pool.map(lambda r: r.read_many(by_file[os.path.basename(r.path)]), readers)
             result: dict[str, np.ndarray] = {}
-            for part in parts:
+            for part in pool.map(read, readers):
                 result.update(part)
     finally:
         for r in readers:
             r.close()
-    return {n: result[n] for n in wanted}
+    return {n: result[n] for n in dict.fromkeys([*wanted, *out])}
+
+
+def _check_destination(directory: str, name: str, entry: Mapping[str, Any], dest: Any) -> None:
+    shape = getattr(dest, "shape", None)
+    if shape is not None and tuple(shape) != tuple(entry["shape"]):
+        raise ValueError(f"{directory}: tensor {name!r} has shape {tuple(entry['shape'])}, "
+                         f"the destination {tuple(shape)}")
+    if isinstance(dest, np.ndarray) and dest.dtype != to_numpy_dtype(entry["dtype"]):
+        raise ValueError(f"{directory}: tensor {name!r} is {entry['dtype']}, the destination {dest.dtype}")
 
 
 def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, engine: Engine | None = None,

@@ -23,6 +23,6 @@ def test_bench_runs_and_reports_json(tmp_path, what: str, extra: list[str]) -> N
     if bench.fio_available():
         assert "fio" in names
         assert all(r["ratio_to_fio"] is not None for r in rows)
-    expected = {"tensorferry threads"} if what == "engine" else {"tensorferry save", "tensorferry load"}
+    expected = {"tensorferry threads"} if what == "engine" else {"tensorferry save", "tensorferry load", "tensorferry load in place"}
     assert expected <= names
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "the benchmark cleans up after itself"

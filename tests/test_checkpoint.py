@@ -415,3 +415,22 @@ def test_non_contiguous_and_big_endian_arrays(tmp_path) -> None:
     for n, a in arrays.items():
         np.testing.assert_array_equal(got[n], a)
         assert got[n].dtype == np.float32
+
+
+def test_load_in_place_into_existing_arrays(tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    arrays = {"w": sample(np.float32, (300, 70), 1), "b": sample(np.int64, (70,), 2), "x": np.ones(3)}
+    path = tensorferry.save_checkpoint(tmp_path / "c", arrays, max_shard_bytes=50_000)
+    dest = {"w": np.zeros((300, 70), np.float32), "b": torch.zeros(70, dtype=torch.int64)}
+    loaded = tensorferry.load_checkpoint(path, out=dest)
+    assert set(loaded) == {"w", "b"} and loaded["w"] is dest["w"] and loaded["b"] is dest["b"]
+    np.testing.assert_array_equal(dest["w"], arrays["w"])
+    assert dest["b"].numpy().tobytes() == arrays["b"].tobytes()
+    both = tensorferry.load_checkpoint(path, ["x"], out={"w": np.zeros((300, 70), np.float32)})
+    assert set(both) == {"x", "w"}
+    with pytest.raises(ValueError, match="shape"):
+        tensorferry.load_checkpoint(path, out={"w": np.zeros((70, 300), np.float32)})
+    with pytest.raises(ValueError, match="F32"):
+        tensorferry.load_checkpoint(path, out={"w": np.zeros((300, 70), np.float64)})
+    with pytest.raises(KeyError):
+        tensorferry.load_checkpoint(path, out={"nope": np.zeros(1)})
