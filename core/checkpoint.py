@@ -17,7 +17,7 @@ import secrets
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -33,7 +33,7 @@ DEFAULT_SHARD_BYTES = 512 << 20
 MAX_CONCURRENT_SHARDS = 4
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -91,7 +91,7 @@ class PendingCheckpoint:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(self.tmp_path)
+        fsync_dir(self.tmp_path)
         old = None
         if os.path.lexists(self.directory):
             if not overwrite:
@@ -99,7 +99,7 @@ class PendingCheckpoint:
             old = f"{self.directory}{TMP_MARKER}old-{secrets.token_hex(4)}"
             os.rename(self.directory, old)
         os.rename(self.tmp_path, self.directory)
-        _fsync_dir(os.path.dirname(self.directory))
+        fsync_dir(os.path.dirname(self.directory))
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return self.directory
@@ -151,17 +151,19 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def _split(arrays: Mapping[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:
-    """Balances tensors over the fewest shards of about ``max_shard_bytes`` (largest first)."""
-    sizes = {name: np.asarray(a).nbytes for name, a in arrays.items()}
+def split_by_size(sizes: Mapping[str, int], max_shard_bytes: int, max_shards: int | None = None) -> list[list[str]]:
+    """Balances named items over the fewest groups of about ``max_shard_bytes`` (at most
+    ``max_shards``), largest first; never returns an empty list."""
     count = max(1, -(-sum(sizes.values()) // max_shard_bytes))
-    shards: list[list[str]] = [[] for _ in range(count)]
+    if max_shards is not None:
+        count = min(count, max_shards)
+    groups: list[list[str]] = [[] for _ in range(count)]
     loads = [0] * count
     for name in sorted(sizes, key=lambda n: -sizes[n]):
         i = loads.index(min(loads))
-        shards[i].append(name)
+        groups[i].append(name)
         loads[i] += sizes[name]
-    return [s for s in shards if s] or [[]]
+    return [g for g in groups if g] or [[]]
 
 
 def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
@@ -178,7 +180,7 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
     """
     engine = engine or default_engine()
     json.dumps(dict(metadata or {}))  # fail before writing anything if it cannot be saved
-    groups = _split(arrays, max_shard_bytes)
+    groups = split_by_size({n: np.asarray(a).nbytes for n, a in arrays.items()}, max_shard_bytes)
     writers = min(MAX_CONCURRENT_SHARDS, len(groups))
     pending = PendingCheckpoint.begin(directory)
     try:
@@ -320,20 +322,63 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int, *, remove_unfinis
     return doomed
 
 
-def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = None) -> list[str]:
-    """Re-reads every file against the manifest; returns a list of problems (empty if sound)."""
+VERIFY_BATCH_BYTES = 256 << 20
+
+
+def verify_shard(reader: ShardReader, progress: Callable[[int], None] | None = None) -> None:
+    """Reads every tensor of a shard file, checking each checksum it carries.
+
+    Tensors are read in batches of about ``VERIFY_BATCH_BYTES`` (memory stays near
+    that, whatever the file's size); ``progress``, if given, is called with the
+    bytes of each batch once checked. Raises :class:`CorruptCheckpointError`.
+    """
+    batch: list[str] = []
+    batch_bytes = 0
+    for name in sorted(reader.tensors, key=lambda n: reader.tensors[n].begin):
+        batch.append(name)
+        batch_bytes += reader.tensors[name].nbytes
+        if batch_bytes >= VERIFY_BATCH_BYTES:
+            reader.read_many(batch)
+            if progress is not None:
+                progress(batch_bytes)
+            batch, batch_bytes = [], 0
+    if batch:
+        reader.read_many(batch)
+        if progress is not None:
+            progress(batch_bytes)
+
+
+def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = None,
+                      progress: Callable[[int], None] | None = None) -> list[str]:
+    """Re-reads every file against the manifest; returns a list of problems (empty if sound).
+
+    Each problem starts with the file's name and ``": "``. ``progress``, if given, is
+    called with counts of bytes checked, which add up to the size of every file the
+    manifest lists (a missing or bad file counts as checked).
+    """
     directory = os.fspath(directory)
     manifest = read_manifest(directory)
     problems = []
-    for filename in manifest["files"]:
+    for filename, entry in manifest["files"].items():
+        done = 0
+
+        def advance(nbytes: int) -> None:
+            nonlocal done
+            done += nbytes
+            if progress is not None:
+                progress(nbytes)
+
         try:
             with open_shard(directory, manifest, filename, engine=engine) as reader:
-                reader.read_many()
+                advance(reader.data_start)
+                verify_shard(reader, advance)
         except (CorruptCheckpointError, OSError) as exc:
             problems.append(f"{filename}: {exc}")
+        if progress is not None and entry["size"] > done:
+            progress(entry["size"] - done)
     return problems
 
 
 __all__ = ["MANIFEST", "PendingCheckpoint", "build_manifest", "latest_checkpoint", "list_checkpoints",
            "load_checkpoint", "open_shard", "prune_checkpoints", "read_manifest", "save_checkpoint",
-           "verify_checkpoint", "digest"]
+           "verify_checkpoint", "verify_shard", "digest"]

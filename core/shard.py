@@ -88,6 +88,15 @@ class ShardInfo:
                 "tensors": {name: t.to_json() for name, t in self.tensors.items()}}
 
 
+def write_order(specs: Iterable[tuple[str, str]]) -> list[str]:
+    """The order in which :class:`ShardWriter` lays out tensors given as ``(name, dtype)``
+    in the order they were added: largest element size first, so each tensor starts
+    aligned to its element size. Ranks that feed a writer on another rank (one tensor
+    at a time, through collectives) follow it too."""
+    specs = list(specs)
+    return [name for name, dtype in sorted(specs, key=lambda s: -to_numpy_dtype(s[1]).itemsize)]
+
+
 @dataclass
 class _Entry:
     name: str
@@ -153,7 +162,8 @@ class ShardWriter:
         """Writes the file, makes it durable and returns its :class:`ShardInfo`."""
         if self.info is not None:
             return self.info
-        entries = sorted(self._entries.values(), key=lambda e: -to_numpy_dtype(e.dtype).itemsize)
+        order = write_order([(e.name, e.dtype) for e in self._entries.values()])
+        entries = [self._entries[name] for name in order]
         layout, offset = {}, 0
         for e in entries:
             layout[e.name] = (offset, offset + e.nbytes)
@@ -306,7 +316,7 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-def _aligned_empty(nbytes: int, phase: int) -> np.ndarray:
+def aligned_empty(nbytes: int, phase: int = 0) -> np.ndarray:
     """A uint8 array whose address is congruent to ``phase`` modulo 4096, so that a read
     from a file offset with that phase needs no staging copy for O_DIRECT.
 
@@ -424,6 +434,28 @@ class ShardReader:
     def keys(self) -> list[str]:
         return list(self.tensors)
 
+    def shard_info(self) -> ShardInfo:
+        """What :meth:`ShardWriter.close` returned for this file, read back from it."""
+        return ShardInfo(self.path, self.size, self.checksum, dict(self.tensors))
+
+    def buffer_for(self, name: str, start: int, nbytes: int) -> np.ndarray:
+        """A new array that reading ``nbytes`` of tensor ``name`` from byte ``start``
+        can fill without a staging copy."""
+        return aligned_empty(nbytes, (self.data_start + self.info(name).begin + start) % ALIGNMENT)
+
+    def pread(self, name: str, out: Any, start: int = 0) -> IOFuture:
+        """Starts reading bytes ``[start, start + len(out))`` of tensor ``name`` into ``out``.
+
+        Partial reads are not checksummed (the checksum covers whole tensors); see
+        :meth:`check_checksum`.
+        """
+        t = self.info(name)
+        view = byte_view(out, writable=True)
+        if start < 0 or start + view.nbytes > t.nbytes:
+            raise ValueError(f"{self.path}: bytes [{start}, {start + view.nbytes}) lie outside tensor "
+                             f"{name!r} of {t.nbytes} bytes")
+        return self.engine.pread(view, self._file, self.data_start + t.begin + start, view.nbytes)
+
     def __contains__(self, name: object) -> bool:
         return name in self.tensors
 
@@ -463,7 +495,7 @@ class ShardReader:
             results[name] = target
         for chunk in self._chunks([n for n in names if n not in out]):
             begin, end = infos[chunk[0]].begin, max(infos[n].end for n in chunk)
-            buffer = _aligned_empty(end - begin, (self.data_start + begin) % ALIGNMENT)
+            buffer = aligned_empty(end - begin, (self.data_start + begin) % ALIGNMENT)
             views = [(n, buffer[infos[n].begin - begin:infos[n].end - begin]) for n in chunk]
             future = self.engine.pread(buffer, self._file, self.data_start + begin) if buffer.nbytes \
                 else IOFuture()
@@ -480,7 +512,7 @@ class ShardReader:
                 raise
             if self.verify:
                 for n, v in views:
-                    self._check(n, v)
+                    self.check_checksum(n, v)
         return results
 
     def _chunks(self, names: list[str]) -> list[list[str]]:
@@ -498,8 +530,10 @@ class ShardReader:
             chunks.append([n])
         return chunks
 
-    def _check(self, name: str, data: np.ndarray) -> None:
-        expected = self.tensors[name].checksum
+    def check_checksum(self, name: str, data: Any) -> None:
+        """Raises :class:`CorruptCheckpointError` if ``data`` (all of tensor ``name``'s
+        bytes) does not match its checksum; files without checksums always pass."""
+        expected = self.info(name).checksum
         if expected is not None and digest(data) != expected:
             raise self._corrupt(f"checksum mismatch in tensor {name!r}: the data is corrupt")
 

@@ -1,0 +1,16 @@
+"""PyTorch adapter: DCP storage, FSDP checkpointing, and torch.save-like save/load.
+
+Needs the ``[torch]`` extra. Everything here only turns tensors into byte buffers
+and back; the I/O is the core's.
+"""
+
+try:
+    import torch  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("tensorferry.adapters.pytorch needs PyTorch: pip install 'tensorferry[torch]'") from exc
+
+from .checkpointer import FSDPCheckpointer
+from .dcp import DCPReader, DCPWriter
+from .serialization import load, save
+
+__all__ = ["DCPReader", "DCPWriter", "FSDPCheckpointer", "load", "save"]

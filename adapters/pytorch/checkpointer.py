@@ -1,0 +1,194 @@
+"""FSDPCheckpointer: sharded saves every few hundred steps, portable consolidated ones now and then."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+from ...checkpoint import fsync_dir, latest_checkpoint, prune_checkpoints, read_manifest
+from ...errors import CheckpointNotFoundError
+from ...engine import Engine
+from ...shard import ShardWriter, write_order
+from .dcp import DCPReader, DCPWriter
+from .tensors import byte_source, safetensors_dtype
+
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+class FSDPCheckpointer:
+    """Checkpoints of an FSDP2 (``fully_shard``), DDP or plain model and its optimizer.
+
+    ``save(step)`` writes a sharded checkpoint ``checkpoint_dir/step_<step>`` (every
+    rank writes its own shards, through DCP and :class:`DCPWriter`);
+    ``save_async(step)`` does the same in the background; ``save_consolidated(step)``
+    writes one safetensors file of the full model on rank 0; ``load()`` restores the
+    latest complete step. ``keep_last`` keeps only the newest sharded checkpoints.
+
+    Example::
+
+        ckpt = FSDPCheckpointer("/nvme/ckpt", model, optimizer, keep_last=3)
+        start = ckpt.load() if ckpt.latest_step() is not None else 0
+        for step in range(start, steps):
+            train_step()
+            if step % 500 == 0:
+                ckpt.save_async(step)
+        ckpt.wait()
+    """
+
+    def __init__(self, checkpoint_dir: str | os.PathLike, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None, *, keep_last: int | None = None,
+                 engine: Engine | None = None, files_per_rank: int = 2,
+                 process_group: Any = None) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+        self.model = model
+        self.optimizer = optimizer
+        self.keep_last = keep_last
+        self.engine = engine
+        self.files_per_rank = files_per_rank
+        self.process_group = process_group
+        self._pending: Future | None = None
+        self._save_group: Any = None
+        if self._rank() == 0:
+            os.makedirs(self.checkpoint_dir, exist_ok=True)
+
+    def step_path(self, step: int) -> str:
+        """Where the sharded checkpoint of ``step`` lives."""
+        return os.path.join(self.checkpoint_dir, f"step_{int(step)}")
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.process_group) if dist.is_available() and dist.is_initialized() else 0
+
+    def _barrier(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier(self.process_group)
+
+    def _state(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def _writer(self, step: int) -> DCPWriter:
+        return DCPWriter(self.step_path(step), engine=self.engine, files_per_rank=self.files_per_rank)
+
+    def save(self, step: int) -> str:
+        """Writes a sharded checkpoint of model and optimizer; returns its path once durable."""
+        self.wait()
+        dcp.save(self._state(), storage_writer=self._writer(step), process_group=self.process_group)
+        self._retain()
+        return self.step_path(step)
+
+    def save_async(self, step: int) -> Future:
+        """Starts a sharded save and returns once the state is staged in host memory.
+
+        The write runs in the background while training goes on; a later save (or
+        :meth:`wait`) first waits for this one. The future's result is the path.
+        """
+        self.wait()
+        inner = dcp.async_save(self._state(), storage_writer=self._writer(step), process_group=self._async_group())
+        outer: Future = Future()
+
+        def done(f: Future) -> None:
+            error = f.exception()
+            if error is not None:
+                outer.set_exception(error)
+            else:
+                outer.set_result(self.step_path(step))
+
+        inner.add_done_callback(done)
+        self._pending = outer
+        return outer
+
+    def _async_group(self) -> Any:
+        # The background save runs collectives while training runs its own; on one
+        # shared group their order would interleave and deadlock, so it gets its own.
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self._save_group is None:
+            ranks = None if self.process_group is None else dist.get_process_group_ranks(self.process_group)
+            self._save_group = dist.new_group(ranks=ranks, backend="gloo")
+        return self._save_group
+
+    def wait(self) -> None:
+        """Waits for a background save, raising its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+            self._retain()
+
+    def _retain(self) -> None:
+        if self.keep_last is not None and self._rank() == 0:
+            prune_checkpoints(self.checkpoint_dir, self.keep_last)
+
+    def latest_step(self) -> int | None:
+        """The newest complete sharded step, or None."""
+        latest = latest_checkpoint(self.checkpoint_dir)
+        match = _STEP.match(os.path.basename(latest)) if latest else None
+        return int(match.group(1)) if match else None
+
+    def load(self, step: int | None = None) -> int:
+        """Restores model and optimizer from ``step`` (default: the latest complete one); returns the step."""
+        self.wait()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"no complete checkpoint under {self.checkpoint_dir}",
+                                              self.checkpoint_dir)
+        read_manifest(self.step_path(step))  # a clear error here, before DCP wraps it
+        state = self._state()
+        dcp.load(state, storage_reader=DCPReader(self.step_path(step), engine=self.engine),
+                 process_group=self.process_group)
+        set_state_dict(self.model, self.optimizer if self.optimizer is not None else [],
+                       model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
+        return step
+
+    def save_consolidated(self, step: int) -> str:
+        """Writes the full model as one safetensors file on rank 0; returns its path.
+
+        Sharded parameters are gathered one at a time, each written before the next
+        is gathered, so no rank ever holds more than one full tensor beyond its shard.
+        Every rank must call it.
+        """
+        path = os.path.join(self.checkpoint_dir, f"consolidated_step_{int(step)}.safetensors")
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
+        specs = {name: (safetensors_dtype(t.dtype), tuple(t.shape)) for name, t in state.items()}
+        order = write_order((name, dtype) for name, (dtype, _) in specs.items())
+
+        def full(name: str) -> torch.Tensor:
+            tensor = state[name]
+            return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+        if self._rank() == 0:
+            tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+            try:
+                with ShardWriter(tmp, self.engine) as writer:
+                    for name in order:
+                        dtype, shape = specs[name]
+                        writer.add(name, dtype, shape, lambda name=name: _bytes_now(full(name)))
+                os.replace(tmp, path)
+                fsync_dir(self.checkpoint_dir)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+        else:
+            for name in order:  # the same collectives, in the same order, as rank 0's writer
+                full(name)
+        self._barrier()
+        return path
+
+
+def _bytes_now(tensor: torch.Tensor) -> Any:
+    source = byte_source(tensor)
+    return source() if callable(source) else source

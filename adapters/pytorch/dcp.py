@@ -1,0 +1,305 @@
+"""torch.distributed.checkpoint storage through the core: DCPWriter and DCPReader.
+
+Each rank writes its items as raw tensor bytes into safetensors shard files (through
+:class:`tensorferry.ShardWriter`, several files per rank written concurrently);
+the coordinator writes DCP's ``.metadata`` and the tensorferry manifest, then
+commits the directory atomically (:class:`tensorferry.PendingCheckpoint`). The
+temporary directory's token reaches every rank inside DCP's own global plan, so
+the protocol rides on DCP's collectives. Loading reads only the byte ranges each
+rank's plan asks for, so checkpoints reshard.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+import math
+import os
+import pickle
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import Metadata, StorageReader, StorageWriter
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
+                                                  SavePlanner, WriteItem, WriteItemType)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ...checkpoint import MANIFEST, PendingCheckpoint, open_shard, read_manifest, split_by_size
+from ...engine import Engine, IOFuture
+from ...errors import CheckpointNotFoundError, CorruptCheckpointError
+from ...shard import ShardReader
+from .tensors import byte_source, from_array, safetensors_dtype, writable_bytes
+
+DCP_METADATA = ".metadata"
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankFiles:
+    """A rank's part of the global plan: where its files go."""
+
+    token: str
+    prefix: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredItem:
+    """Where one DCP item lives: a shard file and the tensor's name inside it."""
+
+    file: str
+    key: str
+
+
+def _item_key(item: WriteItem) -> str:
+    """The item's tensor name in its shard file: the FQN, plus the chunk's offsets for
+    a shard of a larger tensor (so that a consolidated view can be rebuilt)."""
+    index = item.index
+    if item.type != WriteItemType.SHARD or index.offset is None:
+        return index.fqn
+    return f"{index.fqn}@{','.join(str(int(o)) for o in index.offset)}"
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+class DCPWriter(StorageWriter):
+    """A ``torch.distributed.checkpoint`` StorageWriter that writes at drive speed.
+
+    Use as ``dcp.save(state_dict, storage_writer=DCPWriter(path))`` (or with
+    ``dcp.async_save``), with or without a process group.
+
+    Args:
+        path: the checkpoint directory; it appears only once complete.
+        engine: the :class:`tensorferry.Engine` to write with (default: shared).
+        files_per_rank: shard files each rank writes concurrently.
+        overwrite: replace an existing checkpoint at ``path`` (after the new one is whole).
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, *, engine: Engine | None = None,
+                 files_per_rank: int = 2, overwrite: bool = False, buffer_size: int = 16 << 20) -> None:
+        super().__init__()
+        self.path = None if path is None else os.path.abspath(os.fspath(path))
+        self.engine = engine
+        self.files_per_rank = max(1, files_per_rank)
+        self.overwrite = overwrite
+        self.buffer_size = buffer_size
+        self._pending: PendingCheckpoint | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+        if self.path is None:
+            raise ValueError("DCPWriter needs a path: DCPWriter(path) or dcp.save(..., checkpoint_id=path)")
+        self._pending = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # Fail on every rank before anything is written.
+        if os.path.lexists(self.path) and not self.overwrite:
+            raise FileExistsError(f"{self.path} exists; pass DCPWriter(..., overwrite=True) to replace it")
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self._pending = PendingCheckpoint.begin(self.path)
+        return [dataclasses.replace(plan, storage_data=_RankFiles(self._pending.token, f"rank{rank:05d}"))
+                for rank, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        where: _RankFiles = plan.storage_data
+        pending = PendingCheckpoint(self.path, where.token)
+        sizes = {_item_key(item): _planned_bytes(item) for item in plan.items}
+        by_key = {_item_key(item): item for item in plan.items}
+        groups = split_by_size(sizes, max(1, sum(sizes.values()) // self.files_per_rank + 1), self.files_per_rank)
+
+        def write_file(number: int) -> list[WriteResult]:
+            filename = f"{where.prefix}-{number:03d}.safetensors"
+            results = []
+            with pending.writer(filename, self.engine, buffer_size=self.buffer_size // len(groups)) as writer:
+                for key in groups[number]:
+                    item = by_key[key]
+                    _add_item(writer, key, item, planner)
+                    results.append(WriteResult(index=item.index, size_in_bytes=sizes[key],
+                                               storage_data=StoredItem(filename, key)))
+            return results
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(groups)) as pool:
+            per_file = list(pool.map(write_file, range(len(groups))))
+        return _done([r for results in per_file for r in results])
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        pending = self._pending
+        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        files = sorted({r.storage_data.file for rank in results for r in rank})
+        infos = []
+        for name in files:
+            with ShardReader(os.path.join(pending.tmp_path, name), self.engine, verify=False) as reader:
+                infos.append(reader.shard_info())
+        with open(os.path.join(pending.tmp_path, DCP_METADATA), "wb") as f:
+            pickle.dump(metadata, f)
+            f.flush()
+            os.fsync(f.fileno())
+        pending.commit(infos, {"written_by": "tensorferry.adapters.pytorch.DCPWriter",
+                               "dcp_metadata": DCP_METADATA}, overwrite=self.overwrite)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _planned_bytes(item: WriteItem) -> int:
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
+def _add_item(writer: Any, key: str, item: WriteItem, planner: SavePlanner) -> None:
+    if item.type == WriteItemType.BYTE_IO:
+        data = planner.resolve_data(item)
+        payload = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        writer.add(key, "U8", (len(payload),), payload)
+        return
+    # Tensors are resolved only when their turn comes: resolving can allocate.
+    props = item.tensor_data.properties
+    shape = tuple(item.tensor_data.chunk.sizes)
+
+    def tensor_bytes() -> np.ndarray:
+        tensor = planner.resolve_data(item)
+        if tuple(tensor.shape) != shape or tensor.dtype != props.dtype:
+            raise ValueError(f"{key}: planned {props.dtype}{list(shape)}, resolved {tensor.dtype}{list(tensor.shape)}")
+        source = byte_source(tensor)
+        return source() if callable(source) else source
+
+    writer.add(key, safetensors_dtype(props.dtype), shape, tensor_bytes)
+
+
+class DCPReader(StorageReader):
+    """A ``torch.distributed.checkpoint`` StorageReader for checkpoints of :class:`DCPWriter`.
+
+    ``dcp.load(state_dict, storage_reader=DCPReader(path))``. Each rank reads only
+    the byte ranges its plan needs, straight into the destination tensors where the
+    layout allows. Whole stored chunks are checked against their checksums unless
+    ``verify=False``; partial reads (when resharding) cannot be.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, *, engine: Engine | None = None,
+                 verify: bool = True) -> None:
+        super().__init__()
+        self.path = None if path is None else os.path.abspath(os.fspath(path))
+        self.engine = engine
+        self.verify = verify
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+        if self.path is None:
+            raise ValueError("DCPReader needs a path: DCPReader(path) or dcp.load(..., checkpoint_id=path)")
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        dcp_metadata = os.path.join(self.path, DCP_METADATA)
+        if not os.path.exists(os.path.join(self.path, MANIFEST)) and os.path.exists(dcp_metadata):
+            raise CheckpointNotFoundError(
+                f"{self.path} was written by torch's FileSystemWriter, not tensorferry's DCPWriter; "
+                "load it with torch.distributed.checkpoint.FileSystemReader", self.path)
+        self._manifest = read_manifest(self.path)
+        if not os.path.exists(dcp_metadata):
+            raise CorruptCheckpointError(f"{self.path} is a tensorferry checkpoint without DCP metadata "
+                                         "(not written by DCPWriter): use tensorferry.load_checkpoint")
+        with open(dcp_metadata, "rb") as f:
+            return pickle.load(f)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        if not hasattr(self, "_manifest"):
+            self._manifest = read_manifest(self.path)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
+        readers = {name: open_shard(self.path, self._manifest, name, engine=self.engine, verify=self.verify)
+                   for name in per_file}
+        try:
+            started = [(item, readers[name], _start_read(readers[name], self.storage_data[item.storage_index].key,
+                                                         item, planner))
+                       for name, items in per_file.items() for item in items]
+            for item, reader, read in started:
+                read.finish(item, reader, planner, self.verify)
+        finally:
+            for reader in readers.values():
+                reader.close()
+        return _done(None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return os.path.isfile(os.path.join(os.fspath(checkpoint_id), MANIFEST))
+
+
+@dataclasses.dataclass
+class _Read:
+    """One read in flight: where the bytes land and how to hand them to the planner."""
+
+    future: Any
+    buffer: np.ndarray
+    key: str
+    whole: bool  # the read covers the whole stored chunk, so it can be checksummed
+    target: torch.Tensor | None = None  # the destination (None for bytes)
+    in_place: bool = False  # the read lands in the target itself
+    view: tuple | None = None  # (shape, strides) of the wanted box within the buffer
+
+    def finish(self, item: ReadItem, reader: ShardReader, planner: LoadPlanner, verify: bool) -> None:
+        self.future.result()
+        if verify and self.whole:
+            reader.check_checksum(self.key, self.buffer)
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(self.buffer.tobytes()))
+            return
+        if not self.in_place:
+            info = reader.info(self.key)
+            flat = from_array(self.buffer.view(np.uint8), info.dtype)
+            shape, strides = self.view
+            source = torch.as_strided(flat.reshape(-1), shape, strides)
+            if tuple(self.target.shape) != tuple(shape):
+                raise CorruptCheckpointError(f"{reader.path}: {self.key} holds {list(shape)} for "
+                                             f"{item.dest_index.fqn}, the destination is {list(self.target.shape)}")
+            self.target.copy_(source)
+        planner.commit_tensor(item, self.target)
+
+
+def _start_read(reader: ShardReader, key: str, item: ReadItem, planner: LoadPlanner) -> _Read:
+    info = reader.info(key)
+    if item.type == LoadItemType.BYTE_IO:
+        buffer = reader.buffer_for(key, 0, info.nbytes)
+        return _Read(reader.pread(key, buffer), buffer, key, whole=True)
+    chunk = info.shape
+    offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
+    itemsize = info.nbytes // max(1, math.prod(chunk))
+    strides = [math.prod(chunk[i + 1:]) for i in range(len(chunk))]
+    target = planner.resolve_tensor(item).detach()
+    if any(n == 0 for n in lengths):
+        return _Read(IOFuture.completed(0), np.empty(0, np.uint8), key, whole=False, target=target,
+                     view=(lengths, strides))
+    first = sum(o * s for o, s in zip(offsets, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+    start, nbytes = first * itemsize, (last - first + 1) * itemsize
+    whole = start == 0 and nbytes == info.nbytes
+    contiguous_box = last - first + 1 == math.prod(lengths)
+    if (contiguous_box and target.device.type == "cpu" and target.is_contiguous()
+            and safetensors_dtype(target.dtype) == info.dtype and tuple(target.shape) == lengths):
+        # The wanted bytes are one range and the destination is plain memory: no copy.
+        buffer = writable_bytes(target)
+        return _Read(reader.pread(key, buffer, start), buffer, key, whole, target=target, in_place=True)
+    buffer = reader.buffer_for(key, start, nbytes)
+    return _Read(reader.pread(key, buffer, start), buffer, key, whole, target=target, view=(lengths, strides))

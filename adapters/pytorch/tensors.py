@@ -1,0 +1,62 @@
+"""Torch tensors to and from the byte buffers the core reads and writes."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Union
+
+import numpy as np
+import torch
+
+from ...dtypes import to_numpy_dtype
+
+TO_SAFETENSORS = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+FROM_SAFETENSORS = {name: dtype for dtype, name in TO_SAFETENSORS.items()}
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype."""
+    try:
+        return TO_SAFETENSORS[dtype]
+    except KeyError:
+        raise TypeError(f"torch dtype {dtype} has no safetensors equivalent "
+                        f"(supported: {', '.join(map(str, TO_SAFETENSORS))})") from None
+
+
+def host_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's elements as a contiguous uint8 array in host memory (no copy when
+    the tensor is already contiguous on the CPU)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def byte_source(tensor: torch.Tensor) -> Union[np.ndarray, Callable[[], np.ndarray]]:
+    """What a ShardWriter takes for this tensor: its bytes now if they are on the host,
+    else a callable that copies them off the device when their turn comes, so that
+    device memory is staged one tensor at a time."""
+    if tensor.device.type == "cpu":
+        return host_bytes(tensor)
+    return lambda: host_bytes(tensor)
+
+
+def from_array(array: np.ndarray, dtype_name: str) -> torch.Tensor:
+    """A tensor sharing the memory of an array read by the core (bf16 and fp8 included)."""
+    dtype = FROM_SAFETENSORS[dtype_name]
+    raw = array.reshape(-1).view(np.uint8)
+    return torch.from_numpy(raw).view(dtype).reshape(array.shape)
+
+
+def writable_bytes(tensor: torch.Tensor) -> Any:
+    """The tensor's memory as a writable uint8 array, for reads straight into it."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+__all__ = ["FROM_SAFETENSORS", "TO_SAFETENSORS", "byte_source", "from_array", "host_bytes",
+           "safetensors_dtype", "to_numpy_dtype", "writable_bytes"]

@@ -1,0 +1,313 @@
+"""The PyTorch adapter: DCP storage, FSDPCheckpointer on real FSDP2 with gloo, save/load."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402 (a BaseException)
+
+import tensorferry  # noqa: E402
+from tensorferry import CheckpointNotFoundError, CorruptCheckpointError  # noqa: E402
+from tensorferry.adapters.pytorch import DCPReader, DCPWriter, FSDPCheckpointer, load, save  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * dtype.itemsize,), generator=g, dtype=torch.uint8)
+    if dtype == torch.bool:
+        raw = raw & 1
+    return raw.view(dtype).reshape(shape)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and \
+        a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)) if a.dim() else \
+        a.dtype == b.dtype and a.reshape(1).view(torch.uint8).equal(b.reshape(1).view(torch.uint8))
+
+
+def small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                               torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+
+# --- save/load: the torch.save drop-in ----------------------------------------------------
+
+
+def test_save_load_nested_state(tmp_path) -> None:
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    obj = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 7, "lr": 1e-3,
+           "name": "run-1", "flags": [True, None, float("inf")], "shape": (3, 4),
+           "tensors": {str(d).split(".")[-1]: random_tensor(d, (5, 3), i) for i, d in enumerate(DTYPES)},
+           "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "dtype": torch.bfloat16}
+    path = tmp_path / "state.safetensors"
+    save(obj, path)
+    back = load(path)
+    assert back["step"] == 7 and back["name"] == "run-1" and back["flags"] == [True, None, float("inf")]
+    assert back["shape"] == (3, 4) and back["dtype"] is torch.bfloat16
+    for name, t in obj["tensors"].items():
+        assert same(t, back["tensors"][name]), name
+    assert same(obj["scalar"], back["scalar"]) and back["empty"].shape == (0, 4)
+    for k, v in obj["model"].items():
+        assert torch.equal(v, back["model"][k])
+    assert set(back["optimizer"]["state"]) == {0, 1, 2, 3, 4, 5}  # int keys survive
+    fresh = torch.optim.AdamW(small_model().parameters(), lr=1e-3)
+    fresh.load_state_dict(back["optimizer"])  # a real optimizer accepts it
+    from safetensors.torch import load_file
+    assert torch.equal(load_file(str(path))["model.0.weight"], obj["model"]["0.weight"])
+
+
+def test_save_keeps_tied_tensors_tied_and_refuses_pickle_only_objects(tmp_path) -> None:
+    w = torch.randn(4, 4)
+    save({"a": w, "b": w}, tmp_path / "tied.safetensors")
+    back = load(tmp_path / "tied.safetensors")
+    assert back["a"] is back["b"]
+    with pytest.raises(TypeError, match="without pickle"):
+        save({"f": object()}, tmp_path / "bad.safetensors")
+    assert not (tmp_path / "bad.safetensors").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["tied.safetensors"]
+
+
+def test_load_plain_safetensors_and_map_location(tmp_path) -> None:
+    from safetensors.torch import save_file
+    save_file({"x": torch.arange(6.0)}, str(tmp_path / "peer.safetensors"))
+    assert torch.equal(load(tmp_path / "peer.safetensors", map_location="cpu")["x"], torch.arange(6.0))
+    with pytest.raises(TypeError):
+        load(tmp_path / "peer.safetensors", map_location=lambda s, _: s)
+
+
+# --- DCPWriter / DCPReader, one process ------------------------------------------------
+
+
+def test_dcp_round_trip_single_process(tmp_path) -> None:
+    state = {"model": {f"t{i}": random_tensor(d, (7, 5), i) for i, d in enumerate(DTYPES)},
+             "meta": {"step": 12, "note": "x"}}
+    dcp.save(state, storage_writer=DCPWriter(tmp_path / "c"))
+    files = sorted(os.listdir(tmp_path / "c"))
+    assert ".metadata" in files and "tensorferry.json" in files
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "meta": {"step": 0, "note": ""}}
+    dcp.load(target, storage_reader=DCPReader(tmp_path / "c"))
+    assert target["meta"] == {"step": 12, "note": "x"}
+    for k, v in state["model"].items():
+        assert same(v, target["model"][k]), k
+    # The shard files are plain safetensors holding the raw bytes.
+    manifest = tensorferry.read_manifest(tmp_path / "c")
+    assert manifest["tensors"]["model.t1"]["dtype"] == "F32"
+    assert tensorferry.verify_checkpoint(tmp_path / "c") == []
+
+
+def test_dcp_refuses_to_overwrite(tmp_path) -> None:
+    dcp.save({"x": torch.ones(3)}, storage_writer=DCPWriter(tmp_path / "c"))
+    with pytest.raises(CheckpointException, match="exists"):
+        dcp.save({"x": torch.zeros(3)}, storage_writer=DCPWriter(tmp_path / "c"))
+    dcp.save({"x": torch.zeros(3)}, storage_writer=DCPWriter(tmp_path / "c", overwrite=True))
+    x = {"x": torch.ones(3)}
+    dcp.load(x, storage_reader=DCPReader(tmp_path / "c"))
+    assert x["x"].sum() == 0
+
+
+def test_dcp_load_errors(tmp_path) -> None:
+    state = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    dcp.save(state, storage_writer=DCPWriter(tmp_path / "c", files_per_rank=2))
+    (tmp_path / "incomplete").mkdir()
+    # DCP wraps storage errors in its CheckpointException; the message is ours.
+    with pytest.raises(CheckpointException, match="not a complete checkpoint"):
+        dcp.load({"w": torch.zeros(64, 64)}, storage_reader=DCPReader(tmp_path / "incomplete"))
+    with pytest.raises(CheckpointException, match="[Ss]ize|shape"):
+        dcp.load({"w": torch.zeros(32, 64)}, storage_reader=DCPReader(tmp_path / "c"))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")))
+    with pytest.raises(CheckpointException, match="FileSystemWriter"):
+        dcp.load({"w": torch.zeros(64, 64)}, storage_reader=DCPReader(tmp_path / "stock"))
+    shards = sorted((tmp_path / "c").glob("*.safetensors"))
+    raw = bytearray(shards[0].read_bytes())
+    raw[-3] ^= 0xFF
+    shards[0].write_bytes(bytes(raw))
+    with pytest.raises(CheckpointException, match="checksum"):
+        dcp.load({"w": torch.zeros(64, 64), "b": torch.zeros(64)}, storage_reader=DCPReader(tmp_path / "c"))
+    shards[1].unlink()
+    with pytest.raises(CheckpointException, match="missing"):
+        dcp.load({"w": torch.zeros(64, 64), "b": torch.zeros(64)}, storage_reader=DCPReader(tmp_path / "c"))
+
+
+def test_checkpointer_single_process(tmp_path) -> None:
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = FSDPCheckpointer(tmp_path, model, opt, keep_last=2)
+    assert ckpt.latest_step() is None
+    with pytest.raises(CheckpointNotFoundError):
+        ckpt.load()
+    (tmp_path / "step_9").mkdir()  # a save that died before its commit
+    with pytest.raises(CheckpointNotFoundError, match="not a complete checkpoint"):
+        ckpt.load(9)  # FSDPCheckpointer raises tensorferry's own error, not DCP's wrapper
+    (tmp_path / "step_9").rmdir()
+    for step in range(1, 5):
+        train_step(model, opt, step)
+        ckpt.save_async(step) if step % 2 else ckpt.save(step)
+    ckpt.wait()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step_3", "step_4"]
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    train_step(model, opt, 99)
+    assert ckpt.load() == 4
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, expected[k])
+    path = ckpt.save_consolidated(4)
+    from safetensors.torch import load_file
+    consolidated = load_file(path)
+    assert set(consolidated) == set(expected) and all(torch.equal(consolidated[k], expected[k]) for k in expected)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int = 0) -> None:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 32, generator=g)
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+# --- real torch.distributed: gloo, FSDP2 -------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fsdp_model(world: int) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model = small_model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _worker(rank: int, world: int, port: int, root: str, scenario: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        globals()[f"scenario_{scenario}"](rank, world, root)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world: int, root: str, scenario: str) -> None:
+    mp.spawn(_worker, args=(world, free_port(), root, scenario), nprocs=world, join=True)
+
+
+def scenario_resume(rank: int, world: int, root: str) -> None:
+    """Train, save, train on (the reference), then load and train again: bit-identical."""
+    model = fsdp_model(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = FSDPCheckpointer(root, model, opt)
+    for step in range(3):
+        train_step(model, opt, step, rank)
+    ckpt.save(3)
+    for step in range(3, 6):
+        train_step(model, opt, step, rank)
+    reference = full_params(model)
+    assert ckpt.load() == 3
+    for step in range(3, 6):
+        train_step(model, opt, step, rank)
+    resumed = full_params(model)
+    for k in reference:
+        assert torch.equal(reference[k], resumed[k]), k
+    # The sharded save, gathered one tensor at a time, as one portable file.
+    path = ckpt.save_consolidated(6)
+    if rank == 0:
+        from safetensors.torch import load_file
+        consolidated = load_file(path)
+        assert all(torch.equal(consolidated[k], resumed[k]) for k in resumed)
+
+
+def scenario_async(rank: int, world: int, root: str) -> None:
+    model = fsdp_model(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = FSDPCheckpointer(root, model, opt, keep_last=1)
+    train_step(model, opt, 0, rank)
+    saved = full_params(model)
+    future = ckpt.save_async(1)
+    for step in range(1, 4):  # training goes on while the checkpoint is written
+        train_step(model, opt, step, rank)
+    assert future.result().endswith("step_1")
+    ckpt.load(1)
+    for k, v in full_params(model).items():
+        assert torch.equal(v, saved[k]), k
+
+
+def scenario_save_sharded(rank: int, world: int, root: str) -> None:
+    model = fsdp_model(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, opt, 0, rank)
+    FSDPCheckpointer(root, model, opt).save(1)
+    expected = full_params(model)  # a collective: every rank takes part
+    if rank == 0:
+        torch.save(expected, os.path.join(root, "expected.pt"))
+
+
+def scenario_load_sharded(rank: int, world: int, root: str) -> None:
+    model = fsdp_model(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert FSDPCheckpointer(root, model, opt).load() == 1
+    expected = torch.load(os.path.join(root, "expected.pt"))
+    for k, v in full_params(model).items():
+        assert torch.equal(v, expected[k]), k
+
+
+def scenario_dcp_plain(rank: int, world: int, root: str) -> None:
+    """dcp.save of a plain (replicated) state dict with a process group, then load."""
+    state = {"w": torch.arange(100.0).reshape(10, 10), "step": 5}
+    dcp.save(state, storage_writer=DCPWriter(os.path.join(root, "plain")))
+    target = {"w": torch.zeros(10, 10), "step": 0}
+    dcp.load(target, storage_reader=DCPReader(os.path.join(root, "plain")))
+    assert torch.equal(target["w"], state["w"]) and target["step"] == 5
+
+
+@pytest.mark.slow
+def test_fsdp2_resume_is_bit_identical_on_2_ranks(tmp_path) -> None:
+    run(2, str(tmp_path), "resume")
+    assert tensorferry.verify_checkpoint(tmp_path / "step_3") == []
+    files = sorted(os.listdir(tmp_path / "step_3"))
+    assert any(f.startswith("rank00001") for f in files), "every rank writes its own shard files"
+
+
+@pytest.mark.slow
+def test_fsdp2_async_save_overlaps_training(tmp_path) -> None:
+    run(2, str(tmp_path), "async")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2), (2, 4)])
+def test_resharding(tmp_path, save_world: int, load_world: int) -> None:
+    run(save_world, str(tmp_path), "save_sharded")
+    run(load_world, str(tmp_path), "load_sharded")
+
+
+@pytest.mark.slow
+def test_dcp_with_a_process_group(tmp_path) -> None:
+    run(2, str(tmp_path), "dcp_plain")
