@@ -113,7 +113,9 @@ class ShardWriter:
     through a double buffer of page-locked memory (copy into one half while the
     other is written with O_DIRECT), folds each tensor's checksum in as its bytes
     pass, writes large arrays straight from their own memory, fsyncs, and returns a
-    :class:`ShardInfo`. Memory stays near ``2 * buffer_size``.
+    :class:`ShardInfo`. Memory stays near ``2 * buffer_size``, plus at most
+    ``staging_bytes`` (or one array, if larger) of arrays made by lazy sources whose
+    writes are in flight (device tensors copied to the host, say).
 
     Example::
 
@@ -123,8 +125,10 @@ class ShardWriter:
     """
 
     def __init__(self, path: str | os.PathLike, engine: Engine | None = None,
-                 buffer_size: int = 16 << 20, *, metadata: Mapping[str, str] | None = None) -> None:
+                 buffer_size: int = 16 << 20, *, metadata: Mapping[str, str] | None = None,
+                 staging_bytes: int = 256 << 20) -> None:
         self.path = os.fspath(path)
+        self.staging_bytes = staging_bytes
         self.engine = engine or default_engine()
         self.buffer_size = max(ALIGNMENT, _round_up(buffer_size, ALIGNMENT))
         self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
@@ -172,7 +176,7 @@ class ShardWriter:
         file = File(self.path, "w")
         try:
             file.reserve(data_start + offset)
-            checksums = _Streamer(self.engine, file, data_start, self.buffer_size).write(entries)
+            checksums = _Streamer(self.engine, file, data_start, self.buffer_size, self.staging_bytes).write(entries)
             tensors = {e.name: TensorInfo(e.dtype, e.shape, *layout[e.name], checksums[e.name]) for e in entries}
             header = self._header(tensors, data_start)
             self.engine.write(header, file, 0)
@@ -227,14 +231,15 @@ class _Streamer:
     ``[half_start, position)``.
     """
 
-    def __init__(self, engine: Engine, file: File, start: int, buffer_size: int) -> None:
+    def __init__(self, engine: Engine, file: File, start: int, buffer_size: int, staging_bytes: int) -> None:
         self.engine, self.file, self.buffer_size = engine, file, buffer_size
+        self.staging_bytes = staging_bytes
         self.direct_threshold = buffer_size // 2
         self.halves: list[np.ndarray] = []  # taken from the pool when a small tensor first needs them
         self.half_futures: list[IOFuture | None] = [None, None]
         self.current = self.fill = 0
         self.half_start = self.position = start
-        self.direct_futures: list[IOFuture] = []
+        self.direct_futures: list[tuple[IOFuture, int]] = []  # (write, bytes a lazy source made)
 
     def write(self, entries: list[_Entry]) -> dict[str, str]:
         checksums = {}
@@ -243,25 +248,27 @@ class _Streamer:
                 data = self._bytes_of(e)
                 if data.nbytes >= self.direct_threshold:
                     self._flush()
-                    self.direct_futures.append(self.engine.pwrite(data, self.file, self.position))
+                    produced = data.nbytes if callable(e.source) else 0
+                    self.direct_futures.append((self.engine.pwrite(data, self.file, self.position), produced))
                     self.position += data.nbytes
                     self.half_start = self.position
                     checksums[e.name] = digest(data)  # hashed while the write is in flight
-                    self._bound_direct_writes(lazy=callable(e.source))
+                    self._bound_direct_writes()
                 else:
                     checksums[e.name] = digest(data)
                     self._copy_in(data)
             self._flush()
-            for f in self.half_futures + self.direct_futures:
-                if f is not None:
-                    f.result()
+            for f in self._all_futures():
+                f.result()
         finally:
-            for f in self.half_futures + self.direct_futures:
-                if f is not None:
-                    f.wait()  # the halves go back to the pool only once idle
+            for f in self._all_futures():
+                f.wait()  # the halves go back to the pool only once idle
             for half in self.halves:
                 _pool.release(half)
         return checksums
+
+    def _all_futures(self) -> list[IOFuture]:
+        return [f for f in self.half_futures if f is not None] + [f for f, _ in self.direct_futures]
 
     @staticmethod
     def _bytes_of(e: _Entry) -> np.ndarray:
@@ -302,11 +309,15 @@ class _Streamer:
                 self.half_futures[self.current] = None
         self.half_start = self.position
 
-    def _bound_direct_writes(self, lazy: bool) -> None:
-        # Arrays produced on demand exist only for their write: keep two in flight.
-        keep = 2 if lazy else 64
-        while len(self.direct_futures) > keep:
-            self.direct_futures.pop(0).result()
+    def _bound_direct_writes(self) -> None:
+        """Waits for the oldest direct writes while too many are in flight.
+
+        Arrays made by lazy sources exist only for their write, so their bytes in
+        flight are held to ``staging_bytes`` (always allowing one)."""
+        budget = self.staging_bytes
+        while len(self.direct_futures) > 64 or (
+                len(self.direct_futures) > 1 and sum(p for _, p in self.direct_futures) > budget):
+            self.direct_futures.pop(0)[0].result()
 
 
 def _remove_quietly(path: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import socket
+import tempfile
 
 import numpy as np
 import pytest
@@ -184,12 +184,6 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, ra
 # --- real torch.distributed: gloo, FSDP2 -------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def fsdp_model(world: int) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -207,9 +201,8 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items()}
 
 
-def _worker(rank: int, world: int, port: int, root: str, scenario: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, rendezvous: str, root: str, scenario: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         globals()[f"scenario_{scenario}"](rank, world, root)
     finally:
@@ -217,7 +210,9 @@ def _worker(rank: int, world: int, port: int, root: str, scenario: str) -> None:
 
 
 def run(world: int, root: str, scenario: str) -> None:
-    mp.spawn(_worker, args=(world, free_port(), root, scenario), nprocs=world, join=True)
+    # A rendezvous file, not a TCP port: a port found free can be taken before it is bound.
+    rendezvous = os.path.join(tempfile.mkdtemp(prefix="tensorferry-rdzv-"), "store")
+    mp.spawn(_worker, args=(world, rendezvous, root, scenario), nprocs=world, join=True)
 
 
 def scenario_resume(rank: int, world: int, root: str) -> None:

@@ -1,0 +1,158 @@
+"""PyTorch checkpoints: tensorferry against torch.save, DCP's FileSystemWriter/Reader,
+safetensors and fio, in one run.
+
+Writes are timed until durable; reads start from a dropped page cache.
+
+    python benchmarks/bench_pytorch.py --dir /nvme/tmp --size 2G [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+from tensorferry import bench, parse_size
+from tensorferry.shard import digest
+from tensorferry.adapters.pytorch import DCPReader, DCPWriter, load, save
+
+
+def make_state(nbytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random float32 and bf16 tensors of mixed sizes (64 KiB to 64 MiB) adding up to ``nbytes``."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+    state, total, i = {}, 0, 0
+    while total < nbytes:
+        size = min(sizes[i % len(sizes)], nbytes - total)
+        dtype = torch.float32 if i % 2 else torch.bfloat16
+        n = max(1, size // dtype.itemsize)
+        state[f"layers.{i}.weight"] = torch.randn(n, generator=g).to(dtype)
+        total += n * dtype.itemsize
+        i += 1
+    return state
+
+
+def fsync_tree(path: str) -> None:
+    for f in bench.files_under(path) if os.path.isdir(path) else [path]:
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def empty_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # Destinations already in memory, as a model's parameters are when a checkpoint is restored.
+    return {k: torch.ones_like(v) for k, v in state.items()}
+
+
+def single_process(directory: str, state: dict[str, torch.Tensor]) -> list[bench.Measurement]:
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    results: list[bench.Measurement] = []
+    if bench.fio_available():
+        results += [bench.run_fio(directory, "write", nbytes), bench.run_fio(directory, "read", nbytes)]
+        os.unlink(os.path.join(directory, "fio.bin"))
+
+    def writer_and_reader(name: str, write, read, target: str) -> None:
+        shutil.rmtree(target, ignore_errors=True) if os.path.isdir(target) else None
+        results.append(bench.timed(name, "write", nbytes, write))
+        bench.drop_cache(bench.files_under(target) if os.path.isdir(target) else [target])
+        results.append(bench.timed(name, "read", nbytes, read))
+        shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
+
+    f = os.path.join(directory, "tf.safetensors")
+    writer_and_reader("tensorferry save/load", lambda: save(state, f), lambda: load(f), f)
+    d = os.path.join(directory, "tf-dcp")
+    dest = empty_like(state)
+    writer_and_reader("tensorferry DCPWriter/Reader", lambda: dcp.save(state, storage_writer=DCPWriter(d)),
+                      lambda: dcp.load(dest, storage_reader=DCPReader(d)), d)
+    for threads in (1, 4):
+        d = os.path.join(directory, f"dcp-{threads}")
+        writer_and_reader(f"DCP FileSystemWriter x{threads}",
+                          lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(d, thread_count=threads,
+                                                                                     sync_files=True)),
+                          lambda: dcp.load(dest, storage_reader=dcp.FileSystemReader(d)), d)
+    f = os.path.join(directory, "torch.pt")
+
+    def torch_save() -> None:
+        torch.save(state, f)
+        fsync_tree(f)
+
+    writer_and_reader("torch.save/load", torch_save, lambda: torch.load(f, map_location="cpu"), f)
+    try:
+        from safetensors.torch import load_file, save_file
+    except ImportError:
+        return results
+    f = os.path.join(directory, "peer.safetensors")
+
+    def st_save() -> None:
+        save_file(state, f)
+        fsync_tree(f)
+
+    def st_load() -> None:
+        for t in load_file(f).values():  # touch every byte: the file may be mapped lazily
+            digest(t.reshape(-1).view(torch.uint8).numpy())
+
+    writer_and_reader("safetensors save_file/load_file", st_save, st_load, f)
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, directory: str, nbytes: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    state = {f"rank{rank}.{k}": v for k, v in make_state(nbytes // world, seed=rank).items()}
+    for name, make_writer in [("tensorferry DCPWriter, 2 ranks", lambda p: DCPWriter(p)),
+                              ("DCP FileSystemWriter x4, 2 ranks",
+                               lambda p: dcp.FileSystemWriter(p, thread_count=4, sync_files=True))]:
+        path = os.path.join(directory, "dist")
+        dist.barrier()
+        start = time.perf_counter()
+        dcp.save(state, storage_writer=make_writer(path))
+        dist.barrier()
+        seconds = time.perf_counter() - start
+        if rank == 0:
+            queue.put(bench.Measurement(name, "write", nbytes, seconds, 0.0))
+            shutil.rmtree(path)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def two_ranks(directory: str, nbytes: int) -> list[bench.Measurement]:
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_rank_main, args=(2, _free_port(), directory, nbytes, queue), nprocs=2, join=True)
+    results = []
+    while not queue.empty():
+        results.append(queue.get())
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--size", default="2G")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    os.makedirs(args.dir, exist_ok=True)
+    nbytes = parse_size(args.size)
+    state = make_state(nbytes)
+    results = single_process(args.dir, state)
+    del state
+    results += two_ranks(args.dir, nbytes)
+    print(bench.report(results, args.json))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""The tensorferry command, run as a subprocess on real checkpoints made here."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+import warnings
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tensorferry
+from tensorferry import bench
+
+SUBCOMMANDS = ["bench", "tune", "inspect", "verify", "convert", "interval"]
+
+
+def run(*args: object, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``tensorferry ARGS...`` as a subprocess, output captured."""
+    return subprocess.run([sys.executable, "-m", "tensorferry.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def run_json(*args: object, expect: int = 0) -> dict:
+    """``tensorferry ARGS... --json``: checks the exit status, returns the parsed output."""
+    result = run(*args, "--json")
+    assert result.returncode == expect, result.stderr
+    return json.loads(result.stdout)
+
+
+def make_state() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    state = {f"layer{i}.weight": rng.standard_normal((64, 96), dtype=np.float32) for i in range(5)}
+    state["embed"] = rng.standard_normal((500, 32)).astype(ml_dtypes.bfloat16)
+    state["step"] = np.array(1234, dtype=np.int64)
+    state["mask"] = np.array([True, False, True])
+    state["empty"] = np.zeros((0, 4), np.float16)
+    return state
+
+
+STATE = make_state()
+METADATA = {"lr": 3e-4, "tags": ["a", "b"]}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tensorferry checkpoint of several shard files (tests copy it before damaging it)."""
+    path = tmp_path_factory.mktemp("ckpt") / "step_100"
+    tensorferry.save_checkpoint(path, STATE, metadata=METADATA, max_shard_bytes=40_000)
+    assert len(tensorferry.read_manifest(path)["files"]) > 2
+    return path
+
+
+@pytest.fixture
+def damaged(checkpoint: Path, tmp_path: Path) -> Path:
+    """A copy of the checkpoint, free to damage."""
+    return Path(shutil.copytree(checkpoint, tmp_path / "step_100"))
+
+
+def test_every_subcommand_has_help() -> None:
+    for command in SUBCOMMANDS:
+        result = run(command, "--help")
+        assert result.returncode == 0, result.stderr
+        assert f"usage: tensorferry {command}" in result.stdout
+        assert "--json" in result.stdout and "--quiet" in result.stdout
+    result = run("--help")
+    assert result.returncode == 0 and all(c in result.stdout for c in SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "required"),
+    (["frobnicate"], "invalid choice"),
+    (["interval", "--model-gb", "-1", "--samples-per-sec", "1"], "positive"),
+    (["interval", "--model-gb", "1", "--samples-per-sec", "1", "--bandwidth-gbps", "fast"], "expected a number"),
+    (["bench", "/no/such/dir"], "no such directory"),
+    (["tune", "/tmp", "--size", "lots"], "byte count"),
+    (["inspect", "/no/such/ckpt"], "no such file"),
+    (["verify", "{empty}"], "not a checkpoint"),
+])
+def test_bad_usage_exits_2_with_a_message_on_stderr(tmp_path: Path, args: list[str], message: str) -> None:
+    result = run(*(a.replace("{empty}", str(tmp_path)) for a in args))
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_inspect_tensorferry_checkpoint(checkpoint: Path) -> None:
+    info = run_json("inspect", checkpoint)
+    assert info["format"] == "tensorferry" and info["complete"] and info["problems"] == []
+    assert info["metadata"] == METADATA
+    tensors = {t["name"]: t for t in info["tensors"]}
+    assert set(tensors) == set(STATE)
+    for name, array in STATE.items():
+        assert tensors[name]["shape"] == list(array.shape)
+        assert tensors[name]["nbytes"] == array.nbytes
+    assert tensors["embed"]["dtype"] == "BF16" and tensors["mask"]["dtype"] == "BOOL"
+    assert {f["name"] for f in info["files"]} == {t["file"] for t in info["tensors"]}
+    assert info["total_bytes"] == sum(a.nbytes for a in STATE.values())
+    text = run("inspect", checkpoint, "--limit", "2")
+    assert text.returncode == 0 and "complete: yes" in text.stdout and "more (--limit 0" in text.stdout
+
+
+def test_inspect_plain_safetensors_file(tmp_path: Path) -> None:
+    import safetensors.numpy
+
+    path = tmp_path / "model.safetensors"
+    arrays = {"a": np.arange(12, dtype=np.int32).reshape(3, 4), "b": np.ones(5, np.float64)}
+    safetensors.numpy.save_file(arrays, str(path), metadata={"format": "np"})
+    info = run_json("inspect", path)
+    assert info["format"] == "safetensors" and info["complete"] and not info["checksummed"]
+    assert info["metadata"] == {"format": "np"}
+    assert {t["name"]: (t["dtype"], t["shape"]) for t in info["tensors"]} == {"a": ("I32", [3, 4]), "b": ("F64", [5])}
+
+
+def test_inspect_reports_incomplete_checkpoints(damaged: Path) -> None:
+    victim = sorted(p for p in damaged.iterdir() if p.suffix == ".safetensors")[0]
+    victim.unlink()
+    info = run_json("inspect", damaged, expect=1)
+    assert not info["complete"] and any(victim.name in p for p in info["problems"])
+    (damaged / "tensorferry.json").unlink()  # now like a save that never committed
+    info = run_json("inspect", damaged, expect=1)
+    assert info["format"] == "safetensors-dir" and not info["complete"]
+
+
+def test_inspect_torch_dcp_directory(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "dcp"
+    state = {"w": torch.randn(10, 20), "nested": {"b": torch.ones(7, dtype=torch.bfloat16)}, "step": 3}
+    with warnings.catch_warnings():  # DCP warns that it saves as a single process
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), thread_count=2))
+    info = run_json("inspect", path)
+    assert info["format"] == "torch-dcp" and info["complete"] and info["ranks"] == [0]
+    tensors = {t["name"]: t for t in info["tensors"]}
+    assert (tensors["w"]["dtype"], tensors["w"]["shape"], tensors["w"]["nbytes"]) == ("float32", [10, 20], 800)
+    assert tensors["nested.b"]["dtype"] == "bfloat16" and tensors["step"]["dtype"] == "object"
+    assert {f["name"] for f in info["files"]} == {p.name for p in path.glob("*.distcp")}
+    # DCP keeps no checksums: verify checks that every file is there and long enough.
+    victim = sorted(path.glob("*.distcp"))[0]
+    os.truncate(victim, 10)
+    result = run_json("verify", path, expect=1)
+    assert result["bad_files"] == [victim.name]
+    (path / ".metadata").unlink()
+    info = run_json("inspect", path, expect=1)
+    assert not info["complete"] and ".metadata" in info["problems"][0]
+
+
+def test_inspect_orbax_without_orbax_says_so(tmp_path: Path) -> None:
+    try:
+        import orbax.checkpoint  # noqa: F401
+        pytest.skip("orbax is installed here")
+    except ImportError:
+        pass
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "_METADATA").write_text("{}")
+    (tmp_path / "_CHECKPOINT_METADATA").write_text("{}")
+    result = run("inspect", tmp_path)
+    assert result.returncode == 2 and "unsupported: install orbax-checkpoint" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_verify_sound_checkpoint(checkpoint: Path) -> None:
+    result = run_json("verify", checkpoint)
+    assert result["ok"] and result["bad_files"] == [] and result["problems"] == []
+    assert result["bytes"] == sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
+    text = run("verify", checkpoint)
+    assert text.returncode == 0 and "OK" in text.stdout and text.stderr == ""
+
+
+@pytest.mark.parametrize("where", ["data", "header"])
+def test_verify_catches_a_flipped_byte(damaged: Path, where: str) -> None:
+    victim = max(damaged.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:
+        offset = victim.stat().st_size - 5 if where == "data" else 40
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+    result = run("verify", damaged, "--json")
+    assert result.returncode == 1
+    assert json.loads(result.stdout)["bad_files"] == [victim.name]
+    assert victim.name in result.stderr
+
+
+def test_verify_catches_a_missing_file(damaged: Path) -> None:
+    victim = sorted(damaged.glob("*.safetensors"))[-1]
+    victim.unlink()
+    result = run("verify", damaged)
+    assert result.returncode == 1
+    assert "FAILED" in result.stdout and victim.name in result.stdout and victim.name in result.stderr
+
+
+def _bf16_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_convert_to_safetensors_and_back(checkpoint: Path, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import safetensors.torch
+
+    single = tmp_path / "model.safetensors"
+    result = run_json("convert", checkpoint, single, "--to", "safetensors")
+    assert result["tensors"] == len(STATE) and result["bytes"] == sum(a.nbytes for a in STATE.values())
+    loaded = safetensors.torch.load_file(str(single))  # any safetensors reader opens it
+    assert set(loaded) == set(STATE)
+    for name, array in STATE.items():
+        tensor = loaded[name]
+        if array.dtype == ml_dtypes.bfloat16:
+            assert tensor.dtype == torch.bfloat16
+            assert _bf16_equal(tensor.view(torch.int16).numpy(), array)
+        else:
+            np.testing.assert_array_equal(tensor.numpy(), array)
+    assert run_json("verify", single)["ok"]  # tensorferry's checksums travel with the file
+
+    back = tmp_path / "back"
+    run_json("convert", single, back, "--to", "tensorferry", "--shard-size", "1M")
+    assert tensorferry.read_manifest(back)["metadata"] == METADATA
+    restored = tensorferry.load_checkpoint(back)
+    for name, array in STATE.items():
+        assert restored[name].dtype == array.dtype
+        assert _bf16_equal(restored[name], array) if array.dtype == ml_dtypes.bfloat16 else \
+            np.array_equal(restored[name], array)
+
+
+def test_convert_plain_safetensors_into_a_sharded_checkpoint(tmp_path: Path) -> None:
+    import safetensors.numpy
+
+    arrays = {f"t{i}": np.full((256, 1024), i, np.float32) for i in range(6)}  # 1 MiB each
+    source = tmp_path / "plain.safetensors"
+    safetensors.numpy.save_file(arrays, str(source), metadata={"format": "np"})
+    run_json("convert", source, tmp_path / "ckpt", "--to", "tensorferry", "--shard-size", "2M")
+    manifest = tensorferry.read_manifest(tmp_path / "ckpt")
+    assert len(manifest["files"]) == 3 and manifest["metadata"] == {"format": "np"}
+    restored = tensorferry.load_checkpoint(tmp_path / "ckpt")
+    assert all(np.array_equal(restored[n], a) for n, a in arrays.items())
+
+
+def test_convert_refusals(checkpoint: Path, tmp_path: Path) -> None:
+    dcp_dir = tmp_path / "dcp"
+    dcp_dir.mkdir()
+    (dcp_dir / ".metadata").write_bytes(b"")
+    result = run("convert", dcp_dir, tmp_path / "x.safetensors", "--to", "safetensors")
+    assert result.returncode == 2 and "not yet supported" in result.stderr
+    through_dcp = Path(shutil.copytree(checkpoint, tmp_path / "through_dcp"))  # as the PyTorch adapter writes
+    (through_dcp / ".metadata").write_bytes(b"")
+    result = run("convert", through_dcp, tmp_path / "x.safetensors", "--to", "safetensors")
+    assert result.returncode == 2 and "not yet supported" in result.stderr
+    result = run("convert", checkpoint, tmp_path / "y", "--to", "tensorferry")
+    assert result.returncode == 2 and "already a tensorferry checkpoint" in result.stderr
+    target = tmp_path / "out.safetensors"
+    target.write_bytes(b"old")
+    result = run("convert", checkpoint, target, "--to", "safetensors")
+    assert result.returncode == 2 and "--overwrite" in result.stderr and target.read_bytes() == b"old"
+    assert run("convert", checkpoint, target, "--to", "safetensors", "--overwrite").returncode == 0
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    result = run("convert", target, precious, "--to", "tensorferry", "--overwrite")
+    assert result.returncode == 2 and (precious / "notes.txt").exists()
+    assert not list(tmp_path.glob("*.tmp-*")), "no temporary files are left behind"
+
+
+def test_convert_streams_one_tensor_at_a_time(tmp_path: Path) -> None:
+    # 16 tensors of 8 MiB: holding the state whole would add 128 MiB to the peak RSS.
+    state = {f"w{i}": np.full(2 << 20, i, np.float32) for i in range(16)}
+    tensorferry.save_checkpoint(tmp_path / "big", state)
+    del state
+    script = ("import resource, sys\nfrom tensorferry.cli import main\ncode = main(sys.argv[1:])\n"
+              "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)\nsys.exit(code)")
+
+    def peak(*args: str) -> int:
+        result = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr
+        return int(result.stderr.split()[-1])
+
+    baseline = peak("interval", "--model-gb", "1", "--samples-per-sec", "1", "--bandwidth-gbps", "1", "-q")
+    converting = peak("convert", tmp_path / "big", tmp_path / "big.safetensors", "--to", "safetensors", "-q")
+    assert converting - baseline < 64 << 20
+    assert os.path.getsize(tmp_path / "big.safetensors") > 128 << 20
+
+
+def test_tune_small_finds_a_valid_config(tmp_path: Path) -> None:
+    target = tmp_path / "drive"
+    target.mkdir()
+    out = tmp_path / "tuned.json"
+    result = run_json("tune", target, "--size", "4M", "--max-seconds", "20", "-o", out)
+    assert json.loads(out.read_text()) == result
+    config = tensorferry.IOConfig(**result["io_config"])
+    assert config.backend in ("io_uring", "threads")
+    from_ds = tensorferry.IOConfig.from_deepspeed(result["deepspeed"])
+    assert (from_ds.block_size, from_ds.queue_depth, from_ds.threads) == \
+        (config.block_size, config.queue_depth, config.threads)
+    assert result["trials"] and all(t["score"] > 0 for t in result["trials"])
+    assert result["best"]["write_gbps"] > 0 and result["best"]["read_gbps"] > 0
+    if bench.fio_available():
+        assert result["fio"]["write_gbps"] > 0 and result["ratio_to_fio"] > 0
+    assert list(target.iterdir()) == [], "tune cleans up after itself"
+    with tensorferry.Engine(config) as engine:  # the result works as an engine's settings
+        engine.write(np.ones(1 << 16, np.uint8), target / "check.bin")
+
+
+def test_bench_small_reports_every_contender(tmp_path: Path) -> None:
+    result = run_json("bench", tmp_path, "--size", "4M", "--count", "4", "--backends", "threads")
+    names = {r["name"] for r in result["results"]}
+    assert {"tensorferry threads", "tensorferry save", "tensorferry load", "safetensors save_file"} <= names
+    assert {r["op"] for r in result["results"]} == {"write", "read"}
+    if bench.fio_available():
+        assert "fio" in names and all(r["ratio_to_fio"] is not None for r in result["results"])
+    if bench.torch_available():
+        assert {"torch.save", "DCP FileSystemReader"} <= {n.split(",")[0] for n in names}
+    assert list(tmp_path.iterdir()) == [], "bench cleans up after itself"
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    try:
+        import matplotlib  # noqa: F401
+        pytest.skip("matplotlib is installed here")
+    except ImportError:
+        pass
+    for command in ("bench", "tune"):
+        result = run(command, tmp_path, "--plot", tmp_path / "x.png")
+        assert result.returncode == 2 and "tensorferry[plot]" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interval_matches_the_hand_computed_case() -> None:
+    # 140 GB at 10 GB/s saves in 14 s; 0.5 h at 100 samples/s is 180,000 samples, and
+    # 20 x 14 s = 280 s (28,000 samples) keeps saving under 5%: the rework bound wins.
+    plan = run_json("interval", "--model-gb", "140", "--samples-per-sec", "100", "--bandwidth-gbps", "10")
+    assert plan["checkpoint_seconds"] == pytest.approx(14)
+    assert plan["min_interval_samples"] == pytest.approx(28_000)
+    assert plan["interval_samples"] == pytest.approx(180_000)
+    assert plan["interval_seconds"] == pytest.approx(1800)
+    assert plan["overhead"] == pytest.approx(14 / 1800)
+    assert plan["rework_bound_met"]
+    # At 0.5 GB/s a save takes 280 s; under 5% needs 5,600 s (560,000 samples) between saves.
+    result = run("interval", "--model-gb", "140", "--samples-per-sec", "100", "--bandwidth-gbps", "0.5", "--json")
+    plan = json.loads(result.stdout)
+    assert result.returncode == 0 and plan["interval_samples"] == pytest.approx(560_000)
+    assert not plan["rework_bound_met"] and plan["bandwidth_needed_gbps"] == pytest.approx(140 / 90)
+    assert "warning" in result.stderr
+    text = run("interval", "--model-gb", "140", "--samples-per-sec", "100", "--bandwidth-gbps", "10")
+    assert "checkpoint every 180,000 samples" in text.stdout
+
+
+def test_interval_measures_bandwidth_with_auto(tmp_path: Path) -> None:
+    plan = run_json("interval", "--model-gb", "1", "--samples-per-sec", "10", "--dir", tmp_path,
+                    "--probe-size", "8M")
+    assert plan["bandwidth_gbps"] > 0 and plan["measured"]["directory"] == str(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_bar_only_on_a_terminal(checkpoint: Path) -> None:
+    pytest.importorskip("tqdm")
+    controller, terminal = pty.openpty()
+    # A terminal 100 columns wide: tqdm draws nothing on one of zero columns.
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "tensorferry.cli", "verify", str(checkpoint)],
+                                stdout=subprocess.PIPE, stderr=terminal)
+        os.close(terminal)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # EIO: the child has exited and the terminal is drained
+                break
+            if not chunk:
+                break
+            seen += chunk
+        assert proc.wait(timeout=60) == 0
+        proc.stdout.close()
+    finally:
+        os.close(controller)
+    assert b"%|" in seen, seen  # tqdm's bar
+    for quiet in ([], ["--quiet"]):  # stderr not a terminal, or --quiet: no bar
+        result = run("verify", checkpoint, *quiet)
+        assert result.returncode == 0 and result.stderr == ""
+
+
+def test_importing_the_cli_stays_light() -> None:
+    script = ("import sys, tensorferry.cli\nheavy = {'tqdm', 'torch', 'matplotlib', 'safetensors'}\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
