@@ -118,7 +118,7 @@ Engine::Engine(const Config &config) : config_(config) {
   if (config.backend == "threads")
     backend_ = make_thread_backend(config.threads, config.block_size);
   else if (config.backend == "io_uring")
-    backend_ = make_uring_backend(config.queue_depth, config.block_size);
+    backend_ = make_uring_backend(config.threads, config.queue_depth, config.block_size);
   else
     throw IOError{EINVAL, "", "unknown backend '" + config.backend + "'"};
 }

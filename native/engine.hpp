@@ -131,7 +131,8 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_thread_backend(int threads, uint64_t block_size);
-std::unique_ptr<Backend> make_uring_backend(int queue_depth, uint64_t block_size);
+// `rings` rings, each with a thread, share `queue_depth` blocks in flight.
+std::unique_ptr<Backend> make_uring_backend(int rings, int queue_depth, uint64_t block_size);
 // Whether this kernel and sandbox let us create and use an io_uring instance.
 bool uring_available(std::string *why);
 

@@ -8,6 +8,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -330,10 +331,42 @@ class UringBackend final : public Backend {
   std::thread loop_;
 };
 
+// Several rings, each with its own thread, sharing the work block by block. One
+// ring thread alone does every staging copy and page fault-in of the engine in
+// series; with several, those run on as many cores while the rings keep the drive busy.
+class MultiRingBackend final : public Backend {
+ public:
+  MultiRingBackend(int rings, int queue_depth, uint64_t block_size) {
+    const int depth_each = std::max(1, queue_depth / rings);
+    for (int i = 0; i < rings; ++i) rings_.push_back(std::make_unique<UringBackend>(depth_each, block_size));
+  }
+
+  void submit(std::vector<Task> &&tasks) override {
+    std::vector<std::vector<Task>> shares(rings_.size());
+    size_t next = next_.fetch_add(1, std::memory_order_relaxed);
+    for (auto &t : tasks) shares[next++ % rings_.size()].push_back(std::move(t));
+    for (size_t i = 0; i < rings_.size(); ++i)
+      if (!shares[i].empty()) rings_[i]->submit(std::move(shares[i]));
+  }
+
+  void shutdown() override {
+    for (auto &r : rings_) r->shutdown();
+  }
+
+  const char *name() const override { return "io_uring"; }
+
+ private:
+  std::vector<std::unique_ptr<UringBackend>> rings_;
+  std::atomic<size_t> next_{0};
+};
+
 }  // namespace
 
-std::unique_ptr<Backend> make_uring_backend(int queue_depth, uint64_t block_size) {
-  return std::make_unique<UringBackend>(queue_depth, block_size);
+std::unique_ptr<Backend> make_uring_backend(int rings, int queue_depth, uint64_t block_size) {
+  if (queue_depth < 1 || queue_depth > 4096) throw IOError{EINVAL, "", "queue_depth must be between 1 and 4096"};
+  rings = std::max(1, std::min(rings, queue_depth));
+  if (rings == 1) return std::make_unique<UringBackend>(queue_depth, block_size);
+  return std::make_unique<MultiRingBackend>(rings, queue_depth, block_size);
 }
 
 bool uring_available(std::string *why) {
