@@ -44,6 +44,12 @@ void Request::fail(int err, uint64_t offset, uint64_t length, const char *what) 
   failed_.store(true, std::memory_order_release);
 }
 
+bool Request::failed_before(uint64_t offset) {
+  if (!failed()) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  return err_offset_ <= offset;
+}
+
 void Request::task_finished() {
   if (remaining_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   std::lock_guard<std::mutex> lock(mu_);
@@ -76,7 +82,7 @@ AlignedBuffer &AlignedBuffer::operator=(AlignedBuffer &&other) noexcept {
 
 void run_task_blocking(const Task &task, char *bounce) {
   Request &req = *task.req;
-  if (req.failed()) return;  // a sibling block failed first: skip the work
+  if (req.failed_before(task.offset)) return;
   const bool is_write = req.is_write();
   char *mem = task.needs_bounce ? bounce : task.ptr;
   if (is_write && task.needs_bounce) std::memcpy(bounce, task.ptr, task.length);

@@ -72,6 +72,10 @@ class Request {
   bool wait(double timeout_seconds);  // false on timeout
   bool done() const { return finished_.load(std::memory_order_acquire); }
   bool failed() const { return failed_.load(std::memory_order_acquire); }
+  // Whether a block at `offset` can be skipped: an earlier part of the request has
+  // already failed. Blocks before the failure still run, so that the error reported
+  // is the one nearest the start whatever order blocks complete in.
+  bool failed_before(uint64_t offset);
 
   void fail(int err, uint64_t offset, uint64_t length, const char *what);
   void add_bytes(uint64_t n) { bytes_done_.fetch_add(n, std::memory_order_relaxed); }

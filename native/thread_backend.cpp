@@ -39,12 +39,11 @@ class ThreadBackend final : public Backend {
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) return;
       stopping_ = true;
     }
     cv_.notify_all();
     for (auto &w : workers_) w.join();
-    workers_.clear();
+    workers_.clear();  // a second shutdown finds nothing to join
   }
 
   const char *name() const override { return "threads"; }

@@ -170,11 +170,11 @@ class UringBackend final : public Backend {
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) return;
       stopping_ = true;
     }
     wake();
-    loop_.join();
+    // The loop may have stopped on its own (a broken ring sets stopping_): join anyway.
+    if (loop_.joinable()) loop_.join();
   }
 
   const char *name() const override { return "io_uring"; }
@@ -225,7 +225,7 @@ class UringBackend final : public Backend {
       pending_.pop_front();
       s.done = 0;
       s.fd = s.task.fd;
-      if (s.task.req->failed()) {  // a sibling task failed: skip the work
+      if (s.task.req->failed_before(s.task.offset)) {
         finish(i);
         continue;
       }
