@@ -644,9 +644,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """A tensorferry checkpoint to one safetensors file, or a safetensors file to a checkpoint."""
     src, dst = args.src, args.dst
     kind = checkpoint_kind(src)
-    if kind == "torch-dcp":
-        raise CLIError(f"{src} is a torch DCP checkpoint: converting from DCP is not yet supported "
-                       "(it comes with the PyTorch adapter)")
+    through_dcp = kind == "torch-dcp" or (kind == "tensorferry" and os.path.exists(os.path.join(src, DCP_METADATA)))
+    if through_dcp and args.to == "safetensors":
+        kind = "tensorferry"  # converted below, through DCP's own planner
     if kind == "orbax":
         raise CLIError(f"{src} looks like an Orbax checkpoint: converting from Orbax is not yet supported")
     if kind == "safetensors-dir":
@@ -671,7 +671,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if args.to == "tensorferry" and not os.path.isfile(os.path.join(dst, MANIFEST)):
             raise CLIError(f"{dst} exists and is not a tensorferry checkpoint: not replacing it")
     start = time.perf_counter()
-    if args.to == "safetensors":
+    if args.to == "safetensors" and through_dcp:
+        count, nbytes = _dcp_to_safetensors(args, src, dst)
+    elif args.to == "safetensors":
         count, nbytes = _to_safetensors(args, src, dst)
     else:
         count, nbytes = _to_tensorferry(args, src, dst)
@@ -700,11 +702,6 @@ def _to_safetensors(args: argparse.Namespace, src: str, dst: str) -> tuple[int, 
         manifest = read_manifest(src)
     except TensorferryError as exc:
         raise CLIError(str(exc)) from None
-    if os.path.exists(os.path.join(src, DCP_METADATA)):
-        # Written through DCP: tensors may be stored in pieces that only DCP's metadata
-        # ties together, and objects as pickled bytes.
-        raise CLIError(f"{src} is a torch DCP checkpoint (written by the PyTorch adapter): converting from DCP "
-                       "is not yet supported")
     tensors = manifest["tensors"]
     nbytes = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in tensors.values())
     readers: dict[str, ShardReader] = {}
@@ -722,6 +719,60 @@ def _to_safetensors(args: argparse.Namespace, src: str, dst: str) -> tuple[int, 
     finally:
         for reader in readers.values():
             reader.close()
+    return len(tensors), nbytes
+
+
+def _dcp_to_safetensors(args: argparse.Namespace, src: str, dst: str) -> tuple[int, int]:
+    """Consolidates a DCP checkpoint (tensorferry's DCPWriter or torch's FileSystemWriter)
+    into one safetensors file: each tensor is assembled from its shards by DCP's own
+    planner, written, and dropped before the next is loaded. Non-tensor items
+    (pickled objects) are left out."""
+    try:
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    except ImportError:
+        raise CLIError("converting a DCP checkpoint needs PyTorch: pip install 'tensorferry[torch]'") from None
+    from .adapters.pytorch.dcp import DCPReader
+    from .adapters.pytorch.tensors import host_bytes, safetensors_dtype
+
+    ours = os.path.exists(os.path.join(src, MANIFEST))
+
+    def reader() -> Any:
+        return DCPReader(src, verify=not args.no_verify) if ours else dcp.FileSystemReader(src)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            metadata = reader().read_metadata()
+        except Exception as exc:
+            raise CLIError(f"{src}: cannot read the DCP metadata ({exc})") from None
+        tensors = {fqn: md for fqn, md in metadata.state_dict_metadata.items()
+                   if isinstance(md, TensorStorageMetadata)}
+        nbytes = sum(math.prod(md.size) * md.properties.dtype.itemsize for md in tensors.values())
+        tmp = f"{dst}{TMP_MARKER}{secrets.token_hex(6)}"
+
+        def load_one(fqn: str, md: Any, bar: Any) -> Callable[[], Any]:
+            def load() -> Any:
+                tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+                dcp.load({fqn: tensor}, storage_reader=reader(), no_dist=True)
+                bar.update(tensor.numel() * tensor.element_size())
+                return host_bytes(tensor)
+            return load
+
+        try:
+            with progress_bar(args, nbytes) as bar, ShardWriter(tmp) as writer:
+                for fqn, md in tensors.items():
+                    writer.add(fqn, safetensors_dtype(md.properties.dtype), tuple(md.size), load_one(fqn, md, bar))
+            os.replace(tmp, dst)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    skipped = len(metadata.state_dict_metadata) - len(tensors)
+    if skipped:
+        note(args, f"left out {plural(skipped, 'non-tensor item')} (DCP stores them pickled)")
     return len(tensors), nbytes
 
 

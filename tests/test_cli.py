@@ -246,16 +246,34 @@ def test_convert_plain_safetensors_into_a_sharded_checkpoint(tmp_path: Path) -> 
     assert all(np.array_equal(restored[n], a) for n, a in arrays.items())
 
 
+@pytest.mark.parametrize("writer", ["tensorferry", "torch"])
+def test_convert_dcp_checkpoints_to_one_safetensors_file(tmp_path: Path, writer: str) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from tensorferry.adapters.pytorch import DCPWriter
+    state = {"model": {"w": torch.randn(33, 7), "b": torch.arange(5, dtype=torch.int64),
+                       "h": torch.randn(4, 4).to(torch.bfloat16)}, "step": 3}
+    storage = DCPWriter(tmp_path / "dcp") if writer == "tensorferry" else dcp.FileSystemWriter(str(tmp_path / "dcp"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=storage)
+    result = run("convert", tmp_path / "dcp", tmp_path / "model.safetensors", "--to", "safetensors")
+    assert result.returncode == 0, result.stderr
+    assert "non-tensor item" in result.stderr  # the step, pickled by DCP, is left out
+    loaded = load_file(str(tmp_path / "model.safetensors"))
+    assert set(loaded) == {"model.w", "model.b", "model.h"}
+    for name in ("w", "b", "h"):
+        assert torch.equal(loaded[f"model.{name}"], state["model"][name])
+
+
 def test_convert_refusals(checkpoint: Path, tmp_path: Path) -> None:
     dcp_dir = tmp_path / "dcp"
     dcp_dir.mkdir()
     (dcp_dir / ".metadata").write_bytes(b"")
     result = run("convert", dcp_dir, tmp_path / "x.safetensors", "--to", "safetensors")
-    assert result.returncode == 2 and "not yet supported" in result.stderr
-    through_dcp = Path(shutil.copytree(checkpoint, tmp_path / "through_dcp"))  # as the PyTorch adapter writes
-    (through_dcp / ".metadata").write_bytes(b"")
-    result = run("convert", through_dcp, tmp_path / "x.safetensors", "--to", "safetensors")
-    assert result.returncode == 2 and "not yet supported" in result.stderr
+    assert result.returncode == 2 and "DCP metadata" in result.stderr
     result = run("convert", checkpoint, tmp_path / "y", "--to", "tensorferry")
     assert result.returncode == 2 and "already a tensorferry checkpoint" in result.stderr
     target = tmp_path / "out.safetensors"
