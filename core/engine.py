@@ -177,6 +177,7 @@ class IOFuture:
         for r in self._requests:
             if not r.wait(-1.0 if timeout is None else float(timeout)):
                 return False
+        self._keepalive = None  # the I/O is over: the buffers may go
         return True
 
     def exception(self, timeout: float | None = None) -> TensorferryIOError | None:
@@ -192,7 +193,6 @@ class IOFuture:
     def result(self, timeout: float | None = None) -> int:
         """Bytes transferred; raises the I/O error if any part failed."""
         error = self.exception(timeout)
-        self._keepalive = None
         if error is not None:
             raise error
         return self._nbytes

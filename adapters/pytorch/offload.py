@@ -1,0 +1,725 @@
+"""NVMe offload for PyTorch: optimizer state between steps, and weights streamed layer by layer.
+
+Both build on :class:`tensorferry.OffloadStore`. CPU tensors only: the GPU path (pinned
+staging, GDS) is not written yet.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import math
+import mmap
+import os
+import shutil
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from ...engine import Engine, IOFuture, PathLike
+from ...errors import TensorferryIOError
+from ...offload import OffloadStore
+
+_PAGE = 4096
+# Tensors inside a region start on torch's own allocation alignment, so that vectorised
+# kernels see the same alignment as they would on tensors torch allocated itself.
+_ALIGN = 64
+_MAPPED = 1 << 20
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    """A page-aligned uint8 array: O_DIRECT transfers then skip the engine's staging copies.
+
+    Large ones are anonymous mappings of their own, so that freeing one gives its memory
+    back to the system at once; from malloc's heap it could linger and defeat the bound.
+    """
+    if nbytes >= _MAPPED:
+        return np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
+    base = np.empty(nbytes + _PAGE, np.uint8)
+    return base[(-base.ctypes.data) % _PAGE:][:nbytes]
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _view(buffer: np.ndarray, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` over ``buffer[offset:]``, sharing its memory."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(buffer[offset:offset + nbytes]).view(dtype).reshape(shape)
+
+
+def _require_cpu(params: Iterable[torch.Tensor], what: str) -> None:
+    for p in params:
+        if p.device.type != "cpu":
+            raise ValueError(f"{what} handles CPU tensors only for now; got a parameter on {p.device}")
+
+
+def _check_io(futures: Iterable[IOFuture]) -> None:
+    """Waits for every future, then raises the first error among them.
+
+    Calls result() on each: the store keeps futures, and only result() makes one let go
+    of its buffer.
+    """
+    futures = list(futures)
+    for future in futures:
+        future.wait()
+    errors = []
+    for future in futures:
+        try:
+            future.result()
+        except OSError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where each state tensor of one parameter lies in its region (one store key)."""
+
+    entries: tuple[tuple[Any, torch.dtype, torch.Size, int], ...]  # name, dtype, shape, offset
+    nbytes: int  # a whole number of pages, so every transfer is O_DIRECT end to end
+
+    @classmethod
+    def of(cls, tensors: dict[Any, torch.Tensor]) -> "_Layout":
+        entries, offset = [], 0
+        for name, t in tensors.items():
+            entries.append((name, t.dtype, t.shape, offset))
+            offset = _round_up(offset + _nbytes(t), _ALIGN)
+        return cls(tuple(entries), _round_up(offset, _PAGE))
+
+    def views(self, region: np.ndarray) -> dict[Any, torch.Tensor]:
+        return {name: _view(region, offset, dtype, shape) for name, dtype, shape, offset in self.entries}
+
+    def holds(self, tensors: dict[Any, torch.Tensor], region: np.ndarray) -> bool:
+        """Whether ``tensors`` are exactly this layout's views of ``region`` (updated in place)."""
+        if len(tensors) != len(self.entries):
+            return False
+        base = region.ctypes.data
+        return all(name in tensors and tensors[name].dtype == dtype and tensors[name].shape == shape
+                   and tensors[name].data_ptr() == base + offset
+                   for name, dtype, shape, offset in self.entries)
+
+    def pack(self, tensors: dict[Any, torch.Tensor]) -> np.ndarray:
+        """A fresh page-aligned region holding copies of ``tensors``."""
+        region = _aligned_empty(self.nbytes)
+        for view, t in zip(self.views(region).values(), tensors.values()):
+            view.copy_(t.detach())
+        return region
+
+
+@dataclasses.dataclass
+class _Write:
+    """One parameter's state on its way to the store."""
+
+    param: torch.Tensor
+    key: str
+    layout: _Layout
+    region: np.ndarray
+    extras: dict[Any, Any]
+    future: IOFuture | None
+    error: OSError | None = None
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer so that its state lives on NVMe between steps (ZeRO-Infinity style).
+
+    Any optimizer whose state is per-parameter tensors works (Adam, AdamW, SGD with
+    momentum, ...): :meth:`step` runs the wrapped optimizer's own ``step`` on one chunk
+    of parameters at a time, by narrowing each param group's ``params`` to the chunk,
+    so the arithmetic, and therefore the result, is bit-identical to the unwrapped
+    optimizer. While a chunk computes, the next ``prefetch`` chunks are read and the
+    previous chunk is written. The state the optimizer creates on its first step is
+    offloaded the same way.
+
+    Args:
+        optimizer: the torch optimizer to wrap (its parameters on the CPU). Use only the
+            wrapper from now on: between steps ``optimizer.state`` is empty, and a step
+            of the bare optimizer would start its state afresh.
+        store_dir: an existing directory on the drive; the state goes to a private
+            subdirectory that :meth:`close` removes.
+        resident_bytes: bound on the optimizer state held in memory at once, in flight
+            included. A step holds up to ``max(prefetch + 2, 3)`` chunks (the chunk
+            computing, those prefetched, the one being written; on the first step, the
+            state the optimizer creates beside its packed copy).
+        prefetch: how many chunks to read ahead.
+        engine: the :class:`tensorferry.Engine` to use; by default the store's own.
+
+    Example::
+
+        opt = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), "/nvme/tmp",
+                                 resident_bytes=2 << 30)
+        loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store_dir: PathLike, *,
+                 resident_bytes: int = 1 << 30, prefetch: int = 1, engine: Engine | None = None) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
+            raise TypeError(f"expected a torch optimizer to wrap, got {type(optimizer).__name__}")
+        if resident_bytes <= 0:
+            raise ValueError(f"resident_bytes must be positive, got {resident_bytes}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must not be negative, got {prefetch}")
+        _require_cpu((p for g in optimizer.param_groups for p in g["params"]), "OffloadedOptimizer")
+        # Not Optimizer.__init__: the wrapped optimizer owns the groups and the hooks; the
+        # subclass is so that LR schedulers and isinstance checks accept the wrapper.
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self.resident_bytes = resident_bytes
+        self.prefetch = prefetch
+        self.store = OffloadStore(store_dir, engine, max_pool_bytes=0)
+        self._keys: dict[torch.Tensor, str] = {}  # parameter -> store key, given on first sight
+        self._layouts: dict[str, _Layout] = {}  # keys whose state is in the store
+        self._extras: dict[str, dict[Any, Any]] = {}  # non-tensor state entries, kept in memory
+        # Learnt from the first parameters stepped, to size chunks of parameters that have
+        # no state yet: state bytes ~ per_byte * parameter bytes + fixed.
+        self._estimate: tuple[float, int] | None = None
+        self._resident = 0
+        self.peak_resident_bytes = 0
+        self._offload_in_memory()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The wrapped optimizer's state: empty between steps (it is in the store)."""
+        return self.optimizer.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a param group to the wrapped optimizer."""
+        _require_cpu(param_group["params"] if not isinstance(param_group["params"], torch.Tensor)
+                     else [param_group["params"]], "OffloadedOptimizer")
+        self.optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``."""
+        self.optimizer.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Runs the wrapped optimizer's step, chunk by chunk, with the state swapped in and out.
+
+        Args:
+            closure: reevaluates the model and returns the loss; called once, before the
+                first chunk (optimizers that call it several times per step, like LBFGS,
+                are not supported).
+
+        Raises:
+            TensorferryIOError: some state could not be written (ENOSPC, EIO). The step
+                has still been applied to every parameter, and that state stays in memory,
+                beyond ``resident_bytes``, until a later step or :meth:`load_state_dict`
+                writes it.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = self._params()
+        _require_cpu(params, "OffloadedOptimizer")
+        groups = self.optimizer.param_groups
+        members = [g["params"] for g in groups]
+
+        def step_chunk(chunk: list[torch.Tensor]) -> None:
+            ids = {id(p) for p in chunk}
+            try:
+                for group, full in zip(groups, members):
+                    group["params"] = [p for p in full if id(p) in ids]
+                self.optimizer.step()
+            finally:
+                for group, full in zip(groups, members):
+                    group["params"] = full
+
+        self._pipeline(self._chunks(params), step_chunk, write_back=True)
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict, its state read back chunk by chunk into new tensors."""
+        copies: dict[torch.Tensor, dict[Any, Any]] = {}
+
+        def collect(chunk: list[torch.Tensor]) -> None:
+            for p in chunk:
+                if self._keys.get(p) in self._layouts:
+                    copies[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                 for k, v in self.optimizer.state[p].items()}
+
+        stored = [p for p in self._params() if self._keys.get(p) in self._layouts]
+        self._pipeline(self._chunks(stored), collect, write_back=False)
+        self.optimizer.state.update(copies)
+        try:
+            return self.optimizer.state_dict()
+        finally:
+            for p in copies:
+                del self.optimizer.state[p]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a (wrapped or plain) optimizer state dict into the wrapped optimizer and offloads it."""
+        self.optimizer.load_state_dict(state_dict)
+        for key in list(self._layouts):
+            self.store.delete(key)
+        self._layouts.clear()
+        self._extras.clear()
+        self._offload_in_memory()
+
+    def stats(self) -> dict[str, int]:
+        """The store's counters, plus peak_resident_bytes and resident_bytes (the bound)."""
+        return {**self.store.stats(), "peak_resident_bytes": self.peak_resident_bytes,
+                "resident_bytes": self.resident_bytes}
+
+    def close(self) -> None:
+        """Removes the store and its files; the state in it is lost (take a state_dict first)."""
+        self.store.close()
+
+    def __enter__(self) -> "OffloadedOptimizer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"OffloadedOptimizer({self.optimizer.__class__.__name__}, {self.store.path!r}, "
+                f"resident_bytes={self.resident_bytes}, prefetch={self.prefetch})")
+
+    # Internals.
+
+    def _params(self) -> list[torch.Tensor]:
+        """Every parameter once, in param-group order, each with its store key."""
+        seen: dict[int, torch.Tensor] = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                seen.setdefault(id(p), p)
+        for p in seen.values():
+            if p not in self._keys:
+                self._keys[p] = str(len(self._keys))
+        return list(seen.values())
+
+    def _offload_in_memory(self) -> None:
+        """Writes out the state the wrapped optimizer holds in memory (on wrapping, after a load)."""
+        held = [p for p in self._params() if self.optimizer.state.get(p)]
+        self._pipeline(self._chunks(held), lambda chunk: None, write_back=True)
+
+    def _charge(self, nbytes: int) -> None:
+        self._resident += nbytes
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self._resident)
+
+    def _state_bytes(self, p: torch.Tensor) -> int | None:
+        """Bytes of p's state in memory during a step, or None when there is nothing to go on."""
+        key = self._keys[p]
+        if key in self._layouts:
+            return self._layouts[key].nbytes
+        held = self.optimizer.state.get(p)
+        if held:
+            return _Layout.of({k: v for k, v in held.items() if isinstance(v, torch.Tensor)}).nbytes
+        if p.grad is None:
+            return 0  # optimizers neither step nor create state for parameters without gradients
+        if self._estimate is None:
+            return None
+        per_byte, fixed = self._estimate
+        return _round_up(int(per_byte * _nbytes(p)) + fixed, _PAGE)
+
+    def _learn(self, p: torch.Tensor, tensors: dict[Any, torch.Tensor], layout: _Layout) -> None:
+        shaped = sum(_nbytes(t) for t in tensors.values() if t.numel() == p.numel())
+        per_byte = shaped / max(_nbytes(p), 1)
+        fixed = layout.nbytes - shaped
+        if self._estimate is not None:
+            per_byte, fixed = max(per_byte, self._estimate[0]), max(fixed, self._estimate[1])
+        self._estimate = (per_byte, fixed)
+
+    def _chunks(self, params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+        """Consecutive runs of ``params`` whose state fits one chunk's share of the budget.
+
+        A generator, so that chunks drawn later are sized with what earlier chunks taught
+        about state not created yet; a parameter with nothing to go on is a chunk alone.
+        Sizes known beforehand are checked against the budget before the first chunk, so
+        a step never stops half done; a first step's estimates are not.
+        """
+        budget = self.resident_bytes // max(self.prefetch + 2, 3)
+        for p in params:
+            nbytes = self._state_bytes(p)
+            known = self._keys[p] in self._layouts or self.optimizer.state.get(p)
+            if known and nbytes > budget:
+                held = max(self.prefetch + 2, 3)
+                raise ValueError(
+                    f"resident_bytes={self.resident_bytes} is too small: the state of a parameter of "
+                    f"shape {tuple(p.shape)} takes {nbytes} bytes and a step holds up to {held} "
+                    f"chunks; give at least {nbytes * held} bytes")
+        return self._chunk_runs(params, budget)
+
+    def _chunk_runs(self, params: list[torch.Tensor], budget: int) -> Iterator[list[torch.Tensor]]:
+        """The generator behind :meth:`_chunks`."""
+        chunk: list[torch.Tensor] = []
+        total = 0
+        for p in params:
+            nbytes = self._state_bytes(p)
+            if chunk and (nbytes is None or total + nbytes > budget):
+                yield chunk
+                chunk, total = [], 0
+            chunk.append(p)
+            total += nbytes or 0
+            if nbytes is None:
+                yield chunk
+                chunk, total = [], 0
+        if chunk:
+            yield chunk
+
+    def _pipeline(self, chunks: Iterator[list[torch.Tensor]], visit: Callable[[list[torch.Tensor]], None],
+                  *, write_back: bool) -> None:
+        """Runs ``visit`` on each chunk with its state in ``optimizer.state``.
+
+        Reads run ``prefetch`` chunks ahead; with ``write_back`` the state is written back
+        after ``visit``, and the write of one chunk overlaps the next chunk's ``visit``.
+        """
+        reads: collections.deque[tuple[list[torch.Tensor], np.ndarray, list[tuple[torch.Tensor, str, int]],
+                                       list[IOFuture]]] = collections.deque()
+        writes: collections.deque[tuple[list[_Write], int]] = collections.deque()
+        failed: list[_Write] = []
+        chunks = iter(chunks)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(reads) <= self.prefetch:
+                    chunk = next(chunks, None)
+                    if chunk is None:
+                        exhausted = True
+                    else:
+                        reads.append(self._start_read(chunk))
+                if not reads:
+                    break
+                chunk, arena, placed, futures = reads.popleft()
+                _check_io(futures)
+                for p, key, offset in placed:
+                    region = arena[offset:offset + self._layouts[key].nbytes]
+                    self.optimizer.state[p] = {**self._layouts[key].views(region), **self._extras[key]}
+                visit(chunk)
+                if write_back:
+                    writes.append(self._start_write(chunk, arena, placed))
+                else:
+                    for p, _, _ in placed:
+                        del self.optimizer.state[p]
+                    self._resident -= arena.nbytes
+                while len(writes) > (1 if write_back and reads else 0):
+                    failed += self._finish_write(*writes.popleft())
+        finally:
+            # On an exception, let the I/O in flight finish before its buffers go.
+            while writes:
+                failed += self._finish_write(*writes.popleft())
+            for _, arena, _, futures in reads:
+                for future in futures:
+                    future.wait()
+                self._resident -= arena.nbytes
+        if failed:
+            first = failed[0].error
+            raise TensorferryIOError(
+                first.errno or errno.EIO,
+                f"could not offload the optimizer state of {len(failed)} parameters to "
+                f"{self.store.path} ({first.strerror or first}); it stays in memory and a later "
+                f"step retries", self.store.path) from first
+
+    def _start_read(self, chunk: list[torch.Tensor]) -> tuple[list[torch.Tensor], np.ndarray,
+                                                               list[tuple[torch.Tensor, str, int]], list[IOFuture]]:
+        """Allocates one arena for the chunk's stored state and starts reading each key into it."""
+        placed, offset = [], 0
+        for p in chunk:
+            key = self._keys[p]
+            if key in self._layouts and not self.optimizer.state.get(p):
+                placed.append((p, key, offset))
+                offset += self._layouts[key].nbytes
+        arena = _aligned_empty(offset)
+        self._charge(arena.nbytes)
+        futures = []
+        try:
+            for p, key, start in placed:
+                futures.append(self.store.swap_in(key, arena[start:start + self._layouts[key].nbytes]))
+        except BaseException:
+            for future in futures:
+                future.wait()
+            self._resident -= arena.nbytes
+            raise
+        return chunk, arena, placed, futures
+
+    def _start_write(self, chunk: list[torch.Tensor], arena: np.ndarray,
+                     placed: list[tuple[torch.Tensor, str, int]]) -> tuple[list[_Write], int]:
+        """Starts writing the chunk's state, in place from the arena where the optimizer updated
+        it there, else from a fresh region; returns the writes and the bytes they hold."""
+        offsets = {id(p): offset for p, _, offset in placed}
+        pending: list[_Write] = []
+        charged = arena.nbytes
+        # State the optimizer allocated itself (on its first step) is resident until packed.
+        fresh = {id(p): sum(_nbytes(v) for v in self.optimizer.state[p].values()
+                            if isinstance(v, torch.Tensor))
+                 for p in chunk if self.optimizer.state.get(p) and id(p) not in offsets}
+        self._charge(sum(fresh.values()))
+        for p in chunk:
+            held = self.optimizer.state.pop(p, None)
+            if not held:
+                continue
+            key = self._keys[p]
+            tensors = {k: v for k, v in held.items() if isinstance(v, torch.Tensor)}
+            extras = {k: v for k, v in held.items() if not isinstance(v, torch.Tensor)}
+            layout = self._layouts.get(key)
+            region = None
+            if id(p) in offsets and layout is not None:
+                candidate = arena[offsets[id(p)]:offsets[id(p)] + layout.nbytes]
+                if layout.holds(tensors, candidate):
+                    region = candidate
+            if region is None:
+                layout = _Layout.of(tensors)
+                region = layout.pack(tensors)
+                self._charge(region.nbytes)
+                charged += region.nbytes
+                self._learn(p, tensors, layout)
+            del held, tensors
+            self._resident -= fresh.get(id(p), 0)
+            if layout.nbytes == 0:
+                self._drop_key(key)
+                self._extras[key] = extras
+                continue
+            write = _Write(p, key, layout, region, extras, None)
+            try:
+                write.future = self.store.swap_out(key, region)
+            except OSError as exc:
+                write.error = exc
+            pending.append(write)
+        if self._estimate is None and any(p.grad is not None for p in chunk):
+            self._estimate = (0.0, 0)  # stepped, and created no state: this optimizer keeps none
+        return pending, charged
+
+    def _finish_write(self, pending: list[_Write], charged: int) -> list[_Write]:
+        """Waits for a chunk's writes; state that could not be written goes back into memory."""
+        failed = []
+        for write in pending:
+            if write.error is None:
+                # result(), not exception(): only it lets the future (which the store keeps)
+                # drop its hold on the buffer.
+                try:
+                    write.future.result()
+                except OSError as exc:
+                    write.error = exc
+            if write.error is None:
+                self._layouts[write.key] = write.layout
+                self._extras[write.key] = write.extras
+            else:
+                self._layouts.pop(write.key, None)
+                self._extras.pop(write.key, None)
+                self.optimizer.state[write.param] = {**write.layout.views(write.region), **write.extras}
+                failed.append(write)
+        self._resident -= charged
+        return failed
+
+    def _drop_key(self, key: str) -> None:
+        if self._layouts.pop(key, None) is not None:
+            self.store.delete(key)
+
+
+class StreamedWeights:
+    """The handle :func:`stream_weights` returns: hooks that read each layer's weights from NVMe.
+
+    ``remove()`` (or leaving the ``with`` block) reads every weight back into memory,
+    removes the hooks and the store. ``peak_resident_bytes`` is the most parameter memory
+    this handle has held at once (loaded and in flight).
+    """
+
+    def __init__(self, model: torch.nn.Module, store_dir: PathLike, *, resident_bytes: int,
+                 prefetch: int, engine: Engine | None) -> None:
+        if resident_bytes <= 0:
+            raise ValueError(f"resident_bytes must be positive, got {resident_bytes}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must not be negative, got {prefetch}")
+        _require_cpu(model.parameters(), "stream_weights")
+        self.resident_bytes = resident_bytes
+        self.prefetch = prefetch
+        # A unit is a module with parameters of its own; a parameter tied into several
+        # units is read once and released when the last of them is done.
+        self._units = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+        self._unit_params: dict[torch.nn.Module, list[torch.nn.Parameter]] = {}
+        self._params: dict[torch.nn.Parameter, tuple[str, torch.dtype, torch.Size]] = {}
+        for unit in self._units:
+            own = []
+            for p in unit.parameters(recurse=False):
+                if p not in self._params:
+                    self._params[p] = (str(len(self._params)), p.dtype, p.shape)
+                own.append(p)
+            self._unit_params[unit] = own
+        largest = max((self._unit_bytes(u) for u in self._units), default=0)
+        if largest > resident_bytes:
+            raise ValueError(f"resident_bytes={resident_bytes} is too small: one layer's weights take "
+                             f"{largest} bytes")
+        total = sum(self._param_bytes(p) for p in self._params)
+        free = shutil.disk_usage(store_dir).free if os.path.isdir(store_dir) else None
+        self.store = OffloadStore(store_dir, engine, max_pool_bytes=0)
+        if free is not None and free < total:
+            self.store.close()
+            raise TensorferryIOError(errno.ENOSPC, f"the model's weights take {total} bytes and "
+                                                    f"{store_dir} has {free} free", str(store_dir))
+        self._write_all()
+        self._loaded: dict[torch.nn.Parameter, int] = {}  # parameter -> units using it now
+        self._pending: dict[torch.nn.Parameter, tuple[torch.Tensor, IOFuture]] = {}
+        self._order: list[torch.nn.Module] = list(self._units)  # last forward's order, for prefetch
+        self._seen: list[torch.nn.Module] = []
+        self._resident = 0
+        self.peak_resident_bytes = 0
+        self._hooks = []
+        for unit in self._units:
+            self._hooks.append(unit.register_forward_pre_hook(self._before))
+            self._hooks.append(unit.register_forward_hook(self._after, always_call=True))
+
+    def _param_bytes(self, p: torch.Tensor) -> int:
+        _, dtype, shape = self._params[p]
+        return _round_up(math.prod(shape) * dtype.itemsize, _PAGE)
+
+    def _unit_bytes(self, unit: torch.nn.Module) -> int:
+        return sum(self._param_bytes(p) for p in self._unit_params[unit])
+
+    def _write_all(self) -> None:
+        """Writes every weight, a bounded amount in flight; replaces them by empty tensors only
+        once all are written, so a failure leaves the model as it was."""
+        in_flight: collections.deque[tuple[np.ndarray, IOFuture]] = collections.deque()
+        held = 0
+        try:
+            for p, (key, dtype, shape) in self._params.items():
+                region = _aligned_empty(self._param_bytes(p))
+                _view(region, 0, dtype, shape).copy_(p.detach())
+                in_flight.append((region, self.store.swap_out(key, region)))
+                held += region.nbytes
+                while held > self.resident_bytes:
+                    done, future = in_flight.popleft()
+                    future.result()
+                    held -= done.nbytes
+            _check_io(future for _, future in in_flight)
+        except BaseException as exc:
+            for _, future in in_flight:
+                future.wait()
+            self.store.close()
+            if isinstance(exc, OSError):
+                raise TensorferryIOError(exc.errno or errno.EIO, f"could not offload the model's weights "
+                                         f"to {self.store.path} ({exc.strerror or exc}); the model is "
+                                         f"unchanged", getattr(exc, "filename", None)) from exc
+            raise
+        for p, (_, dtype, _) in self._params.items():
+            p.data = torch.empty(0, dtype=dtype)
+
+    def _charge(self, nbytes: int) -> None:
+        self._resident += nbytes
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self._resident)
+
+    def _start_read(self, p: torch.nn.Parameter, *, streaming: bool = True) -> None:
+        key, dtype, shape = self._params[p]
+        region = _aligned_empty(self._param_bytes(p))
+        if streaming:
+            self._charge(region.nbytes)
+        self._pending[p] = (_view(region, 0, dtype, shape), self.store.swap_in(key, region))
+
+    def _missing(self, unit: torch.nn.Module) -> list[torch.nn.Parameter]:
+        return [p for p in self._unit_params[unit] if p not in self._loaded and p not in self._pending]
+
+    def _before(self, unit: torch.nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self._unit_params[unit]):
+            raise RuntimeError("stream_weights is for inference: run the model under torch.no_grad() "
+                               "or torch.inference_mode()")
+        if unit in self._seen:
+            # A new forward pass began: the last one's order predicts this one's.
+            self._order = self._seen + [u for u in self._units if u not in self._seen]
+            self._seen = []
+        self._seen.append(unit)
+        need = sum(self._param_bytes(p) for p in self._missing(unit))
+        # Prefetches for layers the order predicted wrongly give way first.
+        for p in list(self._pending):
+            if self._resident + need <= self.resident_bytes:
+                break
+            if p not in self._unit_params[unit]:
+                _, future = self._pending.pop(p)
+                _check_io([future])
+                self._resident -= self._param_bytes(p)
+        for p in self._missing(unit):
+            self._start_read(p)
+        for p in self._unit_params[unit]:
+            if p in self._pending:
+                tensor, future = self._pending.pop(p)
+                future.result()
+                p.data = tensor
+            self._loaded[p] = self._loaded.get(p, 0) + 1
+        self._prefetch_after(unit)
+
+    def _prefetch_after(self, unit: torch.nn.Module) -> None:
+        if unit not in self._order:
+            return
+        start = self._order.index(unit) + 1
+        for ahead in self._order[start:start + self.prefetch]:
+            missing = self._missing(ahead)
+            if self._resident + sum(self._param_bytes(p) for p in missing) > self.resident_bytes:
+                return
+            for p in missing:
+                self._start_read(p)
+
+    def _after(self, unit: torch.nn.Module, args: Any, output: Any) -> None:
+        for p in self._unit_params[unit]:
+            count = self._loaded.pop(p, 0) - 1
+            if count > 0:
+                self._loaded[p] = count
+            else:
+                p.data = torch.empty(0, dtype=p.dtype)
+                self._resident -= self._param_bytes(p)
+
+    def remove(self) -> None:
+        """Reads every weight back into memory (new tensors), removes the hooks and the store."""
+        if self.store.closed:
+            return
+        for hook in self._hooks:
+            hook.remove()
+        _check_io(future for _, future in self._pending.values())
+        self._pending.clear()
+        # Each weight gets a page-aligned buffer of its own, read straight from the drive.
+        for p in self._params:
+            if p not in self._loaded:
+                self._start_read(p, streaming=False)
+        try:
+            _check_io(future for _, future in self._pending.values())
+            for p, (tensor, _) in self._pending.items():
+                p.data = tensor
+        finally:
+            self._pending.clear()
+            self._loaded.clear()
+            self._resident = 0
+            self.store.close()
+
+    def __enter__(self) -> "StreamedWeights":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def stream_weights(model: torch.nn.Module, store_dir: PathLike, *, resident_bytes: int = 1 << 30,
+                   prefetch: int = 1, engine: Engine | None = None) -> StreamedWeights:
+    """Moves a model's weights to NVMe and reads each layer's just before its forward (ZeRO-Inference style).
+
+    Every module with parameters of its own gets a forward pre-hook that reads them
+    (and starts reading the next ``prefetch`` layers, in the order of the last forward
+    pass) and a forward hook that releases them. Buffers stay in memory. Inference only:
+    a forward with gradients enabled raises.
+
+    Args:
+        model: the model, its parameters on the CPU. Its parameters become empty tensors
+            outside their layer's forward.
+        store_dir: an existing directory on the drive.
+        resident_bytes: bound on parameter memory held at once, prefetched layers included;
+            must hold the largest layer (a layer whose children also have weights holds its
+            own while they run).
+        prefetch: how many layers to read ahead.
+        engine: the :class:`tensorferry.Engine` to use; by default the store's own.
+
+    Example::
+
+        with torch.no_grad(), stream_weights(model, "/nvme/tmp", resident_bytes=1 << 30):
+            logits = model(tokens)
+    """
+    return StreamedWeights(model, store_dir, resident_bytes=resident_bytes, prefetch=prefetch, engine=engine)
+
