@@ -24,21 +24,13 @@ import numpy as np
 from .dtypes import to_numpy_dtype
 from .engine import Engine, default_engine
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .shard import CHECKSUM_ALGORITHM, ShardInfo, ShardReader, ShardWriter, digest
+from .shard import CHECKSUM_ALGORITHM, ShardInfo, ShardReader, ShardWriter, digest, fsync_dir
 
 MANIFEST = "tensorferry.json"
 FORMAT_VERSION = 1
 TMP_MARKER = ".tmp-"
 DEFAULT_SHARD_BYTES = 512 << 20
 MAX_CONCURRENT_SHARDS = 4
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass

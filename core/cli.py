@@ -18,7 +18,6 @@ import json
 import math
 import os
 import re
-import secrets
 import shutil
 import sys
 import tempfile
@@ -30,8 +29,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import __version__, bench
-from .checkpoint import (DEFAULT_SHARD_BYTES, MANIFEST, TMP_MARKER, PendingCheckpoint, fsync_dir, open_shard,
-                         read_manifest, split_by_size, verify_checkpoint, verify_shard)
+from .checkpoint import (DEFAULT_SHARD_BYTES, MANIFEST, PendingCheckpoint, open_shard, read_manifest,
+                         split_by_size, verify_checkpoint, verify_shard)
 from .config import parse_size
 from .errors import ConfigError, CorruptCheckpointError, TensorferryError
 from .shard import ShardReader, ShardWriter
@@ -705,17 +704,14 @@ def _to_safetensors(args: argparse.Namespace, src: str, dst: str) -> tuple[int, 
     tensors = manifest["tensors"]
     nbytes = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in tensors.values())
     readers: dict[str, ShardReader] = {}
-    tmp = f"{dst}{TMP_MARKER}{secrets.token_hex(6)}"
     try:
         for filename in manifest["files"]:
             readers[filename] = open_shard(src, manifest, filename, verify=not args.no_verify)
         user_metadata = manifest.get("metadata") or {}
         metadata = {METADATA_KEY: json.dumps(user_metadata)} if user_metadata else None
-        with progress_bar(args, nbytes) as bar, ShardWriter(tmp, metadata=metadata) as writer:
+        with progress_bar(args, nbytes) as bar, ShardWriter(dst, metadata=metadata, atomic=True) as writer:
             for name, entry in tensors.items():
                 writer.add(name, entry["dtype"], entry["shape"], data=_lazy(readers[entry["file"]], name, bar))
-        os.replace(tmp, dst)
-        fsync_dir(os.path.dirname(os.path.abspath(dst)))
     finally:
         for reader in readers.values():
             reader.close()
@@ -750,8 +746,6 @@ def _dcp_to_safetensors(args: argparse.Namespace, src: str, dst: str) -> tuple[i
         tensors = {fqn: md for fqn, md in metadata.state_dict_metadata.items()
                    if isinstance(md, TensorStorageMetadata)}
         nbytes = sum(math.prod(md.size) * md.properties.dtype.itemsize for md in tensors.values())
-        tmp = f"{dst}{TMP_MARKER}{secrets.token_hex(6)}"
-
         def load_one(fqn: str, md: Any, bar: Any) -> Callable[[], Any]:
             def load() -> Any:
                 tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
@@ -760,16 +754,9 @@ def _dcp_to_safetensors(args: argparse.Namespace, src: str, dst: str) -> tuple[i
                 return host_bytes(tensor)
             return load
 
-        try:
-            with progress_bar(args, nbytes) as bar, ShardWriter(tmp) as writer:
-                for fqn, md in tensors.items():
-                    writer.add(fqn, safetensors_dtype(md.properties.dtype), tuple(md.size), load_one(fqn, md, bar))
-            os.replace(tmp, dst)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-    fsync_dir(os.path.dirname(os.path.abspath(dst)))
+        with progress_bar(args, nbytes) as bar, ShardWriter(dst, atomic=True) as writer:
+            for fqn, md in tensors.items():
+                writer.add(fqn, safetensors_dtype(md.properties.dtype), tuple(md.size), load_one(fqn, md, bar))
     skipped = len(metadata.state_dict_metadata) - len(tensors)
     if skipped:
         note(args, f"left out {plural(skipped, 'non-tensor item')} (DCP stores them pickled)")

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import secrets
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Union
@@ -126,8 +127,11 @@ class ShardWriter:
 
     def __init__(self, path: str | os.PathLike, engine: Engine | None = None,
                  buffer_size: int = 16 << 20, *, metadata: Mapping[str, str] | None = None,
-                 staging_bytes: int = 256 << 20) -> None:
+                 staging_bytes: int = 256 << 20, atomic: bool = False) -> None:
         self.path = os.fspath(path)
+        # With ``atomic``, the file is written under a temporary name and renamed over
+        # ``path`` only once complete and durable: a reader never sees half a file.
+        self._write_path = f"{self.path}.tmp-{secrets.token_hex(4)}" if atomic else self.path
         self.staging_bytes = staging_bytes
         self.engine = engine or default_engine()
         self.buffer_size = max(ALIGNMENT, _round_up(buffer_size, ALIGNMENT))
@@ -173,7 +177,7 @@ class ShardWriter:
             layout[e.name] = (offset, offset + e.nbytes)
             offset += e.nbytes
         data_start = self._header_size(entries, layout)
-        file = File(self.path, "w")
+        file = File(self._write_path, "w")
         try:
             file.reserve(data_start + offset)
             checksums = _Streamer(self.engine, file, data_start, self.buffer_size, self.staging_bytes).write(entries)
@@ -182,18 +186,21 @@ class ShardWriter:
             self.engine.write(header, file, 0)
             file.fsync()
             size = data_start + offset
+            file.close()
+            if self._write_path != self.path:
+                os.replace(self._write_path, self.path)
+                fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         except BaseException:
             file.close()
-            _remove_quietly(self.path)
+            _remove_quietly(self._write_path)
             raise
-        file.close()
         self.info = ShardInfo(self.path, size, digest(header), tensors)
         return self.info
 
     def abort(self) -> None:
         """Discards the file (if any was started)."""
         self.info = None
-        _remove_quietly(self.path)
+        _remove_quietly(self._write_path)
 
     def _header_json(self, tensors: Mapping[str, TensorInfo]) -> bytes:
         metadata = dict(self.metadata)
@@ -318,6 +325,15 @@ class _Streamer:
         while len(self.direct_futures) > 64 or (
                 len(self.direct_futures) > 1 and sum(p for _, p in self.direct_futures) > budget):
             self.direct_futures.pop(0)[0].result()
+
+
+def fsync_dir(path: str) -> None:
+    """Makes a directory's entries (a rename into it, say) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove_quietly(path: str) -> None:

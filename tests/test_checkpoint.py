@@ -434,3 +434,18 @@ def test_load_in_place_into_existing_arrays(tmp_path) -> None:
         tensorferry.load_checkpoint(path, out={"w": np.zeros((300, 70), np.float64)})
     with pytest.raises(KeyError):
         tensorferry.load_checkpoint(path, out={"nope": np.zeros(1)})
+
+
+def test_atomic_writer_replaces_only_when_complete(tmp_path) -> None:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"previous contents")
+    with pytest.raises(ValueError):
+        with ShardWriter(path, atomic=True) as w:
+            w.add("x", "F32", (4,), b"too short")
+    assert path.read_bytes() == b"previous contents"  # the old file is untouched
+    with ShardWriter(path, atomic=True) as w:
+        w.add("x", np.arange(4, dtype=np.float32))
+    assert w.info.path == str(path)
+    with ShardReader(path) as r:
+        np.testing.assert_array_equal(r.read("x"), np.arange(4, dtype=np.float32))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]

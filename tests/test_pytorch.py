@@ -15,7 +15,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402 (a BaseException)
 
 import tensorferry  # noqa: E402
-from tensorferry import CheckpointNotFoundError, CorruptCheckpointError  # noqa: E402
+from tensorferry import CheckpointNotFoundError  # noqa: E402
 from tensorferry.adapters.pytorch import DCPReader, DCPWriter, FSDPCheckpointer, load, save  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 from concurrent.futures import Future
 from typing import Any
 
@@ -14,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from ...checkpoint import fsync_dir, latest_checkpoint, prune_checkpoints, read_manifest
+from ...checkpoint import latest_checkpoint, prune_checkpoints, read_manifest
 from ...errors import CheckpointNotFoundError
 from ...engine import Engine
 from ...shard import ShardWriter, write_order
@@ -170,18 +169,10 @@ class FSDPCheckpointer:
             return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
         if self._rank() == 0:
-            tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-            try:
-                with ShardWriter(tmp, self.engine) as writer:
-                    for name in order:
-                        dtype, shape = specs[name]
-                        writer.add(name, dtype, shape, lambda name=name: _bytes_now(full(name)))
-                os.replace(tmp, path)
-                fsync_dir(self.checkpoint_dir)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
+            with ShardWriter(path, self.engine, atomic=True) as writer:
+                for name in order:
+                    dtype, shape = specs[name]
+                    writer.add(name, dtype, shape, lambda name=name: _bytes_now(full(name)))
         else:
             for name in order:  # the same collectives, in the same order, as rank 0's writer
                 full(name)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from typing import Any
 
 import torch
 
-from ...checkpoint import fsync_dir
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
 from ...shard import ShardReader, ShardWriter
@@ -66,19 +64,11 @@ def save(obj: Any, path: str | os.PathLike, *, metadata: dict[str, str] | None =
         raise TypeError(f"{where or 'the object'}: cannot save a {type(value).__name__} without pickle")
 
     structure = encode(obj, "")
-    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
     meta = dict(metadata or {})
     meta[STRUCTURE_KEY] = json.dumps(structure, separators=(",", ":"))
-    try:
-        with ShardWriter(tmp, engine, metadata=meta) as writer:
-            for key, t in tensors.items():
-                writer.add(key, safetensors_dtype(t.dtype), tuple(t.shape), byte_source(t))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    with ShardWriter(path, engine, metadata=meta, atomic=True) as writer:
+        for key, t in tensors.items():
+            writer.add(key, safetensors_dtype(t.dtype), tuple(t.shape), byte_source(t))
 
 
 def load(path: str | os.PathLike, map_location: str | torch.device | None = None, *,
