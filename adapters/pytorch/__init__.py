@@ -1,7 +1,8 @@
-"""PyTorch adapter: DCP storage, FSDP checkpointing, torch.save-like save/load, NVMe offload.
+"""PyTorch adapter: DCP storage, FSDP checkpointing, torch.save-like save/load, NVMe offload,
+a GDS-backed Dataset.
 
 Needs the ``[torch]`` extra. Everything here only turns tensors into byte buffers
-and back; the I/O is the core's.
+and back; the I/O is the core's (kvikio's on GDSDataset's GDS path).
 """
 
 try:
@@ -10,9 +11,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("tensorferry.adapters.pytorch needs PyTorch: pip install 'tensorferry[torch]'") from exc
 
 from .checkpointer import FSDPCheckpointer
+from .data import GDSDataset, GDSWorkerWarning
 from .dcp import DCPReader, DCPWriter
 from .offload import OffloadedOptimizer, StreamedWeights, stream_weights
 from .serialization import load, save
 
-__all__ = ["DCPReader", "DCPWriter", "FSDPCheckpointer", "OffloadedOptimizer", "StreamedWeights", "load",
-           "save", "stream_weights"]
+__all__ = ["DCPReader", "DCPWriter", "FSDPCheckpointer", "GDSDataset", "GDSWorkerWarning", "OffloadedOptimizer",
+           "StreamedWeights", "load", "save", "stream_weights"]

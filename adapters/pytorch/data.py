@@ -1,0 +1,226 @@
+"""A map-style torch Dataset over files or byte ranges, read through the core's FileSource.
+
+On a CUDA device with GPUDirect Storage usable, items are read by kvikio straight into
+device memory; on a CUDA device without it, into the core's pinned host buffers and then
+copied with a non-blocking transfer; on the CPU, into host tensors that share the read
+buffer. Reads of a whole batch (``__getitems__``, which ``DataLoader`` calls on torch >= 2.1)
+are all issued before any is waited for.
+"""
+
+from __future__ import annotations
+
+import errno
+import operator
+import os
+import warnings
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from ...buffers import PinnedPool
+from ...data import FileSource, Item
+from ...engine import Engine
+from ...errors import TensorferryIOError
+
+
+class GDSWorkerWarning(UserWarning):
+    """A CUDA ``GDSDataset`` is read in DataLoader worker processes, so GDS is bypassed."""
+
+
+_WORKER_WARNING = (
+    "GDSDataset(device={device}) is being read in a DataLoader worker process; items come back "
+    "as host tensors and GPUDirect Storage is bypassed. Workers are separate processes without "
+    "the trainer's CUDA context (a forked child cannot use CUDA at all, and CUDA tensors made "
+    "in a worker would have to cross processes through IPC), which is why a GDS reader run "
+    "inside workers silently degrades to CPU bounce buffers. Use num_workers=0 for the GDS "
+    "path (the batch's reads already run in parallel in the I/O engine), or keep workers and "
+    "pass pin_memory=True, moving each batch to the device yourself.")
+
+
+def _gds_usable() -> bool:
+    """Whether kvikio is installed and would use cuFile (compatibility mode off)."""
+    try:
+        import kvikio
+        import kvikio.defaults
+    except ImportError:
+        return False
+    defaults = kvikio.defaults
+    # kvikio >= 24.12 resolves AUTO to what it would really do; older versions only
+    # have compat_mode(), a bool.
+    if hasattr(defaults, "is_compat_mode_preferred"):
+        return not defaults.is_compat_mode_preferred()
+    return not defaults.compat_mode()
+
+
+def _resolve_device(device: str | torch.device | int | None) -> torch.device:
+    resolved = torch.device("cpu" if device is None else device)
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise ValueError(f"GDSDataset reads to the CPU or a CUDA device, not {resolved}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"GDSDataset(device={str(resolved)!r}) needs CUDA, but torch.cuda.is_available() is "
+            f"False (torch {torch.__version__} {'has no CUDA support' if torch.version.cuda is None else 'sees no GPU'}); "
+            "use device=None for host tensors")
+    if resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    if resolved.index >= torch.cuda.device_count():
+        raise RuntimeError(f"GDSDataset(device={str(resolved)!r}): only {torch.cuda.device_count()} "
+                           "CUDA devices are visible")
+    return resolved
+
+
+class GDSDataset(Dataset):
+    """The bytes of files, or of ``(file, offset, length)`` records, as uint8 tensors.
+
+    Args:
+        items: paths (each a whole file, sized now) or ``(path, offset, length)``
+            records. A missing file raises FileNotFoundError here; a record past the
+            end of its file raises the engine's OSError (``errno.ENODATA``) when read.
+        device: ``None`` or ``"cpu"`` for host tensors; a CUDA device for tensors on it,
+            read through GPUDirect Storage when kvikio has it on (see :attr:`uses_gds`),
+            else through pinned host buffers and a non-blocking copy.
+        transform: applied to each item's tensor; its result is what indexing returns.
+        engine: the core :class:`Engine` for host reads (default: the process's
+            :func:`default_engine`, looked up per read, so DataLoader workers each use
+            their own). An explicit engine cannot be used in worker processes, since its
+            I/O threads do not survive a fork.
+        pool: the pinned pool host reads take buffers from (default: a new one).
+
+    With ``num_workers > 0`` and a CUDA device, workers return host tensors and one
+    :class:`GDSWorkerWarning` per worker process says why.
+    """
+
+    def __init__(self, items: Iterable[Item], *, device: str | torch.device | int | None = None,
+                 transform: Callable[[torch.Tensor], Any] | None = None, engine: Engine | None = None,
+                 pool: PinnedPool | None = None) -> None:
+        self.device = _resolve_device(device)
+        self.transform = transform
+        self._source = FileSource(items, engine=engine, pool=pool)
+        # The process an explicit engine belongs to, to refuse its use after a fork.
+        self._engine_pid = os.getpid() if engine is not None else None
+        self.uses_gds = self.device.type == "cuda" and _gds_usable()
+        self._cufiles: dict[str, Any] = {}
+        # Host buffers of non-blocking copies in flight, with the event that marks their
+        # end: the copy reads them after the call returns, so they are kept until then.
+        self._copying: list[tuple[torch.cuda.Event, list[np.ndarray]]] = []
+        self._warned_worker = False
+
+    @property
+    def records(self) -> Sequence[tuple[str, int, int]]:
+        """Each item as ``(path, offset, length)``."""
+        return self._source.records
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The items at ``indices``, their reads all issued before any is waited for."""
+        indices = list(indices)
+        if self._engine_pid is not None and self._engine_pid != os.getpid():
+            raise RuntimeError("GDSDataset was given an explicit engine, which cannot be used in a "
+                               "forked process (a DataLoader worker); leave engine=None so that each "
+                               "process uses its own default engine")
+        if self.device.type == "cuda" and get_worker_info() is not None:
+            self._warn_worker()
+            tensors = self._read_host(indices)
+        elif self.uses_gds:
+            tensors = self._read_gds(indices)
+        elif self.device.type == "cuda":
+            tensors = self._read_copied(indices)
+        else:
+            tensors = self._read_host(indices)
+        if self.transform is None:
+            return tensors
+        return [self.transform(t) for t in tensors]
+
+    def close(self) -> None:
+        """Closes the kvikio file handles of the GDS path (reopened if read again)."""
+        for handle in self._cufiles.values():
+            handle.close()
+        self._cufiles.clear()
+
+    def __repr__(self) -> str:
+        path = "gds" if self.uses_gds else "host"
+        return f"<tensorferry GDSDataset {len(self)} items device={self.device} path={path}>"
+
+    def _warn_worker(self) -> None:
+        # Each worker is its own process holding its own copy of this flag: once per worker.
+        if not self._warned_worker:
+            self._warned_worker = True
+            warnings.warn(_WORKER_WARNING.format(device=self.device), GDSWorkerWarning, stacklevel=3)
+
+    def _read_host(self, indices: list[int]) -> list[torch.Tensor]:
+        # The arrays belong to the caller (FileSource's contract), so the tensors can
+        # share them without a copy.
+        return [torch.from_numpy(array) for array in self._source.read_batch(indices)]
+
+    def _read_copied(self, indices: list[int]) -> list[torch.Tensor]:
+        self._release_copied()
+        arrays = self._source.read_batch(indices)
+        tensors = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._copying.append((event, arrays))
+        return tensors
+
+    def _release_copied(self) -> None:
+        """Gives the pool back the host buffers whose copies to the device have ended."""
+        pending = []
+        for event, arrays in self._copying:
+            if event.query():
+                for array in arrays:
+                    self._source.release(array)
+            else:
+                pending.append((event, arrays))
+        self._copying = pending
+
+    def _read_gds(self, indices: list[int]) -> list[torch.Tensor]:
+        import kvikio
+
+        records = [self._source.records[operator.index(i)] for i in indices]
+        tensors = [torch.empty(length, dtype=torch.uint8, device=self.device) for _, _, length in records]
+        reads: list[Any] = []
+        for path, offset, length in records:
+            try:
+                handle = self._cufiles.get(path)
+                if handle is None:
+                    handle = self._cufiles[path] = kvikio.CuFile(path, "r")
+                reads.append(handle.pread(tensors[len(reads)], length, offset))
+            except Exception as exc:  # noqa: BLE001 - kept and raised once the others are done
+                reads.append(exc)
+        # Every read is waited for before anything is raised: kvikio's threads may still
+        # be writing into the tensors of the others, which an early raise would free.
+        errors: list[BaseException] = []
+        for (path, offset, length), read in zip(records, reads):
+            if isinstance(read, Exception):
+                errors.append(read)
+                continue
+            try:
+                done = read.get()
+            except Exception as exc:  # noqa: BLE001 - as above
+                errors.append(exc)
+                continue
+            if done != length:
+                # What the engine raises for a record that runs past the end of its file.
+                errors.append(TensorferryIOError(errno.ENODATA, f"read past end of file ({done} bytes read)", path,
+                                                 offset, length))
+        if errors:
+            raise errors[0]
+        return tensors
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Spawned workers get a copy without the parent's kvikio handles or CUDA events.
+        state = self.__dict__.copy()
+        state["_cufiles"] = {}
+        state["_copying"] = []
+        return state
+
+
+__all__ = ["GDSDataset", "GDSWorkerWarning"]
