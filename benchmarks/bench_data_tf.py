@@ -1,0 +1,89 @@
+"""tf.data readers: make_dataset against TFRecordDataset and list_files + read_file, and fio.
+
+The page cache is dropped before each reader; bytes/s over a full pass.
+
+    python benchmarks/bench_data_tf.py --dir /nvme/tmp --size 2G
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tensorferry import bench, parse_size  # noqa: E402
+from tensorferry.adapters.tensorflow import make_dataset  # noqa: E402
+
+
+def drain(ds: tf.data.Dataset) -> int:
+    total = 0
+    for x in ds:
+        total += int(tf.size(x)) if x.dtype != tf.string else int(tf.strings.length(x))
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--size", default="2G")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    nbytes = parse_size(args.size)
+    root = os.path.join(args.dir, "tf-bench")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    rng = np.random.default_rng(0)
+    chunk = rng.integers(0, 256, size=nbytes // 64, dtype=np.uint8).tobytes()
+    files = []
+    for i in range(64):  # 64 whole files
+        path = os.path.join(root, f"f{i:03d}.bin")
+        with open(path, "wb") as f:
+            f.write(chunk)
+        files.append(path)
+    records = os.path.join(root, "records.bin")  # one file of 1 MiB fixed records
+    with open(records, "wb") as f:
+        for _ in range(nbytes // (1 << 20)):
+            f.write(chunk[: 1 << 20])
+    tfrecords = []
+    for i in range(8):  # TFRecord files of 1 MiB records
+        path = os.path.join(root, f"part-{i}.tfrecord")
+        with tf.io.TFRecordWriter(path) as w:
+            for _ in range(nbytes // (1 << 20) // 8):
+                w.write(chunk[: 1 << 20])
+        tfrecords.append(path)
+    bench.drop_cache(bench.files_under(root))
+
+    results = []
+    if bench.fio_available():
+        results.append(bench.run_fio(root, "write", nbytes))
+        results.append(bench.run_fio(root, "read", nbytes))
+        os.unlink(os.path.join(root, "fio.bin"))
+    results = [m for m in results if m.op == "read"]
+    auto = tf.data.AUTOTUNE
+    readers = [
+        ("make_dataset, 64 files", lambda: make_dataset(files)),
+        ("list_files.map(read_file), 64 files",
+         lambda: tf.data.Dataset.list_files(files, shuffle=False).map(tf.io.read_file, num_parallel_calls=auto)),
+        ("make_dataset, 1 MiB records", lambda: make_dataset(records, record_bytes=1 << 20)),
+        ("FixedLengthRecordDataset, 1 MiB records",
+         lambda: tf.data.FixedLengthRecordDataset(records, 1 << 20, buffer_size=16 << 20)),
+        ("make_dataset, TFRecord", lambda: make_dataset(tfrecords, tfrecord=True)),
+        ("TFRecordDataset(num_parallel_reads=AUTOTUNE)", lambda: tf.data.TFRecordDataset(tfrecords, num_parallel_reads=auto)),
+    ]
+    for name, make in readers:
+        bench.drop_cache(bench.files_under(root))
+        count = {}
+        results.append(bench.timed(name, "read", nbytes, lambda: count.setdefault("n", drain(make()))))
+    shutil.rmtree(root)
+    print(bench.report(results, args.json))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
