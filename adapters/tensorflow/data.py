@@ -73,7 +73,7 @@ def tfrecord_records(path: str, engine: Engine | None = None) -> list[tuple[str,
 def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, record_bytes: int | None = None,
                  tfrecord: bool = False, shuffle: bool = False, seed: int | None = None,
                  num_parallel_reads: int = tf.data.AUTOTUNE, shard: tuple[int, int] | None = None,
-                 reads_per_call: int = 16, engine: Engine | None = None) -> tf.data.Dataset:
+                 reads_per_call: int | None = None, engine: Engine | None = None) -> tf.data.Dataset:
     """A dataset of whole files (``tf.string``), fixed-length records (``uint8[record_bytes]``)
     or TFRecord records (``tf.string``, CRCs checked).
 
@@ -85,7 +85,8 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         shuffle: shuffle the items each epoch (``seed`` makes the order repeatable);
             otherwise the order is the files' order, then offsets.
         num_parallel_reads: parallel calls of the read map (each reads ``reads_per_call``
-            items concurrently).
+            items concurrently; by default as many as make about 16 MiB, at most 64,
+            so that buffers stay few enough to be reused from the pool).
         shard: ``(index, count)``: keep every count-th item starting at index, for
             data-parallel workers (tf.distribute's auto-sharding works too).
     """
@@ -110,6 +111,9 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     else:
         items = paths
     source = FileSource(items, engine=engine)
+    if reads_per_call is None:
+        average = sum(length for _, _, length in source.records) // max(1, len(source))
+        reads_per_call = max(1, min(64, (16 << 20) // max(1, average)))
 
     def read(indices: tf.Tensor) -> tf.Tensor:
         arrays = source.read_batch(int(i) for i in indices.numpy())
