@@ -640,7 +640,7 @@ def _verify_dcp(path: str, args: argparse.Namespace) -> Verified:
 # ---------------------------------------------------------------- convert
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    """A tensorferry checkpoint to one safetensors file, or a safetensors file to a checkpoint."""
+    """A tensorferry or DCP checkpoint to one safetensors file, or a safetensors file to a checkpoint."""
     src, dst = args.src, args.dst
     kind = checkpoint_kind(src)
     through_dcp = kind == "torch-dcp" or (kind == "tensorferry" and os.path.exists(os.path.join(src, DCP_METADATA)))
@@ -966,8 +966,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     p = add("convert", "tensorferry checkpoint <-> one safetensors file",
-            "--to safetensors: a tensorferry checkpoint (all its shards) into one consolidated\n"
-            "safetensors file. --to tensorferry: a safetensors file into a checkpoint directory.\n"
+            "--to safetensors: a tensorferry checkpoint (all its shards), or a torch DCP checkpoint\n"
+            "(tensorferry's DCPWriter or torch's FileSystemWriter; pickled objects are left out), into\n"
+            "one consolidated safetensors file. --to tensorferry: a safetensors file into a checkpoint.\n"
             "Streams one tensor at a time (memory stays near a few tensors), checks the source's\n"
             "checksums as it reads, and replaces DST only once the new one is complete.")
     p.add_argument("src", metavar="SRC", help="source checkpoint directory or safetensors file")
