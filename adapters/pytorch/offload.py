@@ -21,6 +21,7 @@ import torch
 from ...engine import Engine, IOFuture, PathLike
 from ...errors import TensorferryIOError
 from ...offload import OffloadStore
+from ...shard import aligned_empty
 
 _PAGE = 4096
 # Tensors inside a region start on torch's own allocation alignment, so that vectorised
@@ -41,8 +42,7 @@ def _aligned_empty(nbytes: int) -> np.ndarray:
     """
     if nbytes >= _MAPPED:
         return np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
-    base = np.empty(nbytes + _PAGE, np.uint8)
-    return base[(-base.ctypes.data) % _PAGE:][:nbytes]
+    return aligned_empty(nbytes)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
