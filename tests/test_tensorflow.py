@@ -132,3 +132,13 @@ def test_errors(tmp_path) -> None:
         make_dataset([], tfrecord=True)
     with pytest.raises(ValueError, match="not both"):
         make_dataset(str(tmp_path), record_bytes=4, tfrecord=True)
+
+
+def test_one_read_per_call_path(whole_files, tmp_path) -> None:
+    root, data = whole_files
+    assert [x.numpy() for x in make_dataset(str(root / "f*.bin"), reads_per_call=1)] == data
+    raw = np.arange(40 * 8, dtype=np.uint8).reshape(40, 8)
+    (tmp_path / "r.rec").write_bytes(raw.tobytes())
+    ds = make_dataset(str(tmp_path / "r.rec"), record_bytes=8, reads_per_call=1)
+    assert ds.element_spec.shape.as_list() == [8]
+    np.testing.assert_array_equal(np.stack([x.numpy() for x in ds]), raw)

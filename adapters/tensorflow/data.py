@@ -135,11 +135,15 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         dataset = dataset.shard(count, index)
     if shuffle:
         dataset = dataset.shuffle(len(source), seed=seed, reshuffle_each_iteration=True)
+    shape = [record_bytes] if record_bytes is not None else []
+    if reads_per_call == 1:
+        # Large items: one per call, and no batch/unbatch, which would copy each again.
+        return dataset.map(lambda i: tf.ensure_shape(tf.py_function(read, [tf.reshape(i, [1])], Tout=out_type)[0],
+                                                     shape),
+                           num_parallel_calls=num_parallel_reads, deterministic=True)
     dataset = dataset.batch(reads_per_call).map(lambda i: tf.py_function(read, [i], Tout=out_type),
                                                 num_parallel_calls=num_parallel_reads, deterministic=True)
-    shape = [None, record_bytes] if record_bytes is not None else [None]
-    dataset = dataset.map(lambda x: tf.ensure_shape(x, shape))
-    return dataset.unbatch()
+    return dataset.map(lambda x: tf.ensure_shape(x, [None, *shape])).unbatch()
 
 
 def _tfrecord_data(source: FileSource, index: int, raw: np.ndarray) -> bytes:
