@@ -205,6 +205,7 @@ def _worker(rank: int, world: int, rendezvous: str, root: str, scenario: str) ->
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         globals()[f"scenario_{scenario}"](rank, world, root)
+        dist.barrier()  # no rank tears its group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 

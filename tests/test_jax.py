@@ -1,0 +1,325 @@
+import os
+
+# Must precede the first import of jax in this process (another test module may
+# have imported it already: then the device count check below skips).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+ocp = pytest.importorskip("orbax.checkpoint")
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from tensorferry.adapters.jax import (FerryCheckpointHandler, FerryRestore, FerrySave,  # noqa: E402
+                                      load_pytree, save_pytree)
+
+
+
+@pytest.fixture(autouse=True)
+def _eight_devices():
+    # Checked here, not at collection: initialising JAX's backend at collection would
+    # make it multithreaded before other modules' tests fork.
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (virtual) devices: XLA_FLAGS was set after JAX started")
+
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.int32, jnp.bool_]
+
+
+def mesh(shape):
+    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), ("x", "y"))
+
+
+def make(dtype, shape=(16, 24), seed=0):
+    values = np.random.default_rng(seed).standard_normal(shape) * 4
+    if dtype == jnp.bool_:
+        values = values > 0
+    return np.asarray(jnp.asarray(values).astype(dtype))
+
+
+def state_on(mesh_2x4):
+    s = NamedSharding(mesh_2x4, P("x", "y"))
+    state = {f"w{i}": jax.device_put(make(dt, seed=i), s) for i, dt in enumerate(DTYPES)}
+    state["rows"] = jax.device_put(make(jnp.float32, (8, 5), 9), NamedSharding(mesh_2x4, P("x")))
+    state["replicated"] = jax.device_put(make(jnp.float32, (3, 4), 10), NamedSharding(mesh_2x4, P()))
+    state["host"] = np.arange(10, dtype=np.int64)
+    state["nested"] = [{"step": 7, "lr": 0.5}, (jnp.ones((2, 2), jnp.float32),)]
+    return state
+
+
+def abstract(state, sharding_for):
+    def one(x):
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_for(x))
+        return x
+    return jax.tree_util.tree_map(one, state)
+
+
+def assert_same(a, b):
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb):
+        if isinstance(x, (int, float, str)):
+            assert x == y
+        else:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+            assert np.asarray(x).dtype == np.asarray(y).dtype
+
+
+@pytest.fixture
+def saved(tmp_path):
+    state = state_on(mesh((2, 4)))
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    path = tmp_path / "ckpt"
+    ckptr.save(path, args=FerrySave(state))
+    return state, path
+
+
+@pytest.mark.parametrize("target", ["1x8", "8x1", "single", "2x4"])
+def test_restore_onto_other_meshes(saved, target):
+    state, path = saved
+    if target == "single":
+        sharding_for = lambda x: jax.sharding.SingleDeviceSharding(jax.devices()[3])  # noqa: E731
+    else:
+        m = mesh(tuple(int(d) for d in target.split("x")))
+
+        def sharding_for(x):
+            divides = x.ndim == 2 and x.shape[0] % m.shape["x"] == 0 and x.shape[1] % m.shape["y"] == 0
+            return NamedSharding(m, P("x", "y") if divides else P())
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    restored = ckptr.restore(path, args=FerryRestore(abstract(state, sharding_for)))
+    assert_same(state, restored)
+    for x, r in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)):
+        if isinstance(x, jax.Array):
+            assert r.sharding.is_equivalent_to(sharding_for(x), x.ndim)
+
+
+def test_restore_without_target_and_metadata(saved):
+    state, path = saved
+    handler = FerryCheckpointHandler()
+    restored = ocp.Checkpointer(handler).restore(path)
+    assert isinstance(restored["w0"], np.ndarray)
+    assert_same(jax.tree_util.tree_map(np.asarray, state), restored)
+    meta = handler.metadata(path)
+    assert meta["w2"].shape == (16, 24) and meta["w2"].dtype == jnp.bfloat16
+    assert meta["nested"][0]["step"] == 7
+    # The metadata, given shardings, is a restore target.
+    m = mesh((4, 2))
+    target = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m, P()))
+        if isinstance(x, jax.ShapeDtypeStruct) else x, meta)
+    target["nested"][1] = tuple(target["nested"][1])
+    target["host"] = np.zeros(10, np.int64)  # a numpy target restores as numpy (JAX would make it int32)
+    assert_same(jax.tree_util.tree_map(np.asarray, state),
+                jax.tree_util.tree_map(np.asarray, ocp.Checkpointer(handler).restore(path, args=FerryRestore(target))))
+
+
+def test_only_replica_zero_written_and_partial_reads(saved):
+    state, path = saved
+    import json
+    index = json.loads((path / "process-0.json").read_text())
+    chunks = index["metadata"]["leaves"]["['replicated']"]["chunks"]
+    assert len(chunks) == 1  # replicated over 8 devices, stored once
+    assert len(index["metadata"]["leaves"]["['w0']"]["chunks"]) == 8
+    assert len(index["metadata"]["leaves"]["['rows']"]["chunks"]) == 2
+
+
+def test_checkpoint_manager_async(tmp_path):
+    m = mesh((2, 4))
+    s = NamedSharding(m, P("x", "y"))
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
+    states = {}
+    with ocp.CheckpointManager(tmp_path / "run", options=options,
+                               item_handlers={"state": FerryCheckpointHandler()}) as mngr:
+        w = jax.device_put(make(jnp.float32, (64, 64)), s)
+        for step in range(4):
+            w = w * 2 + step  # compute overlapping the previous async save
+            state = {"w": w, "step": step}
+            states[step] = state
+            mngr.save(step, args=ocp.args.Composite(state=FerrySave(state)))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [2, 3]
+        assert mngr.latest_step() == 3
+        target = abstract(states[3], lambda x: NamedSharding(mesh((8, 1)), P("x", "y")))
+        restored = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(state=FerryRestore(target)))
+        assert_same(states[3], restored["state"])
+
+
+def test_async_checkpointer(tmp_path):
+    state = {"a": jax.device_put(make(jnp.bfloat16, (32, 8)), NamedSharding(mesh((2, 4)), P(None, "y")))}
+    ckptr = ocp.AsyncCheckpointer(FerryCheckpointHandler())
+    ckptr.save(tmp_path / "c", args=FerrySave(state))
+    ckptr.wait_until_finished()
+    restored = ckptr.restore(tmp_path / "c", args=FerryRestore(
+        abstract(state, lambda x: NamedSharding(mesh((8, 1)), P("x")))))
+    assert_same(state, restored)
+    ckptr.close()
+
+
+def test_torch_to_jax_and_back(tmp_path):
+    torch = pytest.importorskip("torch")
+    from tensorferry.adapters import pytorch as tfpt
+    sd = {"layer.weight": torch.randn(4, 3), "layer.bias": torch.arange(3, dtype=torch.int32),
+          "emb": torch.randn(5, 2).to(torch.bfloat16)}
+    tfpt.save(sd, tmp_path / "model.safetensors")
+    arrays = load_pytree(tmp_path / "model.safetensors")
+    assert set(arrays) == set(sd)
+    for name, t in sd.items():
+        assert isinstance(arrays[name], jax.Array)
+        np.testing.assert_array_equal(np.asarray(arrays[name].astype(jnp.float32)), t.float().numpy())
+    assert arrays["emb"].dtype == jnp.bfloat16
+    # JAX -> torch: a consolidated file is plain safetensors.
+    save_pytree(tmp_path / "jax.safetensors", {"w": arrays["layer.weight"], "b": arrays["emb"]})
+    back = tfpt.load(tmp_path / "jax.safetensors")
+    assert torch.equal(back["['w']"], sd["layer.weight"])
+    assert torch.equal(back["['b']"], sd["emb"])
+
+
+def test_reads_only_needed_bytes(tmp_path, monkeypatch):
+    from tensorferry.shard import ShardReader
+    # Saved in row blocks, restored in column blocks: each device needs an 8x8 corner of
+    # each 8x64 chunk, read as 8 runs of one row piece rather than the whole chunk.
+    x = jax.device_put(make(jnp.float32, (16, 64)), NamedSharding(mesh((2, 4)), P("x", None)))
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    ckptr.save(tmp_path / "c", args=FerrySave({"x": x}))
+    read = []
+    original = ShardReader.pread
+
+    def counting(self, name, out, start=0):
+        read.append(np.asarray(out).nbytes)
+        return original(self, name, out, start)
+
+    monkeypatch.setattr(ShardReader, "pread", counting)
+    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh((1, 8)), P(None, "y")))}
+    restored = ckptr.restore(tmp_path / "c", args=FerryRestore(target))
+    np.testing.assert_array_equal(np.asarray(restored["x"]), np.asarray(x))
+    assert sum(read) == x.nbytes  # every byte read once, none of the rest of each chunk
+
+
+def test_async_save_returns_before_io(tmp_path, monkeypatch):
+    import threading
+    import time
+    gate = threading.Event()
+    original = FerryCheckpointHandler._write
+
+    def held(self, *args):
+        gate.wait(10)
+        original(self, *args)
+
+    monkeypatch.setattr(FerryCheckpointHandler, "_write", held)
+    state = {"a": jnp.arange(12.0).reshape(3, 4)}
+    ckptr = ocp.AsyncCheckpointer(FerryCheckpointHandler())
+    t0 = time.perf_counter()
+    ckptr.save(tmp_path / "c", args=FerrySave(state))
+    assert time.perf_counter() - t0 < 5
+    assert not (tmp_path / "c").exists()  # not committed while the write is held
+    gate.set()
+    ckptr.wait_until_finished()
+    assert (tmp_path / "c" / "process-0.json").exists()
+    assert_same(state, ckptr.restore(tmp_path / "c", args=FerryRestore(
+        {"a": jax.ShapeDtypeStruct((3, 4), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))})))
+    ckptr.close()
+
+
+_KILLED_SAVE = r"""
+import os, sys, time
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from tensorferry.adapters.jax import handler as h
+
+options = ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True)
+mngr = ocp.CheckpointManager(sys.argv[1], options=options, item_handlers={"state": h.FerryCheckpointHandler()})
+mngr.save(0, args=ocp.args.Composite(state=h.FerrySave({"w": jnp.zeros(1000), "step": 0})))
+mngr.wait_until_finished()
+
+def stuck(*args):  # the shard file of step 1 is written; its index never will be
+    print("WRITING", flush=True)
+    time.sleep(120)
+
+h.build_manifest = stuck
+mngr.save(1, args=ocp.args.Composite(state=h.FerrySave({"w": jnp.ones(1000), "step": 1})))
+time.sleep(120)
+"""
+
+
+def test_killed_save_leaves_previous_step(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(tmp_path / "run")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "WRITING"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with ocp.CheckpointManager(tmp_path / "run", item_handlers={"state": FerryCheckpointHandler()}) as mngr:
+        leftovers = [p.name for p in (tmp_path / "run").iterdir()]
+        assert any(n.startswith("1") and "tmp" in n for n in leftovers), leftovers  # killed mid-save
+        assert mngr.latest_step() == 0
+        target = {"w": jax.ShapeDtypeStruct((1000,), jnp.float32,
+                                            sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), "step": 0}
+        restored = mngr.restore(0, args=ocp.args.Composite(state=FerryRestore(target)))
+        assert restored["state"]["step"] == 0
+        np.testing.assert_array_equal(np.asarray(restored["state"]["w"]), np.zeros(1000, np.float32))
+
+
+_TWO_PROCESSES = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+path, pid, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tensorferry.adapters.jax import FerryCheckpointHandler, FerryRestore, FerrySave
+
+assert jax.device_count() == 8 and jax.local_device_count() == 4
+full = np.arange(16 * 24, dtype=np.float32).reshape(16, 24)
+saved_on = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+x = jax.make_array_from_callback(full.shape, NamedSharding(saved_on, P("x", "y")), lambda i: full[i])
+ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+ckptr.save(path, args=FerrySave({"x": x, "step": 3}))
+restored_on = Mesh(np.array(jax.devices()).reshape(8, 1)[::-1], ("x", "y"))  # other devices per box
+target = {"x": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=NamedSharding(restored_on, P(None, "x"))),
+          "step": 0}
+restored = ckptr.restore(path, args=FerryRestore(target))
+assert restored["step"] == 3
+for shard in restored["x"].addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+print("OK", sorted(os.listdir(path)), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_processes(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESSES, str(tmp_path / "c"), str(i), str(port)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=60)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    assert "process-0.safetensors" in outputs[0] and "process-1.json" in outputs[0]
