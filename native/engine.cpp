@@ -68,15 +68,19 @@ bool Request::wait(double timeout_seconds) {
 }
 
 AlignedBuffer::AlignedBuffer(uint64_t nbytes) {
-  const uint64_t rounded = (nbytes + 4095) & ~uint64_t(4095);
-  data_ = static_cast<char *>(std::aligned_alloc(4096, rounded));
-  if (data_ == nullptr) throw IOError{ENOMEM, "", "allocating an aligned staging buffer", 0, rounded};
-  std::memset(data_, 0, rounded);  // fault the pages in once, not during each transfer
+  data_ = static_cast<char *>(map_transfer_memory(nbytes, &mapped_));
+  std::memset(data_, 0, mapped_);  // fault the pages in once, not during each transfer
 }
-AlignedBuffer::~AlignedBuffer() { std::free(data_); }
-AlignedBuffer::AlignedBuffer(AlignedBuffer &&other) noexcept : data_(other.data_) { other.data_ = nullptr; }
+AlignedBuffer::~AlignedBuffer() {
+  if (data_ != nullptr) munmap(data_, mapped_);
+}
+AlignedBuffer::AlignedBuffer(AlignedBuffer &&other) noexcept : data_(other.data_), mapped_(other.mapped_) {
+  other.data_ = nullptr;
+  other.mapped_ = 0;
+}
 AlignedBuffer &AlignedBuffer::operator=(AlignedBuffer &&other) noexcept {
   std::swap(data_, other.data_);
+  std::swap(mapped_, other.mapped_);
   return *this;
 }
 

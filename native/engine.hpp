@@ -179,7 +179,11 @@ struct PinnedAllocation {
 PinnedAllocation pinned_alloc(uint64_t nbytes);
 void pinned_free(const PinnedAllocation &a);
 
-// Aligned scratch memory owned by one backend worker.
+// Anonymous memory for transfers: page-aligned, and in transparent huge pages
+// wherever it spans one. Returns the mapping's real length through `mapped`.
+void *map_transfer_memory(uint64_t nbytes, uint64_t *mapped);
+
+// Aligned scratch memory owned by one backend worker, faulted in once.
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
@@ -191,6 +195,7 @@ class AlignedBuffer {
 
  private:
   char *data_ = nullptr;
+  uint64_t mapped_ = 0;
 };
 
 }  // namespace tf

@@ -140,7 +140,6 @@ class UringBackend final : public Backend {
     wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (wake_fd_ < 0) throw IOError{errno, "", "eventfd"};
     slots_.resize(static_cast<size_t>(depth_));
-    bounce_.resize(static_cast<size_t>(depth_));
     for (int i = depth_ - 1; i >= 0; --i) free_slots_.push_back(i);
     loop_ = std::thread([this] { run(); });
   }
@@ -204,7 +203,7 @@ class UringBackend final : public Backend {
   void prepare(int slot_index) {
     Slot &s = slots_[static_cast<size_t>(slot_index)];
     const Task &t = s.task;
-    char *mem = t.needs_bounce ? bounce_[static_cast<size_t>(slot_index)].data() : t.ptr;
+    char *mem = t.needs_bounce ? staging_for(slot_index) : t.ptr;
     io_uring_sqe *sqe = ring_.next_sqe();
     sqe->opcode = t.req->is_write() ? IORING_OP_WRITE : IORING_OP_READ;
     sqe->fd = s.fd;
@@ -230,9 +229,8 @@ class UringBackend final : public Backend {
         continue;
       }
       if (s.task.needs_bounce) {
-        AlignedBuffer &b = bounce_[static_cast<size_t>(i)];
-        if (b.data() == nullptr) b = AlignedBuffer(block_size_);
-        if (s.task.req->is_write()) std::memcpy(b.data(), s.task.ptr, s.task.length);
+        if (staging_.data() == nullptr) staging_ = AlignedBuffer(block_size_ * static_cast<uint64_t>(depth_));
+        if (s.task.req->is_write()) std::memcpy(staging_for(i), s.task.ptr, s.task.length);
       } else if (!s.task.req->is_write()) {
         populate_for_write(s.task.ptr, s.task.length);
       }
@@ -241,10 +239,15 @@ class UringBackend final : public Backend {
     return !(stopping_ && pending_.empty() && free_slots_.size() == slots_.size());
   }
 
+  // One slab for every slot's staging block, so that it lies in huge pages.
+  char *staging_for(int slot_index) const {
+    return staging_.data() + static_cast<uint64_t>(slot_index) * block_size_;
+  }
+
   void finish(int i) {
     Slot &s = slots_[static_cast<size_t>(i)];
     if (!s.task.req->is_write() && s.task.needs_bounce)
-      std::memcpy(s.task.ptr, bounce_[static_cast<size_t>(i)].data(), s.done);
+      std::memcpy(s.task.ptr, staging_for(i), s.done);
     s.task.req->add_bytes(s.done);
     auto req = std::move(s.task.req);
     s.task = Task{};
@@ -326,7 +329,7 @@ class UringBackend final : public Backend {
   std::deque<Task> pending_;
   bool stopping_ = false;
   std::vector<Slot> slots_;
-  std::vector<AlignedBuffer> bounce_;
+  AlignedBuffer staging_;  // allocated on the first misaligned direct task
   std::vector<int> free_slots_;
   std::thread loop_;
 };
