@@ -216,10 +216,11 @@ def report(measurements: list[Measurement], as_json: bool = False) -> str:
     rows = report_rows(measurements)
     if as_json:
         return json.dumps(rows, indent=2)
-    lines = [f"{'what':<44}{'op':<7}{'GB/s':>8}{'CPU s/GB':>10}{'vs fio':>8}"]
+    width = max([len("what"), *(len(r["name"]) for r in rows)]) + 2
+    lines = [f"{'what':<{width}}{'op':<7}{'GB/s':>8}{'CPU s/GB':>10}{'vs fio':>8}"]
     for r in rows:
         ratio = "" if r["ratio_to_fio"] is None else f"{r['ratio_to_fio']:.2f}"
-        lines.append(f"{r['name']:<44}{r['op']:<7}{r['gbps']:>8.2f}{r['cpu_s_per_gb']:>10.2f}{ratio:>8}")
+        lines.append(f"{r['name']:<{width}}{r['op']:<7}{r['gbps']:>8.2f}{r['cpu_s_per_gb']:>10.2f}{ratio:>8}")
     lines += [f"peak RSS growth during {r['name']}: {r['peak_rss_growth'] / 2**20:.0f} MiB"
               for r in rows if r["peak_rss_growth"] is not None]
     return "\n".join(lines)
@@ -236,10 +237,10 @@ def bench_engine(directory: str, nbytes: int, backends: list[str], repeat: int =
                         run_fio(directory, "read", nbytes, progress=progress)]
         for backend in backends:
             results += engine_round(directory, backend, data, progress=progress)
-    return _best_of(results)
+    return best_of(results)
 
 
-def _best_of(results: list[Measurement]) -> list[Measurement]:
+def best_of(results: list[Measurement]) -> list[Measurement]:
     """The fastest round of each contender, with the largest memory growth of any round."""
     best: dict[tuple[str, str], Measurement] = {}
     growth: dict[tuple[str, str], int] = {}
@@ -630,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeat):
                 results += bench_checkpoint(directory, state, f"{count} arrays")
             del state
-        results = _best_of(results)
+        results = best_of(results)
     remove_fio_file(directory)
     print(report(results, args.json))
     return 0

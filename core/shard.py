@@ -17,7 +17,7 @@ import os
 import secrets
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Union
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -28,10 +28,17 @@ from .engine import Engine, File, IOFuture, default_engine
 from .errors import CorruptCheckpointError
 
 ALIGNMENT = 4096
+_OWN_MAPPING = 1 << 20  # from this size on, aligned_empty maps memory of its own
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library refuses larger headers too
 CHECKSUMS_KEY = "tensorferry.checksums"
 CHECKSUM_ALGORITHM = "xxh3_64"
 _DIGEST_CHARS = 16
+# A box (ShardReader.read_box) that is not one contiguous byte range is read as one
+# envelope, from its first element to its last, unless the envelope is more than this
+# many times the wanted bytes: then as one read per contiguous run, if there are at
+# most MAX_BOX_RUNS (past that, per-request costs outweigh the bytes saved).
+ENVELOPE_WASTE = 2
+MAX_BOX_RUNS = 256
 
 Source = Union[Any, Callable[[], Any]]
 _pool = PinnedPool()
@@ -87,6 +94,30 @@ class ShardInfo:
     def to_json(self) -> dict[str, Any]:
         return {"size": self.size, "checksum": self.checksum,
                 "tensors": {name: t.to_json() for name, t in self.tensors.items()}}
+
+
+@dataclass
+class BoxRead:
+    """A box of a stored tensor on its way in, as :meth:`ShardReader.read_box` started it.
+
+    ``future`` covers every read the box needs; ``result()`` waits for them and returns
+    the box. ``whole`` tells that the box is the entire tensor, the only case its
+    checksum can be checked (when the reader verifies).
+    """
+
+    future: IOFuture
+    whole: bool
+    _assemble: Callable[[], np.ndarray] = field(repr=False)
+    _box: np.ndarray | None = field(default=None, repr=False)
+
+    def result(self) -> np.ndarray:
+        """The box, of shape ``lengths`` and the stored dtype (over ``out``'s memory when
+        one was given). Raises the reads' I/O error, or :class:`CorruptCheckpointError`
+        when a whole tensor fails its checksum."""
+        if self._box is None:
+            self.future.result()
+            self._box = self._assemble()
+        return self._box
 
 
 def write_order(specs: Iterable[tuple[str, str]]) -> list[str]:
@@ -343,13 +374,26 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
+def _copy_items(source: np.ndarray, dest: np.ndarray) -> np.ndarray:
+    """Copies ``source`` into ``dest`` (same shape and item size) as raw bytes, so that
+    no dtype converts or normalizes a value (bf16, bool) on the way."""
+    raw = np.dtype(f"u{source.itemsize}")
+    dest.view(raw)[...] = source.view(raw)
+    return dest
+
+
 def aligned_empty(nbytes: int, phase: int = 0) -> np.ndarray:
     """A uint8 array whose address is congruent to ``phase`` modulo 4096, so that a read
     from a file offset with that phase needs no staging copy for O_DIRECT.
 
-    Its pages are faulted in here, on the caller's thread while earlier reads are in
-    flight, rather than by the I/O path (serially, in io_uring's case)."""
-    base = np.empty(nbytes + 2 * ALIGNMENT, np.uint8)
+    Large ones are mappings of their own in transparent huge pages (fewer, larger DMA
+    segments, and freeing one returns its memory to the system at once, where malloc's
+    heap could keep it). Its pages are faulted in here, on the caller's thread while
+    earlier reads are in flight, rather than by the I/O path (serially, in io_uring's case)."""
+    if nbytes >= _OWN_MAPPING:
+        base, _ = _native.alloc_pinned(nbytes + ALIGNMENT, lock=False)
+    else:
+        base = np.empty(nbytes + 2 * ALIGNMENT, np.uint8)
     start = (phase - base.ctypes.data) % ALIGNMENT
     _native.populate(base.ctypes.data, base.nbytes)
     return base[start:start + nbytes]
@@ -556,6 +600,105 @@ class ShardReader:
                     continue
             chunks.append([n])
         return chunks
+
+    def read_box(self, name: str, offsets: Sequence[int], lengths: Sequence[int], out: Any = None) -> BoxRead:
+        """Starts reading the box ``[offsets, offsets + lengths)`` of tensor ``name`` (a
+        row-major array), fetching little more than the box's own bytes: how a reader
+        with another sharding than the writer's takes its part of a stored chunk.
+
+        A box that is one contiguous byte range is read as such, straight into ``out``
+        when that is contiguous memory. Any other box is read as the envelope from its
+        first element to its last, or, where that would read far more than the box
+        (``ENVELOPE_WASTE``), as one read per contiguous run; then copied into ``out``.
+        Without ``out`` the result is a view of what was read (strided for an envelope)
+        or, for runs, a new array.
+
+        ``out`` may be an array of shape ``lengths`` whose items have the stored size,
+        in any layout (a slice of a larger array, say), or any contiguous writable host
+        buffer of the box's bytes (a torch tensor's, say). Checksums cover whole tensors,
+        so only a box that is the whole tensor is verified. A box that does not fit in
+        the tensor means the caller's record of the file and the file disagree: it
+        raises :class:`CorruptCheckpointError`.
+        """
+        t = self.info(name)
+        dtype = to_numpy_dtype(t.dtype)
+        shape = t.shape
+        offsets, lengths = tuple(int(o) for o in offsets), tuple(int(n) for n in lengths)
+        if not (len(offsets) == len(lengths) == len(shape)
+                and all(o >= 0 and n >= 0 and o + n <= d for o, n, d in zip(offsets, lengths, shape))):
+            raise self._corrupt(f"the box at {list(offsets)} of size {list(lengths)} lies outside tensor "
+                                f"{name!r} of shape {list(shape)}")
+        dest = self._box_destination(name, out, lengths, dtype)
+        needed = math.prod(lengths)
+        if needed == 0:
+            empty = np.empty(lengths, dtype) if dest is None else dest
+            whole = t.nbytes == 0
+            return BoxRead(IOFuture.completed(0), whole, lambda: self._verified(name, empty, whole))
+        itemsize = dtype.itemsize
+        strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]  # in elements
+        first = sum(o * s for o, s in zip(offsets, strides))
+        envelope = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides)) - first + 1
+        whole = envelope == math.prod(shape)  # the box lies inside the tensor: it is all of it
+        if envelope == needed and dest is not None and dest.flags.c_contiguous:
+            return BoxRead(self.pread(name, dest, first * itemsize), whole,
+                           lambda: self._verified(name, dest, whole))
+        # Dimensions after k are taken whole, so each index over those before k is one run.
+        k = len(shape) - 1
+        while k > 0 and lengths[k] == shape[k]:
+            k -= 1
+        runs = math.prod(lengths[:k])
+        if envelope > ENVELOPE_WASTE * needed and 1 < runs <= MAX_BOX_RUNS:
+            return self._read_runs(name, first, strides, lengths, k, dtype, dest)
+        buffer = self.buffer_for(name, first * itemsize, envelope * itemsize)
+
+        def assemble() -> np.ndarray:
+            self._verified(name, buffer, whole)
+            box = np.lib.stride_tricks.as_strided(buffer.view(dtype), lengths, [s * itemsize for s in strides])
+            return box if dest is None else _copy_items(box, dest)
+
+        return BoxRead(self.pread(name, buffer, first * itemsize), whole, assemble)
+
+    def _box_destination(self, name: str, out: Any, lengths: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """``out`` of :meth:`read_box` as an array of shape ``lengths`` and the stored item size."""
+        if out is None:
+            return None
+        if isinstance(out, np.ndarray) and out.shape == lengths:
+            if out.dtype.itemsize != dtype.itemsize or not out.flags.writeable:
+                raise ValueError(f"{self.path}: the destination for a box of {name!r} must be writable with "
+                                 f"{dtype.itemsize}-byte items, not {out.dtype}")
+            return out
+        view = byte_view(out, writable=True)
+        nbytes = math.prod(lengths) * dtype.itemsize
+        if view.nbytes != nbytes:
+            raise ValueError(f"{self.path}: the destination for a box of {name!r} has {view.nbytes} bytes, "
+                             f"the box {nbytes}")
+        return view.view(dtype).reshape(lengths)
+
+    def _read_runs(self, name: str, first: int, strides: list[int], lengths: tuple[int, ...], k: int,
+                   dtype: np.dtype, dest: np.ndarray | None) -> BoxRead:
+        """The box as one read per index over its first ``k`` dimensions."""
+        itemsize = dtype.itemsize
+        run_shape = lengths[k:]
+        run_bytes = math.prod(run_shape) * itemsize
+        reads = []
+        for outer in np.ndindex(*lengths[:k]):
+            start = (first + sum(i * s for i, s in zip(outer, strides))) * itemsize
+            buffer = self.buffer_for(name, start, run_bytes)
+            reads.append((outer, buffer, self.pread(name, buffer, start)))
+        box = np.empty(lengths, dtype) if dest is None else dest
+
+        def assemble() -> np.ndarray:
+            for outer, buffer, _ in reads:
+                _copy_items(buffer.view(dtype).reshape(run_shape), box[outer])
+            return box
+
+        return BoxRead(IOFuture.gather(f for _, _, f in reads), False, assemble)
+
+    def _verified(self, name: str, data: np.ndarray, whole: bool) -> np.ndarray:
+        """``data``, once checked against tensor ``name``'s checksum if it is all of it."""
+        if whole and self.verify:
+            self.check_checksum(name, byte_view(data, writable=False))
+        return data
 
     def check_checksum(self, name: str, data: Any) -> None:
         """Raises :class:`CorruptCheckpointError` if ``data`` (all of tensor ``name``'s

@@ -176,7 +176,7 @@ struct PinnedAllocation {
   uint64_t nbytes;
   bool locked;
 };
-PinnedAllocation pinned_alloc(uint64_t nbytes);
+PinnedAllocation pinned_alloc(uint64_t nbytes, bool lock);
 void pinned_free(const PinnedAllocation &a);
 
 // Anonymous memory for transfers: page-aligned, and in transparent huge pages

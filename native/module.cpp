@@ -101,8 +101,8 @@ NB_MODULE(_native, m) {
   }, "address"_a, "nbytes"_a, nb::call_guard<nb::gil_scoped_release>(),
         "Faults in memory that a read is about to fill.");
 
-  m.def("alloc_pinned", [](uint64_t nbytes) {
-    const tf::PinnedAllocation a = tf::pinned_alloc(nbytes);
+  m.def("alloc_pinned", [](uint64_t nbytes, bool lock) {
+    const tf::PinnedAllocation a = tf::pinned_alloc(nbytes, lock);
     auto *owned = new tf::PinnedAllocation(a);
     nb::capsule owner(owned, [](void *p) noexcept {
       auto *alloc = static_cast<tf::PinnedAllocation *>(p);
@@ -112,5 +112,7 @@ NB_MODULE(_native, m) {
     const size_t shape[1] = {static_cast<size_t>(nbytes)};
     auto array = nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(a.ptr, 1, shape, owner);
     return std::make_tuple(array, a.locked);
-  }, "nbytes"_a, "Page-aligned host memory, mlocked if RLIMIT_MEMLOCK allows: (uint8 array, locked).");
+  }, "nbytes"_a, "lock"_a = true,
+        "Page-aligned host memory in huge pages where it spans one, its own mapping (unmapped when "
+        "the array goes), mlocked if asked and RLIMIT_MEMLOCK allows: (uint8 array, locked).");
 }

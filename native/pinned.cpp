@@ -39,12 +39,12 @@ void *map_transfer_memory(uint64_t nbytes, uint64_t *mapped) {
   return start;
 }
 
-PinnedAllocation pinned_alloc(uint64_t nbytes) {
+PinnedAllocation pinned_alloc(uint64_t nbytes, bool lock) {
   uint64_t len = 0;
   void *p = map_transfer_memory(nbytes, &len);
   // Past RLIMIT_MEMLOCK (or without CAP_IPC_LOCK) mlock fails: the memory is still
   // aligned and usable, only not locked; the caller warns once.
-  const bool locked = mlock(p, len) == 0;
+  const bool locked = lock && mlock(p, len) == 0;
   return PinnedAllocation{p, len, locked};
 }
 

@@ -151,6 +151,107 @@ def test_lazy_sources_and_explicit_dtype(tmp_path) -> None:
     assert not (tmp_path / "bad.safetensors").exists()
 
 
+# --- boxes: the part of a stored chunk a reader with another sharding wants -----------
+
+BOX_ARRAYS = {"v": sample(np.float32, (300,), 1), "m": sample(ml_dtypes.bfloat16, (64, 64), 2),
+              "c": sample(np.int16, (4, 5, 6), 3), "tall": sample(np.bool_, (300, 10), 4),
+              "s": sample(np.float64, (), 5), "empty": sample(np.float32, (3, 0, 2), 6)}
+
+
+@pytest.fixture
+def box_file(tmp_path):
+    path = tmp_path / "boxes.safetensors"
+    with ShardWriter(path) as w:
+        for name, a in BOX_ARRAYS.items():
+            w.add(name, a)
+    return path
+
+
+def _box(name, offsets, lengths) -> np.ndarray:
+    return BOX_ARRAYS[name][tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+
+
+@pytest.mark.parametrize("name, offsets, lengths, read_bytes", [
+    ("v", (17,), (100,), 400),  # 1-D: always one range
+    ("m", (3, 0), (2, 64), 256),  # whole rows: one range
+    ("m", (5, 7), (1, 20), 40),  # part of one row: one range
+    ("m", (2, 1), (2, 60), 2 * (64 + 60)),  # an envelope little larger than the box
+    ("m", (10, 5), (8, 4), 8 * 4 * 2),  # far larger: one read per row
+    ("c", (1, 2, 3), (2, 2, 2), 2 * 2 * 2 * 2),  # 3-D, runs of 2 elements
+    ("c", (1, 0, 0), (2, 5, 6), 2 * 30 * 2),  # 3-D, whole trailing dims: one range
+    ("tall", (0, 3), (300, 1), 2991),  # too many runs: the envelope after all
+    ("s", (), (), 8),
+    ("m", (0, 0), (64, 64), 64 * 64 * 2),  # the whole tensor: verified
+])
+def test_read_box_matches_numpy_slicing(engine, box_file, name, offsets, lengths, read_bytes) -> None:
+    want = _box(name, offsets, lengths)
+    with ShardReader(box_file, engine) as r:
+        read = r.read_box(name, offsets, lengths)
+        assert read.future.result() == read_bytes
+        got = read.result()
+        assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+        assert read.whole == (want.size == BOX_ARRAYS[name].size)
+        # Into a strided slice of a larger array, and into raw bytes.
+        big = np.zeros(tuple(n + 3 for n in lengths), want.dtype)
+        dest = big[(*(slice(1, 1 + n) for n in lengths), ...)]  # a view, even 0-d
+        assert r.read_box(name, offsets, lengths, out=dest).result() is dest
+        assert dest.tobytes() == want.tobytes()
+        raw = bytearray(want.nbytes)
+        r.read_box(name, offsets, lengths, out=raw).result()
+        assert bytes(raw) == want.tobytes()
+
+
+def test_read_box_in_place(engine, box_file) -> None:
+    with ShardReader(box_file, engine) as r:
+        out = np.zeros((3, 64), ml_dtypes.bfloat16)
+        read = r.read_box("m", (4, 0), (3, 64), out=out)
+        assert read.future.result() == out.nbytes
+        assert read.result() is out
+        assert out.tobytes() == _box("m", (4, 0), (3, 64)).tobytes()
+        raw = bytearray(5 * 6 * 2)
+        got = r.read_box("c", (2, 0, 0), (1, 5, 6), out=raw).result()
+        assert np.shares_memory(got, np.frombuffer(raw, np.uint8))
+        assert bytes(raw) == _box("c", (2, 0, 0), (1, 5, 6)).tobytes()
+
+
+def test_read_box_zero_size(engine, box_file) -> None:
+    with ShardReader(box_file, engine) as r:
+        for name, offsets, lengths in [("m", (4, 64), (3, 0)), ("c", (0, 0, 0), (0, 5, 6)),
+                                       ("empty", (0, 0, 0), (3, 0, 2))]:
+            read = r.read_box(name, offsets, lengths)
+            assert read.future.result() == 0
+            got = read.result()
+            assert got.shape == lengths and got.dtype == BOX_ARRAYS[name].dtype
+            out = np.empty(lengths, BOX_ARRAYS[name].dtype)
+            assert r.read_box(name, offsets, lengths, out=out).result() is out
+
+
+def test_read_box_out_of_range_and_bad_destinations(box_file) -> None:
+    with ShardReader(box_file) as r:
+        for offsets, lengths in [((60, 0), (5, 1)), ((-1, 0), (2, 2)), ((0,), (4,)), ((0, 0), (1, -1)),
+                                 ((65, 0), (0, 0))]:
+            with pytest.raises(CorruptCheckpointError, match="outside tensor 'm'"):
+                r.read_box("m", offsets, lengths)
+        with pytest.raises(ValueError, match="has 10 bytes, the box 16"):
+            r.read_box("m", (0, 0), (2, 4), out=bytearray(10))
+        with pytest.raises(ValueError, match="2-byte items"):
+            r.read_box("m", (0, 0), (2, 4), out=np.empty((2, 4), np.float32))
+
+
+def test_read_box_checksums_cover_only_whole_tensors(box_file) -> None:
+    raw = bytearray(box_file.read_bytes())
+    with ShardReader(box_file) as r:
+        t = r.info("v")
+        raw[r.data_start + t.begin + 4 * 200] ^= 0x40  # element 200 of "v"
+    box_file.write_bytes(bytes(raw))
+    with ShardReader(box_file) as r:
+        with pytest.raises(CorruptCheckpointError, match="checksum"):
+            r.read_box("v", (0,), (300,)).result()
+        assert r.read_box("v", (0,), (100,)).result().tobytes() == BOX_ARRAYS["v"][:100].tobytes()
+    with ShardReader(box_file, verify=False) as r:
+        assert r.read_box("v", (0,), (300,)).result()[200] != BOX_ARRAYS["v"][200]
+
+
 # --- corruption: every case is a clear CorruptCheckpointError ------------------------
 
 

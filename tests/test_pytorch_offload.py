@@ -257,6 +257,35 @@ def test_stream_weights_tied_and_nested(tmp_path):
     assert model[4].weight is model[0].weight
 
 
+class ReturnsWeight(torch.nn.Module):
+    """A layer whose output is a view of its own weight: the caller keeps the memory."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n, n))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x @ self.weight, self.weight[0]
+
+
+def test_stream_weights_reuses_memory_only_when_nothing_holds_it(tmp_path):
+    torch.manual_seed(0)
+    first, second = ReturnsWeight(512), torch.nn.Linear(512, 512)  # the same size: regions could be swapped
+    x = torch.randn(3, 512)
+    with torch.no_grad():
+        row = first.weight[0].clone()
+        expected = second(first(x)[0])
+        with stream_weights(torch.nn.ModuleList([first, second]), tmp_path, resident_bytes=4 << 20) as handle:
+            kept = []
+            for _ in range(3):
+                y, view = first(x)
+                kept.append(view)
+                assert torch.equal(second(y), expected)
+            assert handle.peak_resident_bytes <= 4 << 20
+    for view in kept:  # later layers' reads did not land in memory a caller still holds
+        assert torch.equal(view, row)
+
+
 def test_stream_weights_needs_no_grad(tmp_path):
     model = mlp()
     with stream_weights(model, tmp_path, resident_bytes=1 << 20):

@@ -34,10 +34,6 @@ from ...shard import ShardReader, ShardWriter
 
 INDEX_FORMAT = "tensorferry.jax"
 _SCALARS = (bool, int, float, str)
-# A sub-box that is not one contiguous byte range is read as one envelope unless the
-# envelope is this many times larger than the wanted bytes (then as separate runs).
-ENVELOPE_WASTE = 2
-MAX_RUNS = 256
 
 
 def _key_entry(entry: Any) -> Any:
@@ -167,9 +163,14 @@ class _Checkpoint:
         dtype = to_numpy_dtype(leaf.dtype)
         if math.prod(sizes) == 0:
             return np.empty(sizes, dtype)
-        direct = self._read_direct(leaf, offsets, sizes, dtype)
-        if direct is not None:
-            return direct
+        for filename, key, c_off, c_size in leaf.chunks:
+            if all(c <= o and o + s <= c + n for o, s, c, n in zip(offsets, sizes, c_off, c_size)):
+                # One stored chunk holds the whole box (the same sharding as at save time,
+                # say): a contiguous box comes back in its own aligned buffer, uncopied;
+                # a strided one is made compact so the envelope read need not stay alive.
+                rel = [o - c for o, c in zip(offsets, c_off)]
+                box = self.reader(filename).read_box(key, rel, sizes).result()
+                return box if box.flags.c_contiguous else box.copy()
         out = np.empty(sizes, dtype)
         covered = 0
         reads = []
@@ -181,78 +182,14 @@ class _Checkpoint:
             rel = [l - c for l, c in zip(lo, c_off)]
             lengths = [h - l for l, h in zip(lo, hi)]
             dest = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
-            reads.append(self._start(self.reader(filename), key, c_size, rel, lengths, dtype, out, dest))
+            reads.append(self.reader(filename).read_box(key, rel, lengths, out=out[dest]))
             covered += math.prod(lengths)
         if covered != out.size:
             raise CorruptCheckpointError(f"{self.directory}: the saved chunks of {name!r} do not cover "
                                          f"the box at {offsets} of size {sizes}")
-        for finish in reads:
-            finish()
+        for read in reads:
+            read.result()
         return out
-
-    def _read_direct(self, leaf: _Leaf, offsets: list[int], sizes: list[int], dtype: np.dtype) -> np.ndarray | None:
-        """The box read straight into its own aligned buffer when it is one contiguous
-        byte range of one stored chunk (the same sharding as at save time, say)."""
-        for filename, key, c_off, c_size in leaf.chunks:
-            if not all(c <= o and o + s <= c + n for o, s, c, n in zip(offsets, sizes, c_off, c_size)):
-                continue
-            rel = [o - c for o, c in zip(offsets, c_off)]
-            k = 0  # leading dims of length 1, then any length, then whole dims: contiguous
-            while k < len(sizes) and sizes[k] == 1:
-                k += 1
-            if not all(sizes[j] == c_size[j] for j in range(k + 1, len(sizes))):
-                return None
-            strides = [math.prod(c_size[i + 1:]) for i in range(len(c_size))]
-            start = sum(r * st for r, st in zip(rel, strides)) * dtype.itemsize
-            nbytes = math.prod(sizes) * dtype.itemsize
-            reader = self.reader(filename)
-            buffer = reader.buffer_for(key, start, nbytes)
-            reader.pread(key, buffer, start).result()
-            if self.verify and start == 0 and nbytes == reader.info(key).nbytes:
-                reader.check_checksum(key, buffer)
-            return buffer.view(dtype).reshape(sizes)
-        return None
-
-    def _start(self, reader: ShardReader, key: str, chunk: tuple[int, ...], rel: list[int], lengths: list[int],
-               dtype: np.dtype, out: np.ndarray, dest: tuple) -> Any:
-        itemsize = dtype.itemsize
-        strides = [math.prod(chunk[i + 1:]) for i in range(len(chunk))]
-        first = sum(o * s for o, s in zip(rel, strides))
-        last = sum((o + n - 1) * s for o, n, s in zip(rel, lengths, strides))
-        needed = math.prod(lengths)
-        envelope = last - first + 1
-        whole = first == 0 and envelope == math.prod(chunk)
-        # Dimensions after k are taken whole: each index over dims < k is one contiguous run.
-        k = len(chunk) - 1
-        while k > 0 and lengths[k] == chunk[k]:
-            k -= 1
-        runs = math.prod(lengths[:k]) if chunk else 1
-        if envelope > ENVELOPE_WASTE * needed and 1 < runs <= MAX_RUNS:
-            run_len = needed // runs
-            pending = []
-            for outer in np.ndindex(*lengths[:k]):
-                start = sum((rel[i] + outer[i]) * strides[i] for i in range(k)) + rel[k] * strides[k]
-                buffer = reader.buffer_for(key, start * itemsize, run_len * itemsize)
-                pending.append((outer, buffer, reader.pread(key, buffer, start * itemsize)))
-
-            def finish_runs() -> None:
-                target = out[dest]
-                for outer, buffer, fut in pending:
-                    fut.result()
-                    target[outer] = buffer.view(dtype).reshape(lengths[k:])
-            return finish_runs
-        buffer = reader.buffer_for(key, first * itemsize, envelope * itemsize)
-        fut = reader.pread(key, buffer, first * itemsize)
-
-        def finish() -> None:
-            fut.result()
-            if self.verify and whole:
-                reader.check_checksum(key, buffer)
-            flat = buffer.view(dtype)
-            view = np.lib.stride_tricks.as_strided(flat, shape=tuple(lengths),
-                                                   strides=tuple(s * itemsize for s in strides))
-            out[dest] = view
-        return finish
 
 
 def _index_path(directory: str, process: int) -> str:

@@ -28,10 +28,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ...checkpoint import MANIFEST, PendingCheckpoint, open_shard, read_manifest, split_by_size
-from ...engine import Engine, IOFuture
+from ...engine import Engine
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
-from ...shard import ShardReader
-from .tensors import byte_source, from_array, safetensors_dtype, writable_bytes
+from ...shard import BoxRead, ShardReader
+from .tensors import FROM_SAFETENSORS, byte_source, safetensors_dtype, writable_bytes
 
 DCP_METADATA = ".metadata"
 
@@ -232,11 +232,10 @@ class DCPReader(StorageReader):
         readers = {name: open_shard(self.path, self._manifest, name, engine=self.engine, verify=self.verify)
                    for name in per_file}
         try:
-            started = [(item, readers[name], _start_read(readers[name], self.storage_data[item.storage_index].key,
-                                                         item, planner))
+            started = [(item, _start_read(readers[name], self.storage_data[item.storage_index].key, item, planner))
                        for name, items in per_file.items() for item in items]
-            for item, reader, read in started:
-                read.finish(item, reader, planner, self.verify)
+            for item, read in started:
+                read.finish(item, planner)
         finally:
             for reader in readers.values():
                 reader.close()
@@ -249,57 +248,40 @@ class DCPReader(StorageReader):
 
 @dataclasses.dataclass
 class _Read:
-    """One read in flight: where the bytes land and how to hand them to the planner."""
+    """One item in flight: its box of the stored chunk and where that goes."""
 
-    future: Any
-    buffer: np.ndarray
-    key: str
-    whole: bool  # the read covers the whole stored chunk, so it can be checksummed
+    box: BoxRead
+    dtype: str  # the stored dtype
     target: torch.Tensor | None = None  # the destination (None for bytes)
-    in_place: bool = False  # the read lands in the target itself
-    view: tuple | None = None  # (shape, strides) of the wanted box within the buffer
+    in_place: bool = False  # the box lands in the target's own memory
 
-    def finish(self, item: ReadItem, reader: ShardReader, planner: LoadPlanner, verify: bool) -> None:
-        self.future.result()
-        if verify and self.whole:
-            reader.check_checksum(self.key, self.buffer)
+    def finish(self, item: ReadItem, planner: LoadPlanner) -> None:
+        data = self.box.result()
         if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(self.buffer.tobytes()))
+            planner.load_bytes(item, io.BytesIO(data.tobytes()))
             return
         if not self.in_place:
-            info = reader.info(self.key)
-            flat = from_array(self.buffer.view(np.uint8), info.dtype)
-            shape, strides = self.view
-            source = torch.as_strided(flat.reshape(-1), shape, strides)
-            if tuple(self.target.shape) != tuple(shape):
-                raise CorruptCheckpointError(f"{reader.path}: {self.key} holds {list(shape)} for "
-                                             f"{item.dest_index.fqn}, the destination is {list(self.target.shape)}")
-            self.target.copy_(source)
+            self.target.copy_(_tensor_over(data, self.dtype))
         planner.commit_tensor(item, self.target)
+
+
+def _tensor_over(array: np.ndarray, dtype: str) -> torch.Tensor:
+    """A tensor sharing the memory of a box the core read, strides included (bf16 and
+    fp8 too: torch takes them from numpy as signed integers of their size)."""
+    return torch.from_numpy(array.view(f"i{array.itemsize}")).view(FROM_SAFETENSORS[dtype])
 
 
 def _start_read(reader: ShardReader, key: str, item: ReadItem, planner: LoadPlanner) -> _Read:
     info = reader.info(key)
     if item.type == LoadItemType.BYTE_IO:
-        buffer = reader.buffer_for(key, 0, info.nbytes)
-        return _Read(reader.pread(key, buffer), buffer, key, whole=True)
-    chunk = info.shape
-    offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
-    itemsize = info.nbytes // max(1, math.prod(chunk))
-    strides = [math.prod(chunk[i + 1:]) for i in range(len(chunk))]
+        return _Read(reader.read_box(key, [0] * len(info.shape), info.shape), info.dtype)
+    lengths = tuple(item.lengths)
     target = planner.resolve_tensor(item).detach()
-    if any(n == 0 for n in lengths):
-        return _Read(IOFuture.completed(0), np.empty(0, np.uint8), key, whole=False, target=target,
-                     view=(lengths, strides))
-    first = sum(o * s for o, s in zip(offsets, strides))
-    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
-    start, nbytes = first * itemsize, (last - first + 1) * itemsize
-    whole = start == 0 and nbytes == info.nbytes
-    contiguous_box = last - first + 1 == math.prod(lengths)
-    if (contiguous_box and target.device.type == "cpu" and target.is_contiguous()
-            and safetensors_dtype(target.dtype) == info.dtype and tuple(target.shape) == lengths):
-        # The wanted bytes are one range and the destination is plain memory: no copy.
-        buffer = writable_bytes(target)
-        return _Read(reader.pread(key, buffer, start), buffer, key, whole, target=target, in_place=True)
-    buffer = reader.buffer_for(key, start, nbytes)
-    return _Read(reader.pread(key, buffer, start), buffer, key, whole, target=target, view=(lengths, strides))
+    if tuple(target.shape) != lengths:
+        raise CorruptCheckpointError(f"{reader.path}: {key} holds {list(lengths)} for "
+                                     f"{item.dest_index.fqn}, the destination is {list(target.shape)}")
+    if target.device.type == "cpu" and target.is_contiguous() and safetensors_dtype(target.dtype) == info.dtype:
+        # Plain memory of the stored dtype: the box is read (or, if strided, copied) into it.
+        return _Read(reader.read_box(key, item.storage_offsets, lengths, out=writable_bytes(target)),
+                     info.dtype, target, in_place=True)
+    return _Read(reader.read_box(key, item.storage_offsets, lengths), info.dtype, target)

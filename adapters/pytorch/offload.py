@@ -10,9 +10,9 @@ import collections
 import dataclasses
 import errno
 import math
-import mmap
 import os
 import shutil
+import sys
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -27,22 +27,18 @@ _PAGE = 4096
 # Tensors inside a region start on torch's own allocation alignment, so that vectorised
 # kernels see the same alignment as they would on tensors torch allocated itself.
 _ALIGN = 64
-_MAPPED = 1 << 20
 
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def _aligned_empty(nbytes: int) -> np.ndarray:
-    """A page-aligned uint8 array: O_DIRECT transfers then skip the engine's staging copies.
-
-    Large ones are anonymous mappings of their own, so that freeing one gives its memory
-    back to the system at once; from malloc's heap it could linger and defeat the bound.
-    """
-    if nbytes >= _MAPPED:
-        return np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
-    return aligned_empty(nbytes)
+def _unshared(region: np.ndarray) -> bool:
+    """Whether no array or tensor but ``region`` itself uses its memory. Views of a view
+    name the memory's owner as their base (numpy collapses the chain), so the owner's
+    references are counted: ``region.base`` and the call's argument."""
+    owner = region.base
+    return owner is not None and sys.getrefcount(owner) == 2
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -109,7 +105,7 @@ class _Layout:
 
     def pack(self, tensors: dict[Any, torch.Tensor]) -> np.ndarray:
         """A fresh page-aligned region holding copies of ``tensors``."""
-        region = _aligned_empty(self.nbytes)
+        region = aligned_empty(self.nbytes)
         for view, t in zip(self.views(region).values(), tensors.values()):
             view.copy_(t.detach())
         return region
@@ -432,7 +428,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if key in self._layouts and not self.optimizer.state.get(p):
                 placed.append((p, key, offset))
                 offset += self._layouts[key].nbytes
-        arena = _aligned_empty(offset)
+        arena = aligned_empty(offset)
         self._charge(arena.nbytes)
         futures = []
         try:
@@ -566,6 +562,11 @@ class StreamedWeights:
         self._seen: list[torch.nn.Module] = []
         self._resident = 0
         self.peak_resident_bytes = 0
+        # Regions of released weights, kept for the next read of the same size: fresh
+        # memory would be faulted in and zeroed for every layer of every forward.
+        self._region_of: dict[torch.nn.Parameter, np.ndarray] = {}
+        self._spare: dict[int, list[np.ndarray]] = {}
+        self._spare_bytes = 0
         self._hooks = []
         for unit in self._units:
             self._hooks.append(unit.register_forward_pre_hook(self._before))
@@ -585,7 +586,7 @@ class StreamedWeights:
         held = 0
         try:
             for p, (key, dtype, shape) in self._params.items():
-                region = _aligned_empty(self._param_bytes(p))
+                region = aligned_empty(self._param_bytes(p))
                 _view(region, 0, dtype, shape).copy_(p.detach())
                 in_flight.append((region, self.store.swap_out(key, region)))
                 held += region.nbytes
@@ -612,10 +613,36 @@ class StreamedWeights:
 
     def _start_read(self, p: torch.nn.Parameter, *, streaming: bool = True) -> None:
         key, dtype, shape = self._params[p]
-        region = _aligned_empty(self._param_bytes(p))
+        nbytes = self._param_bytes(p)
         if streaming:
-            self._charge(region.nbytes)
+            self._charge(nbytes)
+            region = self._region_of[p] = self._take_region(nbytes)
+        else:
+            region = aligned_empty(nbytes)
         self._pending[p] = (_view(region, 0, dtype, shape), self.store.swap_in(key, region))
+
+    def _take_region(self, nbytes: int) -> np.ndarray:
+        """A spare region of this size if there is one, else new memory, for which spare
+        regions of other sizes make room: weights in use plus spares stay within the bound."""
+        spares = self._spare.get(nbytes)
+        if spares:
+            self._spare_bytes -= nbytes
+            return spares.pop()
+        for size, regions in self._spare.items():
+            while regions and self._resident + self._spare_bytes > self.resident_bytes:
+                regions.pop()
+                self._spare_bytes -= size
+        return aligned_empty(nbytes)
+
+    def _release(self, p: torch.nn.Parameter) -> None:
+        """Uncharges a weight that is no longer used; its region becomes a spare unless
+        something (a view the caller kept, say) still holds its memory."""
+        self._resident -= self._param_bytes(p)
+        region = self._region_of.pop(p, None)
+        if (region is not None and _unshared(region)
+                and self._resident + self._spare_bytes + region.nbytes <= self.resident_bytes):
+            self._spare.setdefault(region.nbytes, []).append(region)
+            self._spare_bytes += region.nbytes
 
     def _missing(self, unit: torch.nn.Module) -> list[torch.nn.Parameter]:
         return [p for p in self._unit_params[unit] if p not in self._loaded and p not in self._pending]
@@ -637,7 +664,7 @@ class StreamedWeights:
             if p not in self._unit_params[unit]:
                 _, future = self._pending.pop(p)
                 _check_io([future])
-                self._resident -= self._param_bytes(p)
+                self._release(p)
         for p in self._missing(unit):
             self._start_read(p)
         for p in self._unit_params[unit]:
@@ -666,7 +693,7 @@ class StreamedWeights:
                 self._loaded[p] = count
             else:
                 p.data = torch.empty(0, dtype=p.dtype)
-                self._resident -= self._param_bytes(p)
+                self._release(p)
 
     def remove(self) -> None:
         """Reads every weight back into memory (new tensors), removes the hooks and the store."""
@@ -687,6 +714,9 @@ class StreamedWeights:
         finally:
             self._pending.clear()
             self._loaded.clear()
+            self._region_of.clear()
+            self._spare.clear()
+            self._spare_bytes = 0
             self._resident = 0
             self.store.close()
 
