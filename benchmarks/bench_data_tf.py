@@ -2,7 +2,7 @@
 
 The page cache is dropped before each reader; bytes/s over a full pass.
 
-    python benchmarks/bench_data_tf.py --dir /nvme/tmp --size 2G
+    python benchmarks/bench_data_tf.py --dir /nvme/tmp --size 2G [--repeat 2]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", required=True)
     parser.add_argument("--size", default="2G")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds; the best of each reader is reported")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     nbytes = parse_size(args.size)
@@ -59,12 +60,6 @@ def main(argv: list[str] | None = None) -> int:
         tfrecords.append(path)
     bench.drop_cache(bench.files_under(root))
 
-    results = []
-    if bench.fio_available():
-        results.append(bench.run_fio(root, "write", nbytes))
-        results.append(bench.run_fio(root, "read", nbytes))
-        os.unlink(os.path.join(root, "fio.bin"))
-    results = [m for m in results if m.op == "read"]
     auto = tf.data.AUTOTUNE
     readers = [
         ("make_dataset, 64 files", lambda: make_dataset(files)),
@@ -76,12 +71,18 @@ def main(argv: list[str] | None = None) -> int:
         ("make_dataset, TFRecord", lambda: make_dataset(tfrecords, tfrecord=True)),
         ("TFRecordDataset(num_parallel_reads=AUTOTUNE)", lambda: tf.data.TFRecordDataset(tfrecords, num_parallel_reads=auto)),
     ]
-    for name, make in readers:
-        bench.drop_cache(bench.files_under(root))
-        count = {}
-        results.append(bench.timed(name, "read", nbytes, lambda: count.setdefault("n", drain(make()))))
+    results = []
+    for _ in range(args.repeat):
+        if bench.fio_available():
+            bench.run_fio(root, "write", nbytes)
+            results.append(bench.run_fio(root, "read", nbytes))
+            bench.remove_fio_file(root)
+        for name, make in readers:
+            bench.drop_cache(bench.files_under(root))
+            count = {}
+            results.append(bench.timed(name, "read", nbytes, lambda: count.setdefault("n", drain(make()))))
     shutil.rmtree(root)
-    print(bench.report(results, args.json))
+    print(bench.report(bench.best_of(results), args.json))
     return 0
 
 

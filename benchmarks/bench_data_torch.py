@@ -1,14 +1,16 @@
 """GDSDataset + DataLoader vs a plain Dataset doing open().read(), bytes/s, against fio.
 
-The data is ``--size`` bytes as 64 files; the page cache is dropped before each reader.
+The data is ``--size`` bytes as 64 files, and again as one file of 1 MiB records; the page
+cache is dropped before each reader.
 
-    python benchmarks/bench_data_torch.py --dir /nvme/tmp --size 512M [--workers 0] [--batch 8]
+    python benchmarks/bench_data_torch.py --dir /nvme/tmp --size 2G [--workers 0] [--batch 8] [--repeat 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 
 import torch
@@ -18,20 +20,25 @@ from tensorferry import bench, parse_size
 from tensorferry.adapters.pytorch import GDSDataset
 
 FILES = 64
+RECORD = 1 << 20
 
 
 class OpenReadDataset(Dataset):
-    """What users write without tensorferry: one buffered read per item."""
+    """What users write without tensorferry: one buffered read per item, a whole file or
+    a ``(file, offset, length)`` record."""
 
-    def __init__(self, paths: list[str]) -> None:
-        self.paths = paths
+    def __init__(self, items: list) -> None:
+        self.items = items
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.items)
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        with open(self.paths[index], "rb") as f:
-            return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+        item = self.items[index]
+        path, offset, length = (item, 0, -1) if isinstance(item, str) else item
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return torch.frombuffer(bytearray(f.read(length)), dtype=torch.uint8)
 
 
 def drain(loader: DataLoader) -> int:
@@ -44,9 +51,12 @@ def main() -> None:
     parser.add_argument("--size", default="512M")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds; the best of each reader is reported")
+    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     total = parse_size(args.size)
     per_file = total // FILES
+    nbytes = per_file * FILES
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         paths = []
         for i in range(FILES):
@@ -54,27 +64,30 @@ def main() -> None:
             with open(path, "wb") as f:
                 f.write(bench.aligned_random(per_file, seed=i).tobytes())
             paths.append(path)
-        nbytes = per_file * FILES
-        # List collation: no stacking copy, so the readers alone are timed.
-        readers = {
-            "GDSDataset": GDSDataset(paths),
-            "open().read()": OpenReadDataset(paths),
+        records_file = os.path.join(directory, "records.bin")
+        with open(records_file, "wb") as f:
+            for path in paths:
+                with open(path, "rb") as src:
+                    shutil.copyfileobj(src, f)
+        records = [(records_file, offset, RECORD) for offset in range(0, nbytes - RECORD + 1, RECORD)]
+        cases = {
+            f"GDSDataset, {FILES} files": GDSDataset(paths),
+            f"open().read(), {FILES} files": OpenReadDataset(paths),
+            "GDSDataset, 1 MiB records": GDSDataset(records),
+            "open().read(), 1 MiB records": OpenReadDataset(records),
         }
         results = []
-        for name, dataset in readers.items():
-            loader = DataLoader(dataset, batch_size=args.batch, num_workers=args.workers, collate_fn=list)
-            bench.drop_cache(paths)
-            measurement = bench.timed(name, "read", nbytes, lambda: drain(loader))
-            results.append(measurement)
-        if bench.fio_available():
-            bench.run_fio(directory, "write", nbytes)
-            results.append(bench.run_fio(directory, "read", nbytes))
-            bench.remove_fio_file(directory)
-        fio = next((m for m in results if m.name == "fio"), None)
-        print(f"{nbytes / 2**20:.0f} MiB as {FILES} files, batch {args.batch}, workers {args.workers}")
-        for m in results:
-            ratio = f"  {m.gbps / fio.gbps:.2f} of fio" if fio is not None else ""
-            print(f"{m.name:>14}: {m.gbps:6.2f} GB/s  cpu {m.cpu_per_gb:5.2f} s/GB{ratio}")
+        for _ in range(args.repeat):
+            if bench.fio_available():
+                bench.run_fio(directory, "write", nbytes)
+                results.append(bench.run_fio(directory, "read", nbytes))
+                bench.remove_fio_file(directory)
+            for name, dataset in cases.items():
+                loader = DataLoader(dataset, batch_size=args.batch, num_workers=args.workers, collate_fn=list)
+                bench.drop_cache([*paths, records_file])
+                results.append(bench.timed(name, "read", nbytes, lambda: drain(loader)))
+        print(f"{nbytes / 2**20:.0f} MiB, batch {args.batch}, workers {args.workers}")
+        print(bench.report(bench.best_of(results), args.json))
 
 
 if __name__ == "__main__":

@@ -399,6 +399,15 @@ def aligned_empty(nbytes: int, phase: int = 0) -> np.ndarray:
     return base[start:start + nbytes]
 
 
+def aligned_copy(array: Any) -> np.ndarray:
+    """A C-ordered copy of ``array`` in page-aligned memory (see :func:`aligned_empty`),
+    which O_DIRECT writes take without a staging copy."""
+    source = np.asarray(array)
+    out = aligned_empty(source.nbytes).view(source.dtype).reshape(source.shape)
+    np.copyto(out, source)
+    return out
+
+
 class ShardReader:
     """Reads tensors from a safetensors file, validating the header before trusting it.
 

@@ -30,7 +30,7 @@ from ...checkpoint import build_manifest, open_shard, read_manifest
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
-from ...shard import ShardReader, ShardWriter
+from ...shard import ShardReader, ShardWriter, aligned_copy
 
 INDEX_FORMAT = "tensorferry.jax"
 _SCALARS = (bool, int, float, str)
@@ -212,7 +212,8 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         buffer_size: the ShardWriter's staging buffer.
         copy_host_arrays: copy arrays that already live in host memory (CPU devices,
             numpy) before ``async_save`` returns, so that donating or mutating them
-            while the write is in flight is safe. ``False`` writes straight from their
+            while the write is in flight is safe (a synchronous ``save`` never copies
+            them: nothing runs while it writes). ``False`` writes straight from their
             memory (no copy, no page faults of a second copy: much faster saves) and
             requires the caller not to donate/mutate them until the save is finished.
             Arrays on accelerators are always copied to the host.
@@ -226,9 +227,11 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         self.copy_host_arrays = copy_host_arrays
 
     # ---- save -------------------------------------------------------------------
-    def _stage(self, item: Any) -> tuple[dict[str, Any], list[tuple[str, np.ndarray]]]:
-        """Copies this process's part of ``item`` to the host; returns the index's
-        leaf records and the (key, array) pairs to write."""
+    def _stage(self, item: Any, copy_host_arrays: bool) -> tuple[dict[str, Any], list[tuple[str, np.ndarray]]]:
+        """Copies this process's part of ``item`` to the host (host arrays only if
+        ``copy_host_arrays``); returns the index's leaf records and the (key, array)
+        pairs to write. Copies land in page-aligned memory, written with O_DIRECT
+        without a staging copy."""
         process = jax.process_index()
         primary = process == 0
         filename = f"process-{process}.safetensors"
@@ -245,14 +248,14 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                     offsets, sizes = _box(shard.index, value.shape)
                     key = _chunk_key(name, offsets)
                     on_host = shard.device.platform == "cpu"
-                    arrays.append((key, np.array(shard.data, copy=True) if on_host and self.copy_host_arrays
+                    arrays.append((key, aligned_copy(shard.data) if on_host and copy_host_arrays
                                    else np.asarray(shard.data)))
                     chunks.append([key, offsets, sizes])
                 records[name] = {"kind": "array", "was_jax": True, "shape": list(value.shape),
                                  "dtype": to_safetensors_dtype(np.dtype(value.dtype)), "file": filename,
                                  "chunks": chunks}
             elif isinstance(value, (np.ndarray, np.generic)):
-                array = np.array(value, copy=True) if self.copy_host_arrays else np.asarray(value)
+                array = aligned_copy(value) if copy_host_arrays else np.asarray(value)
                 record = {"kind": "array", "was_jax": False, "shape": list(array.shape),
                           "dtype": to_safetensors_dtype(array.dtype), "file": filename, "chunks": []}
                 if primary:
@@ -292,7 +295,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             raise ValueError("pass FerrySave as args=, not as item")
         if args is not None:
             item = args.item
-        metadata, arrays = self._stage(item)
+        metadata, arrays = self._stage(item, self.copy_host_arrays)
 
         async def commit() -> None:
             path = await directory.await_creation() if hasattr(directory, "await_creation") else directory
@@ -301,9 +304,11 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         return [ocp_future.CommitFutureAwaitingContractedSignals(commit(), name="tensorferry_jax_save")]
 
     def save(self, directory: Any, item: Any = None, args: "FerrySave | None" = None) -> None:
+        """Writes the item and returns once it is durable. Nothing runs while this does,
+        so host arrays are written from their own memory, without a copy."""
         if args is not None:
             item = args.item
-        metadata, arrays = self._stage(item)
+        metadata, arrays = self._stage(item, copy_host_arrays=False)
         self._write(os.fspath(directory), metadata, arrays)
 
     # ---- restore ----------------------------------------------------------------
