@@ -141,9 +141,9 @@ class _Entry:
 class ShardWriter:
     """Streams named arrays into one safetensors-compatible file.
 
-    ``add`` records arrays (no copy is made); ``close`` lays them out, streams them
-    through a double buffer of page-locked memory (copy into one half while the
-    other is written with O_DIRECT), folds each tensor's checksum in as its bytes
+    ``add`` records arrays (no copy is made); ``close`` lays them out, streams small
+    ones through a ring of page-locked buffers (copy into one while the others are
+    written with O_DIRECT), folds each tensor's checksum in as its bytes
     pass, writes large arrays straight from their own memory, fsyncs, and returns a
     :class:`ShardInfo`. Memory stays near ``2 * buffer_size``, plus at most
     ``staging_bytes`` (or one array, if larger) of arrays made by lazy sources whose
@@ -265,18 +265,25 @@ class ShardWriter:
 class _Streamer:
     """The write pipeline of one shard: coalesce small tensors, write large ones directly.
 
-    Invariant: the current half holds ``fill`` bytes destined for file offsets
-    ``[half_start, position)``.
+    Small tensors are copied into a ring of ``SLOTS`` buffers of ``buffer_size / 2`` each
+    (``2 * buffer_size`` in all): while one fills, the others are being written, so the
+    drive's queue never drains at a buffer boundary as it would with two halves.
+
+    Invariant: the current slot holds ``fill`` bytes destined for file offsets
+    ``[slot_start, position)``.
     """
+
+    SLOTS = 4
 
     def __init__(self, engine: Engine, file: File, start: int, buffer_size: int, staging_bytes: int) -> None:
         self.engine, self.file, self.buffer_size = engine, file, buffer_size
         self.staging_bytes = staging_bytes
+        self.slot_size = max(ALIGNMENT, _round_up(buffer_size // 2, ALIGNMENT))
         self.direct_threshold = buffer_size // 2
-        self.halves: list[np.ndarray] = []  # taken from the pool when a small tensor first needs them
-        self.half_futures: list[IOFuture | None] = [None, None]
+        self.slots: list[np.ndarray] = []  # taken from the pool when a small tensor first needs them
+        self.slot_futures: list[IOFuture | None] = [None] * self.SLOTS
         self.current = self.fill = 0
-        self.half_start = self.position = start
+        self.slot_start = self.position = start
         self.direct_futures: list[tuple[IOFuture, int]] = []  # (write, bytes a lazy source made)
 
     def write(self, entries: list[_Entry]) -> dict[str, str]:
@@ -289,7 +296,7 @@ class _Streamer:
                     produced = data.nbytes if callable(e.source) else 0
                     self.direct_futures.append((self.engine.pwrite(data, self.file, self.position), produced))
                     self.position += data.nbytes
-                    self.half_start = self.position
+                    self.slot_start = self.position
                     checksums[e.name] = digest(data)  # hashed while the write is in flight
                     self._bound_direct_writes()
                 else:
@@ -300,13 +307,13 @@ class _Streamer:
                 f.result()
         finally:
             for f in self._all_futures():
-                f.wait()  # the halves go back to the pool only once idle
-            for half in self.halves:
-                _pool.release(half)
+                f.wait()  # the slots go back to the pool only once idle
+            for slot in self.slots:
+                _pool.release(slot)
         return checksums
 
     def _all_futures(self) -> list[IOFuture]:
-        return [f for f in self.half_futures if f is not None] + [f for f, _ in self.direct_futures]
+        return [f for f in self.slot_futures if f is not None] + [f for f, _ in self.direct_futures]
 
     @staticmethod
     def _bytes_of(e: _Entry) -> np.ndarray:
@@ -322,30 +329,30 @@ class _Streamer:
         return data
 
     def _copy_in(self, data: np.ndarray) -> None:
-        if not self.halves:
-            self.halves = [_pool.acquire(self.buffer_size), _pool.acquire(self.buffer_size)]
+        if not self.slots:
+            self.slots = [_pool.acquire(self.slot_size) for _ in range(self.SLOTS)]
         done = 0
         while done < data.nbytes:
-            take = min(self.buffer_size - self.fill, data.nbytes - done)
-            self.halves[self.current][self.fill:self.fill + take] = data[done:done + take]
+            take = min(self.slot_size - self.fill, data.nbytes - done)
+            self.slots[self.current][self.fill:self.fill + take] = data[done:done + take]
             self.fill += take
             self.position += take
             done += take
-            if self.fill == self.buffer_size:
+            if self.fill == self.slot_size:
                 self._flush()
 
     def _flush(self) -> None:
-        """Starts writing the current half, then waits until the other half is free."""
+        """Starts writing the current slot, then waits until the next one is free."""
         if self.fill:
-            half = self.halves[self.current]
-            self.half_futures[self.current] = self.engine.pwrite(half, self.file, self.half_start, self.fill)
-            self.current ^= 1
+            slot = self.slots[self.current]
+            self.slot_futures[self.current] = self.engine.pwrite(slot, self.file, self.slot_start, self.fill)
+            self.current = (self.current + 1) % self.SLOTS
             self.fill = 0
-            pending = self.half_futures[self.current]
+            pending = self.slot_futures[self.current]
             if pending is not None:
                 pending.result()
-                self.half_futures[self.current] = None
-        self.half_start = self.position
+                self.slot_futures[self.current] = None
+        self.slot_start = self.position
 
     def _bound_direct_writes(self) -> None:
         """Waits for the oldest direct writes while too many are in flight.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 
@@ -93,6 +94,22 @@ def test_load_plain_safetensors_and_map_location(tmp_path) -> None:
 
 
 # --- DCPWriter / DCPReader, one process ------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_staged_through_pinned_memory(tmp_path) -> None:
+    from tensorferry.adapters.pytorch.tensors import host_bytes
+
+    state = {"w": torch.randn(1 << 20, device="cuda"), "h": torch.randn(3, 5, device="cuda").to(torch.bfloat16)}
+    staged = host_bytes(state["w"])
+    assert staged.ctypes.data % 4096 == 0, "pinned staging memory is page-aligned: no bounce copy"
+    save(state, tmp_path / "s.safetensors")
+    dcp.save(state, storage_writer=DCPWriter(tmp_path / "d"))
+    loaded = load(tmp_path / "s.safetensors", map_location="cuda")
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(into, storage_reader=DCPReader(tmp_path / "d"))
+    for k, v in state.items():
+        assert torch.equal(loaded[k], v) and torch.equal(into[k], v)
 
 
 def test_dcp_round_trip_single_process(tmp_path) -> None:
@@ -282,6 +299,30 @@ def scenario_dcp_plain(rank: int, world: int, root: str) -> None:
     target = {"w": torch.zeros(10, 10), "step": 0}
     dcp.load(target, storage_reader=DCPReader(os.path.join(root, "plain")))
     assert torch.equal(target["w"], state["w"]) and target["step"] == 5
+
+
+def scenario_consolidated_full_disk(rank: int, world: int, root: str) -> None:
+    """Rank 0 cannot write the consolidated file: every rank raises, none hangs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(3)])  # 12 MiB, the disk 4 MiB
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with pytest.raises(OSError) as raised:
+        FSDPCheckpointer(root, model).save_consolidated(1)
+    assert raised.value.errno == errno.ENOSPC
+    if rank == 0:
+        assert os.listdir(root) == [], "no partial file is left behind"
+    else:
+        assert "rank 0 could not write" in str(raised.value)
+
+
+@pytest.mark.slow
+def test_consolidated_save_on_a_full_disk_fails_on_every_rank(small_tmpfs) -> None:
+    run(2, small_tmpfs, "consolidated_full_disk")
 
 
 @pytest.mark.slow

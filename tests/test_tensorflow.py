@@ -137,6 +137,10 @@ def test_errors(tmp_path) -> None:
 def test_one_read_per_call_path(whole_files, tmp_path) -> None:
     root, data = whole_files
     assert [x.numpy() for x in make_dataset(str(root / "f*.bin"), reads_per_call=1)] == data
+    edges = [b"ab\x00c", b"ab\x00c\x00\x00", b"\x00", b"", b"\x00" * 5000 + b"z"]  # NULs inside and at the end
+    for i, d in enumerate(edges):
+        (tmp_path / f"e{i}.bin").write_bytes(d)
+    assert [x.numpy() for x in make_dataset(str(tmp_path / "e*.bin"), reads_per_call=1)] == edges
     raw = np.arange(40 * 8, dtype=np.uint8).reshape(40, 8)
     (tmp_path / "r.rec").write_bytes(raw.tobytes())
     ds = make_dataset(str(tmp_path / "r.rec"), record_bytes=8, reads_per_call=1)

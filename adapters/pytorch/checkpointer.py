@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from ...checkpoint import latest_checkpoint, prune_checkpoints, read_manifest
-from ...errors import CheckpointNotFoundError
+from ...errors import CheckpointNotFoundError, TensorferryError, TensorferryIOError
 from ...engine import Engine
 from ...shard import ShardWriter, write_order
 from .dcp import DCPReader, DCPWriter
@@ -157,26 +157,42 @@ class FSDPCheckpointer:
 
         Sharded parameters are gathered one at a time, each written before the next
         is gathered, so no rank ever holds more than one full tensor beyond its shard.
-        Every rank must call it.
+        Every rank must call it. If rank 0 cannot write the file (a full disk, say), it
+        still takes part in the remaining gathers, so no rank hangs, and every rank raises.
         """
         path = os.path.join(self.checkpoint_dir, f"consolidated_step_{int(step)}.safetensors")
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
         specs = {name: (safetensors_dtype(t.dtype), tuple(t.shape)) for name, t in state.items()}
         order = write_order((name, dtype) for name, (dtype, _) in specs.items())
+        gathered: set[str] = set()
 
         def full(name: str) -> torch.Tensor:
+            gathered.add(name)
             tensor = state[name]
             return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
+        error: Exception | None = None
         if self._rank() == 0:
-            with ShardWriter(path, self.engine, atomic=True) as writer:
-                for name in order:
-                    dtype, shape = specs[name]
-                    writer.add(name, dtype, shape, lambda name=name: _bytes_now(full(name)))
-        else:
-            for name in order:  # the same collectives, in the same order, as rank 0's writer
+            try:
+                with ShardWriter(path, self.engine, atomic=True) as writer:
+                    for name in order:
+                        dtype, shape = specs[name]
+                        writer.add(name, dtype, shape, lambda name=name: _bytes_now(full(name)))
+            except Exception as exc:  # the other ranks are waiting in the gathers
+                error = exc
+        for name in order:  # the same collectives, in the same order, as rank 0's writer
+            if name not in gathered:
                 full(name)
-        self._barrier()
+        failure = [None if error is None else (getattr(error, "errno", None), f"{type(error).__name__}: {error}")]
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(failure, group=self.process_group, group_src=0)
+        if error is not None:
+            raise error
+        if failure[0] is not None:
+            code, message = failure[0]
+            if code:
+                raise TensorferryIOError(code, f"rank 0 could not write {path}: {message}", path)
+            raise TensorferryError(f"rank 0 could not write {path}: {message}")
         return path
 
 
