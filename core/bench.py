@@ -14,6 +14,7 @@ import math
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -316,18 +317,9 @@ def bench_checkpoint(directory: str, state: dict[str, np.ndarray], label: str | 
 
     shutil.rmtree(target)
     # The checksums alone, on one core: an upper bound on what they add to a save, where
-    # they run while the writes are in flight.
+    # they run while the writes are in flight (``checksum_cost`` measures what they add).
     results.append(timed(CHECKSUM_ROW, "hash", nbytes,
                          lambda: [shard.digest(byte_view(a, writable=False)) for a in state.values()], progress))
-    real_digest = shard.digest
-    shard.digest = lambda data: "0" * 16  # the same save with hashing switched off
-    try:
-        results.append(timed("tensorferry save, no hash", "write", nbytes,
-                             lambda: checkpoint.save_checkpoint(target, state), progress))
-    finally:
-        shard.digest = real_digest
-    shutil.rmtree(target)
-
     plain = os.path.join(directory, "plain.bin")
 
     def python_write() -> None:
@@ -353,7 +345,7 @@ def bench_checkpoint(directory: str, state: dict[str, np.ndarray], label: str | 
         def st_load() -> None:
             loaded = stnp.load_file(st_path)
             for a in loaded.values():  # make sure every byte really came off the disk
-                real_digest(a)
+                shard.digest(a)
 
         results.append(timed("safetensors save_file", "write", nbytes, st_save, progress))
         drop_cache([st_path])
@@ -364,6 +356,31 @@ def bench_checkpoint(directory: str, state: dict[str, np.ndarray], label: str | 
         for m in results:
             m.name = f"{m.name} [{label}]"
     return results
+
+
+def checksum_cost(directory: str, state: dict[str, np.ndarray], pairs: int) -> dict[str, Any]:
+    """Saves with and without checksums, alternated (and the order of each pair swapped)
+    so that a drive's drift falls on both alike; the medians are compared. The checksums
+    run while the writes are in flight, so timing them alone would overstate them."""
+    from . import checkpoint, shard
+
+    target = os.path.join(directory, "ckpt")
+    nbytes = sum(a.nbytes for a in state.values())
+    real_digest = shard.digest
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for i in range(pairs):
+            for hashing in (True, False) if i % 2 == 0 else (False, True):
+                shutil.rmtree(target, ignore_errors=True)
+                shard.digest = real_digest if hashing else (lambda data: "0" * 16)
+                times[hashing].append(timed("save", "write", nbytes,
+                                            lambda: checkpoint.save_checkpoint(target, state)).seconds)
+    finally:
+        shard.digest = real_digest
+        shutil.rmtree(target, ignore_errors=True)
+    with_s, without_s = statistics.median(times[True]), statistics.median(times[False])
+    return {"with_s": with_s, "without_s": without_s, "cost": (with_s - without_s) / with_s,
+            "pair_differences_s": [round(a - b, 3) for a, b in zip(times[True], times[False])]}
 
 
 def _fsync_path(path: str) -> None:
@@ -624,7 +641,11 @@ def main(argv: list[str] | None = None) -> int:
     engine.add_argument("--backends", default="io_uring,threads")
     ckpt = sub.add_parser("checkpoint", help="save_checkpoint/load_checkpoint vs fio and peers")
     ckpt.add_argument("--counts", default="64,4096", help="comma-separated array counts to try")
-    for p in (engine, ckpt):
+    sums = sub.add_parser("checksums", help="what the checksums add to save_checkpoint: interleaved pairs "
+                                            "of saves with and without them, medians compared")
+    sums.add_argument("--counts", default="64,4096", help="comma-separated array counts to try")
+    sums.add_argument("--pairs", type=int, default=6, help="saves with and without checksums, alternated")
+    for p in (engine, ckpt, sums):
         p.add_argument("--repeat", type=int, default=1,
                        help="rounds, fio included in each; the best of each contender is reported")
         p.add_argument("--dir", default=None, help="directory on the drive to measure (default: a temp dir)")
@@ -639,6 +660,14 @@ def main(argv: list[str] | None = None) -> int:
     warm_memory(2 * nbytes)
     if args.what == "engine":
         results = bench_engine(directory, nbytes, args.backends.split(","), args.repeat)
+    elif args.what == "checksums":
+        rows = [checksum_cost(directory, make_state(nbytes, int(c)), args.pairs) | {"arrays": int(c)}
+                for c in args.counts.split(",")]
+        print(json.dumps(rows, indent=2) if args.json else "\n".join(
+            f"{r['arrays']} arrays: median save {r['with_s']:.3f} s with checksums, {r['without_s']:.3f} s "
+            f"without: the checksums cost {r['cost']:+.1%} (differences of the pairs: {r['pair_differences_s']})"
+            for r in rows))
+        return 0
     else:
         results = []
         for count in (int(c) for c in args.counts.split(",")):

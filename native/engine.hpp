@@ -14,7 +14,12 @@ namespace tf {
 
 // An open file: a buffered descriptor for unaligned edges and, when the filesystem
 // accepts it, an O_DIRECT descriptor for the aligned middle of each request.
-class File {
+// Made by std::make_shared (Python constructs it through a factory), so that the
+// requests holding it share a plain C++ owner: a reference that nanobind made from
+// the Python object would take the GIL when a ring thread drops it, and a thread
+// that takes the GIL while the interpreter finalizes is ended by pthread_exit,
+// which aborts the process when it unwinds through a noexcept frame.
+class File : public std::enable_shared_from_this<File> {
  public:
   // mode: "r", "r+", "w" (create, truncate), "w+" (read/write, create, truncate),
   // "a" (write, create, keep contents: positional writes into an existing file).

@@ -50,8 +50,11 @@ NB_MODULE(_native, m) {
   }, "Returns (usable, reason): whether io_uring works in this kernel and sandbox.");
 
   nb::class_<tf::File>(m, "File")
-      .def(nb::init<const std::string &, const std::string &, bool>(), "path"_a, "mode"_a, "direct"_a)
-      .def(nb::init<int, const std::string &>(), "fd"_a, "label"_a)
+      .def(nb::new_([](const std::string &path, const std::string &mode, bool direct) {
+             return std::make_shared<tf::File>(path, mode, direct);
+           }), "path"_a, "mode"_a, "direct"_a)
+      .def(nb::new_([](int fd, const std::string &label) { return std::make_shared<tf::File>(fd, label); }),
+           "fd"_a, "label"_a)
       .def("close", &tf::File::close)
       .def("fsync", &tf::File::fsync, nb::call_guard<nb::gil_scoped_release>())
       .def("truncate", &tf::File::truncate, "size"_a)

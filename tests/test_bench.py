@@ -26,3 +26,13 @@ def test_bench_runs_and_reports_json(tmp_path, what: str, extra: list[str]) -> N
     expected = {"tensorferry threads"} if what == "engine" else {"tensorferry save", "tensorferry load", "tensorferry load in place"}
     assert expected <= names
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "the benchmark cleans up after itself"
+
+
+def test_checksum_cost_runs(tmp_path) -> None:
+    cmd = [sys.executable, "-m", "tensorferry.bench", "checksums", "--dir", str(tmp_path), "--size", "4M",
+           "--counts", "8", "--pairs", "2", "--json"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    [row] = json.loads(result.stdout)
+    assert row["arrays"] == 8 and row["with_s"] > 0 and row["without_s"] > 0 and len(row["pair_differences_s"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -335,6 +337,23 @@ def test_engines_across_fork(tmp_path) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     assert (tmp_path / "c.bin").read_bytes() == b"child"
     assert tensorferry.default_engine() is parent_engine  # the parent's is untouched
+
+
+def test_exit_with_io_in_flight_does_not_abort(tmp_path) -> None:
+    """A ring thread that drops the last reference to a file while the interpreter
+    finalizes must not touch Python (it used to abort the process, now and then)."""
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(8 << 20))
+    script = ("import numpy as np, tensorferry\n"
+              "engine = tensorferry.Engine(block_size=1 << 12)\n"
+              f"file = tensorferry.open({str(data)!r}, 'r')\n"
+              "buffers = [np.empty(8 << 20, np.uint8) for _ in range(4)]\n"
+              "futures = [engine.pread(b, file, 0) for b in buffers]\n"
+              "del file  # the requests in flight now hold the file's last references\n"
+              "futures[-1].result()\n")
+    for _ in range(20):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
 
 
 def test_completed_future() -> None:
