@@ -395,14 +395,14 @@ def aligned_empty(nbytes: int, phase: int = 0) -> np.ndarray:
 
     Large ones are mappings of their own in transparent huge pages (fewer, larger DMA
     segments, and freeing one returns its memory to the system at once, where malloc's
-    heap could keep it). Its pages are faulted in here, on the caller's thread while
-    earlier reads are in flight, rather than by the I/O path (serially, in io_uring's case)."""
+    heap could keep it). Their pages are not touched here: each engine worker faults in
+    the part it reads, in parallel (measured on JAX restores: 1.1 GB/s faulting here in
+    one thread first, 1.4 GB/s leaving it to the workers)."""
     if nbytes >= _OWN_MAPPING:
         base, _ = _native.alloc_pinned(nbytes + ALIGNMENT, lock=False)
     else:
         base = np.empty(nbytes + 2 * ALIGNMENT, np.uint8)
     start = (phase - base.ctypes.data) % ALIGNMENT
-    _native.populate(base.ctypes.data, base.nbytes)
     return base[start:start + nbytes]
 
 
