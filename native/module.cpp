@@ -99,6 +99,10 @@ NB_MODULE(_native, m) {
       .def("close", &tf::Engine::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("backend", &tf::Engine::backend_name);
 
+  m.def("populate", [](uintptr_t address, uint64_t nbytes) {
+    tf::populate_for_write(reinterpret_cast<char *>(address), nbytes);
+  }, "address"_a, "nbytes"_a, nb::call_guard<nb::gil_scoped_release>(),
+        "Faults in memory that a read is about to fill.");
 
   m.def("alloc_pinned", [](uint64_t nbytes, bool lock) {
     const tf::PinnedAllocation a = tf::pinned_alloc(nbytes, lock);
