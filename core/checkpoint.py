@@ -24,7 +24,7 @@ import numpy as np
 from .dtypes import to_numpy_dtype
 from .engine import Engine, default_engine
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .shard import CHECKSUM_ALGORITHM, ShardInfo, ShardReader, ShardWriter, digest, fsync_dir
+from .shard import CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, ShardInfo, ShardReader, ShardWriter, digest, fsync_dir
 
 MANIFEST = "tensorferry.json"
 FORMAT_VERSION = 1
@@ -160,7 +160,7 @@ def split_by_size(sizes: Mapping[str, int], max_shard_bytes: int, max_shards: in
 
 def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
                     metadata: Mapping[str, Any] | None = None, *, engine: Engine | None = None,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, buffer_size: int = 16 << 20,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, buffer_size: int = DEFAULT_BUFFER_SIZE,
                     overwrite: bool = False) -> str:
     """Saves named arrays as a checkpoint directory, atomically; returns its path.
 

@@ -29,6 +29,10 @@ from .errors import CorruptCheckpointError
 
 ALIGNMENT = 4096
 _OWN_MAPPING = 1 << 20  # from this size on, aligned_empty maps memory of its own
+# Staging for small tensors, shared by the shard files of one save: 16 MiB kept too few
+# writes in flight when several files are written at once (4096 x 512 KiB, 2 GiB over
+# four files: 1.58 GB/s against 1.93 with 64 MiB, fio 1.54, medians of three).
+DEFAULT_BUFFER_SIZE = 64 << 20
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library refuses larger headers too
 CHECKSUMS_KEY = "tensorferry.checksums"
 CHECKSUM_ALGORITHM = "xxh3_64"
@@ -157,7 +161,7 @@ class ShardWriter:
     """
 
     def __init__(self, path: str | os.PathLike, engine: Engine | None = None,
-                 buffer_size: int = 16 << 20, *, metadata: Mapping[str, str] | None = None,
+                 buffer_size: int = DEFAULT_BUFFER_SIZE, *, metadata: Mapping[str, str] | None = None,
                  staging_bytes: int = 256 << 20, atomic: bool = False) -> None:
         self.path = os.fspath(path)
         # With ``atomic``, the file is written under a temporary name and renamed over

@@ -30,7 +30,7 @@ from ...checkpoint import build_manifest, open_shard, read_manifest
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
-from ...shard import ShardReader, ShardWriter, aligned_copy
+from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter, aligned_copy
 
 INDEX_FORMAT = "tensorferry.jax"
 _SCALARS = (bool, int, float, str)
@@ -219,7 +219,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             Arrays on accelerators are always copied to the host.
     """
 
-    def __init__(self, *, engine: Engine | None = None, verify: bool = True, buffer_size: int = 16 << 20,
+    def __init__(self, *, engine: Engine | None = None, verify: bool = True, buffer_size: int = DEFAULT_BUFFER_SIZE,
                  copy_host_arrays: bool = True) -> None:
         self.engine = engine
         self.verify = verify

@@ -30,7 +30,7 @@ from torch.futures import Future
 from ...checkpoint import MANIFEST, PendingCheckpoint, open_shard, read_manifest, split_by_size
 from ...engine import Engine
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
-from ...shard import BoxRead, ShardReader
+from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardReader
 from .tensors import FROM_SAFETENSORS, byte_source, safetensors_dtype, writable_bytes
 
 DCP_METADATA = ".metadata"
@@ -81,7 +81,8 @@ class DCPWriter(StorageWriter):
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, engine: Engine | None = None,
-                 files_per_rank: int = 2, overwrite: bool = False, buffer_size: int = 16 << 20) -> None:
+                 files_per_rank: int = 2, overwrite: bool = False,
+                 buffer_size: int = DEFAULT_BUFFER_SIZE) -> None:
         super().__init__()
         self.path = None if path is None else os.path.abspath(os.fspath(path))
         self.engine = engine
