@@ -225,6 +225,11 @@ def _worker(rank: int, world: int, rendezvous: str, root: str, scenario: str) ->
         dist.barrier()  # no rank tears its group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
+    # A passing worker skips interpreter finalization: gloo's threads can still hold work
+    # whose tensors reference Python objects, and releasing those while the interpreter
+    # shuts down aborts the process now and then ("terminate called without an active
+    # exception"; pytorch/pytorch#179291). A failing worker raises above, as before.
+    os._exit(0)
 
 
 def run(world: int, root: str, scenario: str) -> None:
