@@ -358,6 +358,29 @@ def bench_checkpoint(directory: str, state: dict[str, np.ndarray], label: str | 
     return results
 
 
+def paired_saves(directory: str, nbytes: int, counts: list[int], rounds: int) -> list[dict[str, Any]]:
+    """fio's write, then one ``save_checkpoint`` per array count, round after round; each
+    save is compared with the fio run just before it, so the drive's drift between rounds
+    cancels out, and the median of those ratios is reported."""
+    from . import checkpoint
+
+    target = os.path.join(directory, "ckpt")
+    states = {count: make_state(nbytes, count) for count in counts}
+    fio, saves = [], {count: [] for count in counts}
+    for _ in range(rounds):
+        fio.append(run_fio(directory, "write", nbytes).gbps)
+        for count, state in states.items():
+            shutil.rmtree(target, ignore_errors=True)
+            saves[count].append(timed("save", "write", nbytes, lambda: checkpoint.save_checkpoint(target, state)).gbps)
+    shutil.rmtree(target, ignore_errors=True)
+    rows = []
+    for count in counts:
+        ratios = [round(s / f, 3) for s, f in zip(saves[count], fio)]
+        rows.append({"arrays": count, "median_ratio": statistics.median(ratios), "ratios": ratios,
+                     "save_gbps": [round(g, 3) for g in saves[count]], "fio_gbps": [round(g, 3) for g in fio]})
+    return rows
+
+
 def checksum_cost(directory: str, state: dict[str, np.ndarray], pairs: int) -> dict[str, Any]:
     """Saves with and without checksums, alternated (and the order of each pair swapped)
     so that a drive's drift falls on both alike; the medians are compared. The checksums
@@ -641,11 +664,15 @@ def main(argv: list[str] | None = None) -> int:
     engine.add_argument("--backends", default="io_uring,threads")
     ckpt = sub.add_parser("checkpoint", help="save_checkpoint/load_checkpoint vs fio and peers")
     ckpt.add_argument("--counts", default="64,4096", help="comma-separated array counts to try")
+    paired = sub.add_parser("paired", help="save_checkpoint against fio write, alternated round by round; "
+                                           "per-round ratios and their median (steadier on a drifting drive)")
+    paired.add_argument("--counts", default="64,4096", help="comma-separated array counts to try")
+    paired.add_argument("--rounds", type=int, default=5, help="rounds of fio then one save per count")
     sums = sub.add_parser("checksums", help="what the checksums add to save_checkpoint: interleaved pairs "
                                             "of saves with and without them, medians compared")
     sums.add_argument("--counts", default="64,4096", help="comma-separated array counts to try")
     sums.add_argument("--pairs", type=int, default=6, help="saves with and without checksums, alternated")
-    for p in (engine, ckpt, sums):
+    for p in (engine, ckpt, paired, sums):
         p.add_argument("--repeat", type=int, default=1,
                        help="rounds, fio included in each; the best of each contender is reported")
         p.add_argument("--dir", default=None, help="directory on the drive to measure (default: a temp dir)")
@@ -660,6 +687,13 @@ def main(argv: list[str] | None = None) -> int:
     warm_memory(2 * nbytes)
     if args.what == "engine":
         results = bench_engine(directory, nbytes, args.backends.split(","), args.repeat)
+    elif args.what == "paired":
+        rows = paired_saves(directory, nbytes, [int(c) for c in args.counts.split(",")], args.rounds)
+        remove_fio_file(directory)
+        print(json.dumps(rows, indent=2) if args.json else "\n".join(
+            f"{r['arrays']} arrays: median ratio to fio {r['median_ratio']:.2f} (rounds: {r['ratios']}; "
+            f"save GB/s {r['save_gbps']}, fio GB/s {r['fio_gbps']})" for r in rows))
+        return 0
     elif args.what == "checksums":
         rows = [checksum_cost(directory, make_state(nbytes, int(c)), args.pairs) | {"arrays": int(c)}
                 for c in args.counts.split(",")]

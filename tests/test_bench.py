@@ -36,3 +36,15 @@ def test_checksum_cost_runs(tmp_path) -> None:
     [row] = json.loads(result.stdout)
     assert row["arrays"] == 8 and row["with_s"] > 0 and row["without_s"] > 0 and len(row["pair_differences_s"]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_paired_saves_runs(tmp_path) -> None:
+    if not bench.fio_available():
+        pytest.skip("fio is not installed: there is nothing to pair the saves with")
+    cmd = [sys.executable, "-m", "tensorferry.bench", "paired", "--dir", str(tmp_path), "--size", "4M",
+           "--counts", "8", "--rounds", "2", "--json"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    [row] = json.loads(result.stdout)
+    assert row["arrays"] == 8 and len(row["ratios"]) == 2 and row["median_ratio"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
