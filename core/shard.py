@@ -215,7 +215,9 @@ class ShardWriter:
         file = File(self._write_path, "w")
         try:
             file.reserve(data_start + offset)
-            checksums = _Streamer(self.engine, file, data_start, self.buffer_size, self.staging_bytes).write(entries)
+            # A small file needs no more staging than its own size (one slot of it).
+            staging = min(self.buffer_size, 2 * _round_up(max(offset, 1), ALIGNMENT))
+            checksums = _Streamer(self.engine, file, data_start, staging, self.staging_bytes).write(entries)
             tensors = {e.name: TensorInfo(e.dtype, e.shape, *layout[e.name], checksums[e.name]) for e in entries}
             header = self._header(tensors, data_start)
             self.engine.write(header, file, 0)
@@ -280,11 +282,11 @@ class _Streamer:
     SLOTS = 4
 
     def __init__(self, engine: Engine, file: File, start: int, buffer_size: int, staging_bytes: int) -> None:
-        self.engine, self.file, self.buffer_size = engine, file, buffer_size
+        self.engine, self.file = engine, file
         self.staging_bytes = staging_bytes
         self.slot_size = max(ALIGNMENT, _round_up(buffer_size // 2, ALIGNMENT))
         self.direct_threshold = buffer_size // 2
-        self.slots: list[np.ndarray] = []  # taken from the pool when a small tensor first needs them
+        self.slots: list[np.ndarray | None] = [None] * self.SLOTS  # taken from the pool when first filled
         self.slot_futures: list[IOFuture | None] = [None] * self.SLOTS
         self.current = self.fill = 0
         self.slot_start = self.position = start
@@ -313,7 +315,8 @@ class _Streamer:
             for f in self._all_futures():
                 f.wait()  # the slots go back to the pool only once idle
             for slot in self.slots:
-                _pool.release(slot)
+                if slot is not None:
+                    _pool.release(slot)
         return checksums
 
     def _all_futures(self) -> list[IOFuture]:
@@ -333,10 +336,10 @@ class _Streamer:
         return data
 
     def _copy_in(self, data: np.ndarray) -> None:
-        if not self.slots:
-            self.slots = [_pool.acquire(self.slot_size) for _ in range(self.SLOTS)]
         done = 0
         while done < data.nbytes:
+            if self.slots[self.current] is None:
+                self.slots[self.current] = _pool.acquire(self.slot_size)
             take = min(self.slot_size - self.fill, data.nbytes - done)
             self.slots[self.current][self.fill:self.fill + take] = data[done:done + take]
             self.fill += take

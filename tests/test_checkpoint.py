@@ -550,3 +550,15 @@ def test_atomic_writer_replaces_only_when_complete(tmp_path) -> None:
     with ShardReader(path) as r:
         np.testing.assert_array_equal(r.read("x"), np.arange(4, dtype=np.float32))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def test_a_small_file_takes_staging_of_its_own_size(tmp_path) -> None:
+    from tensorferry import shard
+    shard._pool.clear()
+    arrays = {f"t{i}": np.full(64 << 10, i, np.uint8) for i in range(16)}  # 1 MiB of small tensors
+    with ShardWriter(tmp_path / "small.safetensors") as w:  # the default buffer is 64 MiB
+        for name, a in arrays.items():
+            w.add(name, a)
+    assert shard._pool.cached_bytes <= 2 << 20, "staging went back to the pool: one slot of about the file's size"
+    with ShardReader(tmp_path / "small.safetensors") as r:
+        assert all(np.array_equal(r.read(n), a) for n, a in arrays.items())
