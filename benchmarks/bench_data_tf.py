@@ -71,18 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         ("make_dataset, TFRecord", lambda: make_dataset(tfrecords, tfrecord=True)),
         ("TFRecordDataset(num_parallel_reads=AUTOTUNE)", lambda: tf.data.TFRecordDataset(tfrecords, num_parallel_reads=auto)),
     ]
-    results = []
-    for _ in range(args.repeat):
-        if bench.fio_available():
-            bench.run_fio(root, "write", nbytes)
-            results.append(bench.run_fio(root, "read", nbytes))
-            bench.remove_fio_file(root)
-        for name, make in readers:
-            bench.drop_cache(bench.files_under(root))
-            count = {}
-            results.append(bench.timed(name, "read", nbytes, lambda: count.setdefault("n", drain(make()))))
+    results = bench.reader_rounds(root, [*files, records, *tfrecords], nbytes,
+                                  {name: lambda make=make: drain(make()) for name, make in readers}, args.repeat)
     shutil.rmtree(root)
-    print(bench.report(bench.best_of(results), args.json))
+    print(bench.report(results, args.json))
     return 0
 
 

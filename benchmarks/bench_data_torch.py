@@ -76,18 +76,13 @@ def main() -> None:
             "GDSDataset, 1 MiB records": GDSDataset(records),
             "open().read(), 1 MiB records": OpenReadDataset(records),
         }
-        results = []
-        for _ in range(args.repeat):
-            if bench.fio_available():
-                bench.run_fio(directory, "write", nbytes)
-                results.append(bench.run_fio(directory, "read", nbytes))
-                bench.remove_fio_file(directory)
-            for name, dataset in cases.items():
-                loader = DataLoader(dataset, batch_size=args.batch, num_workers=args.workers, collate_fn=list)
-                bench.drop_cache([*paths, records_file])
-                results.append(bench.timed(name, "read", nbytes, lambda: drain(loader)))
+        loaders = {name: DataLoader(dataset, batch_size=args.batch, num_workers=args.workers, collate_fn=list)
+                   for name, dataset in cases.items()}
+        results = bench.reader_rounds(directory, [*paths, records_file], nbytes,
+                                      {name: lambda loader=loader: drain(loader) for name, loader in loaders.items()},
+                                      args.repeat)
         print(f"{nbytes / 2**20:.0f} MiB, batch {args.batch}, workers {args.workers}")
-        print(bench.report(bench.best_of(results), args.json))
+        print(bench.report(results, args.json))
 
 
 if __name__ == "__main__":

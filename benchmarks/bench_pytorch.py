@@ -68,14 +68,15 @@ def single_process(directory: str, state: dict[str, torch.Tensor]) -> list[bench
 
     f = os.path.join(directory, "tf.safetensors")
     writer_and_reader("tensorferry save/load", lambda: save(state, f), lambda: load(f), f)
-    model = torch.nn.Module()  # the state as a model's parameters (loaded in place)
-    for i, tensor in enumerate(state.values()):
-        model.register_parameter(f"p{i}", torch.nn.Parameter(tensor.clone(), requires_grad=False))
-    d = os.path.join(directory, "tf-fsdp")
-    checkpointer = FSDPCheckpointer(d, model)
-    writer_and_reader("tensorferry FSDPCheckpointer save/load", lambda: checkpointer.save(1),
-                      lambda: checkpointer.load(1), d)
-    del model, checkpointer
+    def fsdp_checkpointer() -> None:  # its model (a copy of the state) goes when it returns
+        model = torch.nn.Module()  # the state as a model's parameters (loaded in place)
+        for i, tensor in enumerate(state.values()):
+            model.register_parameter(f"p{i}", torch.nn.Parameter(tensor.clone(), requires_grad=False))
+        checkpointer = FSDPCheckpointer(os.path.join(directory, "tf-fsdp"), model)
+        writer_and_reader("tensorferry FSDPCheckpointer save/load", lambda: checkpointer.save(1),
+                          lambda: checkpointer.load(1), checkpointer.checkpoint_dir)
+
+    fsdp_checkpointer()
     d = os.path.join(directory, "tf-dcp")
     dest = empty_like(state)
     writer_and_reader("tensorferry DCPWriter/Reader", lambda: dcp.save(state, storage_writer=DCPWriter(d)),

@@ -252,6 +252,23 @@ def bench_engine(directory: str, nbytes: int, backends: list[str], repeat: int =
     return best_of(results)
 
 
+def reader_rounds(directory: str, files: list[str], nbytes: int, readers: dict[str, Callable[[], object]],
+                  repeat: int = 1) -> list[Measurement]:
+    """fio's read of ``nbytes`` on ``directory``, then each reader (a callable that reads
+    ``files`` through), every one from a dropped page cache, ``repeat`` times; the best
+    round of each."""
+    results = []
+    for _ in range(repeat):
+        if fio_available():
+            run_fio(directory, "write", nbytes)
+            results.append(run_fio(directory, "read", nbytes))
+            remove_fio_file(directory)
+        for name, read in readers.items():
+            drop_cache(files)
+            results.append(timed(name, "read", nbytes, read))
+    return best_of(results)
+
+
 def best_of(results: list[Measurement]) -> list[Measurement]:
     """The fastest round of each contender, with the largest memory growth of any round."""
     best: dict[tuple[str, str], Measurement] = {}
@@ -684,7 +701,6 @@ def main(argv: list[str] | None = None) -> int:
     if not fio_available():
         print("fio is not installed: no ceiling to compare with", file=sys.stderr)
     nbytes = parse_size(args.size)
-    warm_memory(2 * nbytes)
     if args.what == "engine":
         results = bench_engine(directory, nbytes, args.backends.split(","), args.repeat)
     elif args.what == "paired":

@@ -186,7 +186,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     scratch = _scratch(directory, "bench")
     try:
         with progress_bar(args, unit="step") as bar:
-            bench.warm_memory(2 * args.size)
             results = bench.bench_engine(scratch, args.size, backends, progress=_stepper(bar))
             state = bench.make_state(args.size, args.count)
             results += bench.bench_checkpoint(scratch, state, fio=False, progress=_stepper(bar))
