@@ -48,3 +48,16 @@ def test_paired_saves_runs(tmp_path) -> None:
     [row] = json.loads(result.stdout)
     assert row["arrays"] == 8 and len(row["ratios"]) == 2 and row["median_ratio"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_reader_rounds_times_every_reader_and_keeps_the_best(tmp_path) -> None:
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"x" * (1 << 20))
+    calls = []
+    rows = bench.reader_rounds(str(tmp_path), [str(path)], 1 << 20,
+                               {"plain read": lambda: calls.append(len(path.read_bytes()))}, repeat=2)
+    assert calls == [1 << 20, 1 << 20]
+    names = [m.name for m in rows]
+    assert names.count("plain read") == 1 and all(m.op == "read" for m in rows)
+    assert ("fio" in names) == bench.fio_available()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.bin"]
