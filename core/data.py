@@ -36,7 +36,8 @@ class _Shared:
         return self._engine if self._engine is not None else default_engine()
 
 
-def _records(items: Iterable[Item]) -> list[Record]:
+def records_of(items: Iterable[Item]) -> list[Record]:
+    """The `(path, offset, length)` record of each item: a path stands for its whole file."""
     records = []
     sizes: dict[str, int] = {}
     for item in items:
@@ -91,7 +92,7 @@ class FileSource:
 
     def __init__(self, items: Iterable[Item], *, engine: Engine | None = None, window: int = 16,
                  pool: PinnedPool | None = None) -> None:
-        self._setup(_records(items), _Shared(engine, pool), window)
+        self._setup(records_of(items), _Shared(engine, pool), window)
 
     def _setup(self, records: Sequence[Record], shared: _Shared, window: int) -> None:
         window = operator.index(window)

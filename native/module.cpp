@@ -8,6 +8,7 @@
 
 #include <cstring>
 
+#include "crc32c.hpp"
 #include "engine.hpp"
 
 namespace nb = nanobind;
@@ -103,6 +104,11 @@ NB_MODULE(_native, m) {
     tf::populate_for_write(reinterpret_cast<char *>(address), nbytes);
   }, "address"_a, "nbytes"_a, nb::call_guard<nb::gil_scoped_release>(),
         "Faults in memory that a read is about to fill.");
+
+  m.def("masked_crc32c", [](uintptr_t address, uint64_t nbytes) {
+    return tf::masked_crc32c(reinterpret_cast<const void *>(address), nbytes);
+  }, "address"_a, "nbytes"_a, nb::call_guard<nb::gil_scoped_release>(),
+        "TFRecord's masked CRC-32C of a memory range.");
 
   m.def("alloc_pinned", [](uint64_t nbytes, bool lock) {
     const tf::PinnedAllocation a = tf::pinned_alloc(nbytes, lock);

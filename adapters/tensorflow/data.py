@@ -1,13 +1,16 @@
 """make_dataset: whole files, fixed-length records or TFRecord records as a tf.data.Dataset.
 
-Indices flow through tf.data (so shuffle, shard, batch, prefetch and tf.distribute
-work as usual); a parallel map turns each batch of indices into bytes with one call
-to the core's :class:`tensorferry.FileSource`, whose reads run concurrently with the
-GIL released (unlike ``Dataset.from_generator``, which reads one item at a time).
+Byte ranges flow through tf.data (so shuffle, shard, batch, prefetch and tf.distribute
+work as usual) and a parallel map reads them with the core's native ops
+(``native/tf_ops.cpp``): asynchronous TensorFlow kernels that submit the reads to the
+core's engine and fill TensorFlow's own tensors, straight from the drive where the
+memory allows, without Python or the GIL on the way.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import glob
 import os
 import struct
@@ -16,20 +19,17 @@ from typing import Iterable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from ...data import FileSource
+from ... import _native
+from ...data import records_of
 from ...engine import Engine, default_engine
 
 _TFRECORD_HEADER = 12  # u64 length + masked crc32c of the length
 _TFRECORD_FOOTER = 4   # masked crc32c of the data
 
 
-def _masked_crc32c(data: bytes | np.ndarray) -> int:
-    try:
-        import google_crc32c
-    except ImportError:
-        raise ImportError("TFRecord CRCs need google-crc32c: pip install 'tensorferry[tensorflow]'") from None
-    crc = google_crc32c.value(bytes(data))
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+def _masked_crc32c(data: bytes | bytearray) -> int:
+    view = np.frombuffer(data, np.uint8)
+    return _native.masked_crc32c(view.ctypes.data, view.nbytes)
 
 
 def _expand(files: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
@@ -84,11 +84,22 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         tfrecord: read the files as TFRecord files.
         shuffle: shuffle the items each epoch (``seed`` makes the order repeatable);
             otherwise the order is the files' order, then offsets.
-        num_parallel_reads: parallel calls of the read map (each reads ``reads_per_call``
-            items concurrently; by default as many as make about 16 MiB, at most 64,
-            so that buffers stay few enough to be reused from the pool).
+        num_parallel_reads: calls of the read op that may run at once. AUTOTUNE (the
+            default) asks for enough to keep 64 MiB of reads in flight; TensorFlow runs
+            at most as many as its inter-op pool has threads (by default, the cores).
         shard: ``(index, count)``: keep every count-th item starting at index, for
             data-parallel workers (tf.distribute's auto-sharding works too).
+        reads_per_call: items one call reads at once. By default, items of 8 MiB or
+            more go one per call, and smaller ones in batches of about 8 MiB (at most
+            256 items), split again after the read. An op of TensorFlow's C API cannot
+            finish after its call returns (the asynchronous variant's done callback dies
+            with the call), so each call holds a thread of a pool as small as the core
+            count until its reads end:
+            the batch, not the number of calls, is what keeps the drive's queue deep.
+            Splitting the batch copies each item once more, which items of 8 MiB and
+            more are spared.
+        engine: whose settings (backend, block size, queue depth, threads, O_DIRECT)
+            the reads use; the ops run their own engine with them.
     """
     if tfrecord and record_bytes is not None:
         raise ValueError("give record_bytes or tfrecord=True, not both")
@@ -98,68 +109,65 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     for p in paths:
         if not os.path.isfile(p):
             raise FileNotFoundError(2, "no such file", p)
+    engine = engine or default_engine()
     if tfrecord:
-        items: list = [r for p in paths for r in tfrecord_records(p, engine)]
+        records = [r for p in paths for r in tfrecord_records(p, engine)]
     elif record_bytes is not None:
-        items = []
+        records = []
         for p in paths:
             size = os.path.getsize(p)
             if size % record_bytes:
                 raise ValueError(f"{p}: {size} bytes is not a whole number of {record_bytes}-byte records "
                                  "(truncated?)")
-            items += [(p, offset, record_bytes) for offset in range(0, size, record_bytes)]
+            records += [(p, offset, record_bytes) for offset in range(0, size, record_bytes)]
     else:
-        items = paths
-    source = FileSource(items, engine=engine)
+        records = records_of(paths)
+    average = sum(length for _, _, length in records) // max(1, len(records))
     if reads_per_call is None:
-        average = sum(length for _, _, length in source.records) // max(1, len(source))
-        reads_per_call = max(1, min(64, (16 << 20) // max(1, average)))
+        reads_per_call = max(1, min(256, (8 << 20) // max(1, average)))
+    if num_parallel_reads == tf.data.AUTOTUNE:
+        num_parallel_reads = max(2, min(128, (64 << 20) // max(1, average * reads_per_call)))
 
-    def read(indices: tf.Tensor) -> tf.Tensor:
-        arrays = source.read_batch(int(i) for i in indices.numpy())
-        try:
-            if record_bytes is not None:
-                return tf.constant(np.stack(arrays) if arrays else np.empty((0, record_bytes), np.uint8))
-            if tfrecord:
-                return tf.constant([_tfrecord_data(source, int(i), a) for i, a in zip(indices.numpy(), arrays)],
-                                   dtype=tf.string)
-            return _string_tensor(arrays)
-        finally:
-            for a in arrays:
-                source.release(a)  # copied into the tensor: the pool can reuse it
-
-    out_type = tf.uint8 if record_bytes is not None else tf.string
-    dataset = tf.data.Dataset.range(len(source))
+    columns = ([p for p, _, _ in records], [o for _, o, _ in records], [n for _, _, n in records])
+    dataset = tf.data.Dataset.from_tensor_slices(tuple(tf.constant(c, dtype) for c, dtype in
+                                                       zip(columns, (tf.string, tf.int64, tf.int64))))
     if shard is not None:
         index, count = shard
         dataset = dataset.shard(count, index)
     if shuffle:
-        dataset = dataset.shuffle(len(source), seed=seed, reshuffle_each_iteration=True)
-    shape = [record_bytes] if record_bytes is not None else []
-    if reads_per_call == 1:
-        # Large items: one per call, and no batch/unbatch, which would copy each again.
-        return dataset.map(lambda i: tf.ensure_shape(tf.py_function(read, [tf.reshape(i, [1])], Tout=out_type)[0],
-                                                     shape),
-                           num_parallel_calls=num_parallel_reads, deterministic=True)
-    dataset = dataset.batch(reads_per_call).map(lambda i: tf.py_function(read, [i], Tout=out_type),
-                                                num_parallel_calls=num_parallel_reads, deterministic=True)
-    return dataset.map(lambda x: tf.ensure_shape(x, [None, *shape])).unbatch()
+        dataset = dataset.shuffle(len(records), seed=seed, reshuffle_each_iteration=True)
+    read = _read_op(engine, record_bytes, tfrecord)
+    if reads_per_call > 1:
+        dataset = dataset.batch(reads_per_call)
+    dataset = dataset.map(read, num_parallel_calls=num_parallel_reads, deterministic=True)
+    return dataset.unbatch() if reads_per_call > 1 else dataset
 
 
-def _string_tensor(arrays: list[np.ndarray]) -> tf.Tensor:
-    """A ``tf.string`` vector of the buffers' bytes. A single buffer is viewed as one
-    numpy fixed-width bytes item, which TF copies straight into its string: one copy and
-    one fresh allocation instead of two (through ``bytes``), and on this kind of machine
-    fresh memory costs more than the copy. That view drops trailing NUL bytes, so a
-    buffer ending in one goes through ``bytes``."""
-    if len(arrays) == 1 and arrays[0].nbytes and arrays[0][-1] != 0:
-        return tf.constant(arrays[0].view(f"S{arrays[0].nbytes}"), dtype=tf.string)
-    return tf.constant([a.tobytes() for a in arrays], dtype=tf.string)
+def _read_op(engine: Engine, record_bytes: int | None, tfrecord: bool):
+    """The native read op for these items, with the engine's settings, as a map function
+    of (paths, offsets, lengths) of any shape."""
+    config = engine.config
+    settings = dict(backend=engine.backend, block_size=config.block_size, queue_depth=config.queue_depth,
+                    threads=config.threads, direct=config.direct)
+    ops = _native_ops()
+    if record_bytes is not None:
+        records = functools.partial(ops.tensorferry_read_records, record_bytes=record_bytes, **settings)
+
+        def read(paths, offsets, lengths):
+            out = records(paths, offsets)
+            return tf.ensure_shape(out, [*paths.shape, record_bytes])
+        return read
+    strings = functools.partial(ops.tensorferry_read_strings, tfrecord=tfrecord, **settings)
+    return lambda paths, offsets, lengths: tf.ensure_shape(strings(paths, offsets, lengths), paths.shape)
 
 
-def _tfrecord_data(source: FileSource, index: int, raw: np.ndarray) -> bytes:
-    data, footer = raw[:-_TFRECORD_FOOTER], raw[-_TFRECORD_FOOTER:]
-    if _masked_crc32c(data) != struct.unpack("<I", footer.tobytes())[0]:
-        path, offset, _ = source.records[index]
-        raise ValueError(f"{path}: bad data CRC in the record at offset {offset - _TFRECORD_HEADER}")
-    return data.tobytes()
+@functools.lru_cache(maxsize=None)
+def _native_ops():
+    """The op library built with the native core (``_tf_ops.so``), loaded into TensorFlow.
+
+    It uses TensorFlow's C API without linking to TensorFlow (the build must not need
+    it), so libtensorflow_framework's symbols are made global for it first."""
+    flags = [f for f in tf.sysconfig.get_link_flags() if f.startswith("-l:")]
+    framework = flags[0][3:] if flags else "libtensorflow_framework.so.2"
+    ctypes.CDLL(os.path.join(tf.sysconfig.get_lib(), framework), mode=ctypes.RTLD_GLOBAL)
+    return tf.load_op_library(os.path.join(os.path.dirname(_native.__file__), "_tf_ops.so"))
