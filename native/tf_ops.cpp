@@ -16,6 +16,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -76,7 +77,7 @@ void TF_ShapeInferenceContextSetUnknownShape(TF_ShapeInferenceContext *ctx, TF_S
 
 namespace {
 
-constexpr TF_DataType kUint8 = 4, kString = 7;
+constexpr TF_DataType kUint8 = 4, kString = 7, kInt64 = 9;
 constexpr TF_Code kInvalidArgument = 3, kNotFound = 5, kPermissionDenied = 7, kResourceExhausted = 8,
                   kInternal = 13, kDataLoss = 15, kUnknown = 2;
 constexpr uint64_t kTfrecordFooter = 4;  // masked crc32c of the record's data
@@ -160,31 +161,8 @@ void fail(TF_OpKernelContext *ctx, TF_Code code, const std::string &message) {
   TF_OpKernelContext_Failure(ctx, status.get());
 }
 
-// One read a call makes: [offset, offset + size) of a file into dest.
-struct Read {
-  std::shared_ptr<tf::File> file;
-  uint64_t offset, size;
-  char *dest;
-};
-
-// What one call of an op holds while its reads run: its inputs, its output, the
-// file of each range and the reads.
-struct Call {
-  TF_OpKernelContext *ctx;
-  std::vector<TF_Tensor *> tensors;  // inputs, then the output
-  std::vector<std::string_view> paths;
-  const int64_t *offsets = nullptr;
-  const int64_t *lengths = nullptr;
-  std::vector<std::shared_ptr<tf::File>> files;  // of each range
-  std::vector<Read> reads;
-
-  ~Call() {
-    for (TF_Tensor *t : tensors) TF_DeleteTensor(t);
-  }
-  uint64_t end(size_t i) const { return offsets[i] + lengths[i]; }
-};
-
-// Page-aligned memory in huge pages, reused from call to call.
+// Memory that reads land in, shared by the items of neighbouring ranges: huge pages,
+// reused from read to read. Never given back while a read may still write into it.
 class StagingPool {
  public:
   StagingPool() = default;
@@ -210,81 +188,220 @@ class StagingPool {
   }
   void give(std::pair<char *, uint64_t> region) {
     std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(region);
+    if (free_.size() < kKeep) return free_.push_back(region);
+    munmap(region.first, region.second);
   }
 
  private:
+  static constexpr size_t kKeep = 64;
   std::mutex mu_;
   std::vector<std::pair<char *, uint64_t>> free_;
 };
 
-// One kernel per op in a graph; tf.data calls it from several threads at once. The
-// kernels are synchronous: TensorFlow's C API for asynchronous kernels hands over a
-// pointer to its done callback that dangles once the call returns, so a call cannot
-// end later, from the engine's threads. Reads in flight are therefore the items of
-// one call (its batch) times the calls that run at once.
-class Reader {
- public:
-  Reader(const tf::Config &config, bool direct) : engine_(config), direct_(direct) {}
+// One read in flight and the memory it fills: a staging region that the items it
+// covers share, or an item's own memory (free()-able: it becomes a string's).
+struct Landing {
+  StagingPool *pool = nullptr;
+  std::pair<char *, uint64_t> region{nullptr, 0};
+  char *own = nullptr;
+  std::shared_ptr<tf::Request> request;
 
-  // Opens the file of every range (each once). False: the op's error is set.
-  bool open(Call &call) const {
-    std::unordered_map<std::string_view, std::shared_ptr<tf::File>> opened;
-    try {
-      for (std::string_view path : call.paths) {
-        auto &file = opened[path];
-        if (!file) file = std::make_shared<tf::File>(std::string(path), "r", direct_);
-        call.files.push_back(file);
+  Landing() = default;
+  Landing(const Landing &) = delete;
+  Landing &operator=(const Landing &) = delete;
+  ~Landing() {
+    if (request) request->wait(-1);  // the drive may still be writing into this memory
+    if (region.first) pool->give(region);
+    free(own);
+  }
+};
+
+// An item whose read has started, until a take op claims it.
+struct Pending {
+  std::shared_ptr<Landing> landing;
+  char *data = nullptr;  // where the item's bytes start, inside the landing's memory
+  uint64_t length = 0;
+  std::string path;
+  uint64_t offset = 0;
+  TF_Code code = 0;  // failed before its read started: reported when it is taken
+  std::string error;
+};
+
+// Items of at least this many bytes get memory of their own (2 MiB-aligned, in huge
+// pages), read straight in and handed over to their string; smaller ones share
+// staging, where the aligned envelopes of neighbouring ranges merge into one read,
+// and are copied out when taken.
+constexpr uint64_t kOwnMemoryBytes = 4u << 20;
+
+// Reads ahead for the take ops. TensorFlow's C API cannot finish an op after its
+// call returns (the asynchronous kernel's done callback dies with the call), so a
+// read that blocks holds one of the inter-op pool's few threads. Instead the start
+// op submits a batch of reads and returns at once with one ticket per item, which
+// tf.data keeps running ahead of the take op that waits for each in turn: the queue
+// depth is then how far tf.data runs ahead, not the number of threads.
+class Prefetcher {
+ public:
+  Prefetcher(const tf::Config &config, bool direct) : engine_(config), direct_(direct) {}
+
+  // Starts the reads of ranges [offsets[i], + lengths[i]) of paths[i]; returns their tickets.
+  void start(const std::vector<std::string_view> &paths, const int64_t *offsets, const int64_t *lengths,
+             int64_t *tickets) {
+    const size_t n = paths.size();
+    std::vector<Pending> items(n);
+    std::unordered_map<std::string_view, std::shared_ptr<tf::File>> files;
+    std::vector<std::shared_ptr<tf::File>> file_of(n);
+    // Staged ranges: merged envelopes, in order: (file, start, end) and the items in each.
+    struct Span {
+      std::shared_ptr<tf::File> file;
+      uint64_t start, end;
+      std::vector<size_t> items;
+    };
+    std::vector<Span> spans;
+    for (size_t i = 0; i < n; ++i) {
+      Pending &item = items[i];
+      item.path = std::string(paths[i]);
+      item.offset = static_cast<uint64_t>(offsets[i]);
+      item.length = static_cast<uint64_t>(lengths[i]);
+      try {
+        auto &file = files[paths[i]];
+        if (!file) file = std::make_shared<tf::File>(item.path, "r", direct_);
+        file_of[i] = file;
+      } catch (const tf::IOError &e) {
+        item.code = code_for_errno(e.err);
+        item.error = describe(e.path, e.what, e.err, e.offset, e.length);
+        continue;
       }
-    } catch (const tf::IOError &e) {
-      fail(call.ctx, code_for_errno(e.err), describe(e.path, e.what, e.err, e.offset, e.length));
-      return false;
+      if (!item.length) continue;
+      const tf::File &file = *file_of[i];
+      const uint64_t align = file.direct() ? file.offset_align() : 1, end = item.offset + item.length;
+      const uint64_t env_start = item.offset - item.offset % align;
+      // Not past the end of the file; a range that is keeps its own end, so its read fails and says so.
+      const uint64_t env_end = std::max(end, std::min(file.size(), (end + align - 1) / align * align));
+      if (item.length >= kOwnMemoryBytes) {
+        auto landing = std::make_shared<Landing>();
+        landing->own = own_memory(env_end - env_start);
+        if (!landing->own) {
+          item.code = kResourceExhausted;
+          item.error = item.path + ": no memory for " + std::to_string(item.length) + " bytes";
+          continue;
+        }
+        item.data = landing->own + (item.offset - env_start);
+        std::tie(item.code, item.error) = submit(*landing, file_of[i], env_start, env_end - env_start);
+        if (item.error.empty()) item.landing = landing;
+        continue;
+      }
+      Span *last = spans.empty() ? nullptr : &spans.back();
+      if (last && last->file == file_of[i] && env_start >= last->start && env_start <= last->end) {
+        last->end = std::max(last->end, env_end);
+        last->items.push_back(i);
+      } else {
+        spans.push_back({file_of[i], env_start, env_end, {i}});
+      }
+    }
+    for (Span &span : spans) {
+      auto landing = std::make_shared<Landing>();
+      landing->pool = &pool_;
+      try {
+        landing->region = pool_.take(span.end - span.start);
+      } catch (const tf::IOError &e) {
+        for (size_t i : span.items) {
+          items[i].code = kResourceExhausted;
+          items[i].error = describe("staging", e.what, e.err, e.offset, e.length);
+        }
+        continue;
+      }
+      const auto [code, error] = submit(*landing, span.file, span.start, span.end - span.start);
+      for (size_t i : span.items) {
+        items[i].code = code;
+        items[i].error = error;
+        items[i].data = landing->region.first + (items[i].offset - span.start);
+        if (error.empty()) items[i].landing = landing;
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < n; ++i) {
+      tickets[i] = next_ticket_++;
+      pending_.emplace(tickets[i], std::move(items[i]));
+    }
+  }
+
+  // Waits for a ticket's read. False if there is no such ticket (taken already).
+  bool take(int64_t ticket, Pending &item) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pending_.find(ticket);
+      if (it == pending_.end()) return false;
+      item = std::move(it->second);
+      pending_.erase(it);
+    }
+    if (item.error.empty() && item.landing) {
+      tf::Request &r = *item.landing->request;
+      r.wait(-1);
+      if (r.failed()) {
+        item.code = code_for_errno(r.error());
+        item.error = describe(r.file().path(), r.error_what(), r.error(), r.error_offset(), r.error_length());
+      }
     }
     return true;
   }
 
-  // Runs the call's reads, one request for reads that continue each other in file
-  // and in memory. False: the op's error is set, the first failed read's.
-  bool read(Call &call) const {
-    std::vector<std::shared_ptr<tf::Request>> requests;
-    const auto &reads = call.reads;
-    for (size_t i = 0, n = reads.size(); i < n;) {
-      size_t j = i + 1;
-      uint64_t size = reads[i].size;
-      while (j < n && reads[j].file == reads[i].file && reads[j].offset == reads[i].offset + size &&
-             reads[j].dest == reads[i].dest + size)
-        size += reads[j++].size;
-      if (size) requests.push_back(engine_.submit(reads[i].file, false, reads[i].dest, size, reads[i].offset));
-      i = j;
-    }
-    std::string error;
-    TF_Code code = kUnknown;
-    for (auto &r : requests) {  // each writes into memory of the call's: all are waited for, even after an error
-      r->wait(-1);
-      if (r->failed() && error.empty()) {
-        code = code_for_errno(r->error());
-        error = describe(r->file().path(), r->error_what(), r->error(), r->error_offset(), r->error_length());
-      }
-    }
-    if (!error.empty()) fail(call.ctx, code, error);
-    return error.empty();
+ private:
+  static char *own_memory(uint64_t size) {
+    void *p = nullptr;
+    if (posix_memalign(&p, 2u << 20, size + 1) != 0) return nullptr;
+    madvise(p, size + 1, MADV_HUGEPAGE);
+    return static_cast<char *>(p);
   }
 
-  bool tfrecord = false;
-  int64_t record_bytes = 0;
-  mutable StagingPool staging;
+  // Starts a landing's read; an error that stops it from starting is returned.
+  std::pair<TF_Code, std::string> submit(Landing &landing, const std::shared_ptr<tf::File> &file, uint64_t offset,
+                                         uint64_t size) {
+    char *dest = landing.own ? landing.own : landing.region.first;
+    try {
+      landing.request = engine_.submit(file, false, dest, size, offset);
+      return {0, ""};
+    } catch (const tf::IOError &e) {
+      return {code_for_errno(e.err), describe(e.path, e.what, e.err, e.offset, e.length)};
+    }
+  }
 
- private:
-  mutable tf::Engine engine_;
+  // Destroyed in reverse: pending reads wait (into memory from the pool) before the
+  // pool goes, and the engine outlives both.
+  tf::Engine engine_;
   bool direct_;
+  StagingPool pool_;
+  std::mutex mu_;
+  std::unordered_map<int64_t, Pending> pending_;
+  int64_t next_ticket_ = 0;
 };
 
-Reader *create_reader(TF_OpKernelConstruction *ctx) {
+// The prefetcher of a dataset, shared by its start and take kernels (by the key attr).
+std::shared_ptr<Prefetcher> prefetcher_for(int64_t key, const tf::Config &config, bool direct) {
+  static std::mutex mu;
+  static std::unordered_map<int64_t, std::weak_ptr<Prefetcher>> live;
+  std::lock_guard<std::mutex> lock(mu);
+  auto &slot = live[key];
+  auto shared = slot.lock();
+  if (!shared) {
+    shared = std::make_shared<Prefetcher>(config, direct);
+    slot = shared;
+  }
+  return shared;
+}
+
+struct Kernel {
+  std::shared_ptr<Prefetcher> prefetcher;
+  bool tfrecord = false;
+  int64_t record_bytes = 0;
+};
+
+void *create_kernel(TF_OpKernelConstruction *ctx) {
   Status status;
   tf::Config config;
   char backend[32] = {0};
-  int64_t value = 0;
+  int64_t value = 0, key = 0;
   TF_Bool direct = 0;
+  auto kernel = std::make_unique<Kernel>();
   TF_OpKernelConstruction_GetAttrString(ctx, "backend", backend, sizeof backend - 1, status.get());
   if (status.ok()) config.backend = backend;
   if (status.ok()) TF_OpKernelConstruction_GetAttrInt64(ctx, "block_size", &value, status.get());
@@ -294,251 +411,159 @@ Reader *create_reader(TF_OpKernelConstruction *ctx) {
   if (status.ok()) TF_OpKernelConstruction_GetAttrInt64(ctx, "threads", &value, status.get());
   if (status.ok()) config.threads = static_cast<int>(value);
   if (status.ok()) TF_OpKernelConstruction_GetAttrBool(ctx, "direct", &direct, status.get());
+  if (status.ok()) TF_OpKernelConstruction_GetAttrInt64(ctx, "key", &key, status.get());
+  if (status.ok()) TF_OpKernelConstruction_GetAttrInt64(ctx, "record_bytes", &kernel->record_bytes, status.get());
+  TF_Bool tfrecord = 0;
+  if (status.ok()) TF_OpKernelConstruction_GetAttrBool(ctx, "tfrecord", &tfrecord, status.get());
+  kernel->tfrecord = tfrecord;
+  if (status.ok()) {
+    try {
+      kernel->prefetcher = prefetcher_for(key, config, direct);
+    } catch (const tf::IOError &e) {
+      TF_SetStatus(status.get(), kInternal, describe(e.path, e.what, e.err, e.offset, e.length).c_str());
+    }
+  }
   if (!status.ok()) {
     TF_OpKernelConstruction_Failure(ctx, status.get());
     return nullptr;
   }
-  try {
-    return new Reader(config, direct);
-  } catch (const tf::IOError &e) {
-    TF_SetStatus(status.get(), kInternal, describe(e.path, e.what, e.err, e.offset, e.length).c_str());
-    TF_OpKernelConstruction_Failure(ctx, status.get());
-    return nullptr;
-  }
+  return kernel.release();
 }
 
-void *create_string_reader(TF_OpKernelConstruction *ctx) {
-  Reader *reader = create_reader(ctx);
-  if (!reader) return nullptr;
+void delete_kernel(void *kernel) { delete static_cast<Kernel *>(kernel); }
+
+// Input i of the op; deleted with the returned holder.
+using TensorHolder = std::unique_ptr<TF_Tensor, void (*)(TF_Tensor *)>;
+TensorHolder input(TF_OpKernelContext *ctx, int i) {
   Status status;
-  TF_Bool flag = 0;
-  TF_OpKernelConstruction_GetAttrBool(ctx, "tfrecord", &flag, status.get());
-  if (!status.ok()) {
-    TF_OpKernelConstruction_Failure(ctx, status.get());
-    delete reader;
-    return nullptr;
-  }
-  reader->tfrecord = flag;
-  return reader;
+  TF_Tensor *t = nullptr;
+  TF_GetInput(ctx, i, &t, status.get());
+  if (!status.ok()) TF_OpKernelContext_Failure(ctx, status.get());
+  return TensorHolder(status.ok() ? t : nullptr, TF_DeleteTensor);
 }
 
-void *create_record_reader(TF_OpKernelConstruction *ctx) {
-  Reader *reader = create_reader(ctx);
-  if (!reader) return nullptr;
+TensorHolder output(TF_OpKernelContext *ctx, TF_DataType dtype, const std::vector<int64_t> &shape, size_t nbytes) {
   Status status;
-  TF_OpKernelConstruction_GetAttrInt64(ctx, "record_bytes", &reader->record_bytes, status.get());
-  if (!status.ok() || reader->record_bytes <= 0) {
-    if (status.ok()) TF_SetStatus(status.get(), kInvalidArgument, "record_bytes must be positive");
-    TF_OpKernelConstruction_Failure(ctx, status.get());
-    delete reader;
-    return nullptr;
-  }
-  return reader;
+  TF_Tensor *out =
+      TF_AllocateOutput(ctx, 0, dtype, shape.data(), static_cast<int>(shape.size()), nbytes, status.get());
+  if (!status.ok()) TF_OpKernelContext_Failure(ctx, status.get());
+  return TensorHolder(status.ok() ? out : nullptr, TF_DeleteTensor);
 }
 
-void delete_reader(void *reader) { delete static_cast<Reader *>(reader); }
-
-// Takes the inputs every read op has: paths (string, any shape), offsets (int64, the
-// same shape) and, for variable-length reads, lengths (likewise). False: the call has
-// its error set.
-bool take_inputs(Call &call, int count, const int64_t **lengths, std::vector<int64_t> &shape) {
-  Status status;
-  for (int i = 0; i < count; ++i) {
-    TF_Tensor *t = nullptr;
-    TF_GetInput(call.ctx, i, &t, status.get());
-    if (!status.ok()) {
-      TF_OpKernelContext_Failure(call.ctx, status.get());
-      return false;
-    }
-    call.tensors.push_back(t);
-  }
-  const int64_t n = TF_TensorElementCount(call.tensors[0]);
-  for (int i = 1; i < count; ++i) {
-    if (TF_TensorElementCount(call.tensors[i]) != n) {
-      fail(call.ctx, kInvalidArgument, "paths, offsets and lengths must have the same number of elements");
-      return false;
-    }
-  }
-  for (int d = 0; d < TF_NumDims(call.tensors[0]); ++d) shape.push_back(TF_Dim(call.tensors[0], d));
-  const auto *strings = static_cast<const TString *>(TF_TensorData(call.tensors[0]));
-  for (int64_t i = 0; i < n; ++i) call.paths.push_back(tstring_view(strings[i]));
-  call.offsets = static_cast<const int64_t *>(TF_TensorData(call.tensors[1]));
-  if (lengths) *lengths = static_cast<const int64_t *>(TF_TensorData(call.tensors[2]));
+// TensorferryStartReads(paths, offsets, lengths) -> tickets, all of one shape.
+void compute_start(void *kernel, TF_OpKernelContext *ctx) {
+  auto &k = *static_cast<Kernel *>(kernel);
+  TensorHolder paths = input(ctx, 0), offsets = input(ctx, 1), lengths = input(ctx, 2);
+  if (!paths || !offsets || !lengths) return;
+  const int64_t n = TF_TensorElementCount(paths.get());
+  if (TF_TensorElementCount(offsets.get()) != n || TF_TensorElementCount(lengths.get()) != n)
+    return fail(ctx, kInvalidArgument, "paths, offsets and lengths must have the same number of elements");
+  std::vector<int64_t> shape;
+  for (int d = 0; d < TF_NumDims(paths.get()); ++d) shape.push_back(TF_Dim(paths.get(), d));
+  const auto *path_strings = static_cast<const TString *>(TF_TensorData(paths.get()));
+  const auto *offset_values = static_cast<const int64_t *>(TF_TensorData(offsets.get()));
+  const auto *length_values = static_cast<const int64_t *>(TF_TensorData(lengths.get()));
+  std::vector<std::string_view> path_views;
   for (int64_t i = 0; i < n; ++i) {
-    if (call.offsets[i] < 0 || (lengths && (*lengths)[i] < 0)) {
-      fail(call.ctx, kInvalidArgument, std::string(call.paths[i]) + ": negative offset or length");
-      return false;
-    }
+    path_views.push_back(tstring_view(path_strings[i]));
+    if (offset_values[i] < 0 || length_values[i] < 0)
+      return fail(ctx, kInvalidArgument, std::string(path_views.back()) + ": negative offset or length");
+    if (k.tfrecord && static_cast<uint64_t>(length_values[i]) < kTfrecordFooter)
+      return fail(ctx, kDataLoss, std::string(path_views.back()) + ": TFRecord range shorter than its CRC");
   }
-  return true;
+  TensorHolder tickets = output(ctx, kInt64, shape, n * sizeof(int64_t));
+  if (!tickets) return;
+  k.prefetcher->start(path_views, offset_values, length_values, static_cast<int64_t *>(TF_TensorData(tickets.get())));
 }
 
-// Output 0 of the call's op, kept by the call.
-char *allocate_output(Call &call, TF_DataType dtype, const std::vector<int64_t> &shape, size_t nbytes) {
-  Status status;
-  TF_Tensor *out = TF_AllocateOutput(call.ctx, 0, dtype, shape.data(), static_cast<int>(shape.size()), nbytes,
-                                     status.get());
-  if (!status.ok()) {
-    TF_OpKernelContext_Failure(call.ctx, status.get());
-    return nullptr;
+// The ticket's item, waited for; false with the op's error set if it failed.
+bool take_item(Kernel &k, TF_OpKernelContext *ctx, Pending &item) {
+  TensorHolder ticket = input(ctx, 0);
+  if (!ticket) return false;
+  if (TF_TensorElementCount(ticket.get()) != 1) {
+    fail(ctx, kInvalidArgument, "a take op takes one ticket");
+    return false;
   }
-  call.tensors.push_back(out);
-  return static_cast<char *>(TF_TensorData(out));
+  if (!k.prefetcher->take(*static_cast<const int64_t *>(TF_TensorData(ticket.get())), item)) {
+    fail(ctx, kInvalidArgument, "no read started for this ticket, or it was taken already");
+    return false;
+  }
+  if (!item.error.empty()) fail(ctx, item.code, item.error);
+  return item.error.empty();
 }
 
-// Ranges of at least this many bytes are read straight into their string's own
-// memory (2 MiB-aligned, in huge pages); smaller ones through the reader's staging,
-// where the aligned envelopes of neighbouring ranges merge into one read: huge
-// pages for the drive, no small reads of shared edge blocks, and one copy into a
-// string that malloc sizes exactly.
-constexpr uint64_t kOwnMemoryBytes = 4u << 20;
-
-// The aligned envelope of range i, ending no further than the end of its file (a
-// range past the end keeps its own end, so that the read fails and says so).
-std::pair<uint64_t, uint64_t> envelope(const Call &call, size_t i) {
-  const tf::File &file = *call.files[i];
-  const uint64_t align = file.direct() ? file.offset_align() : 1;
-  const uint64_t start = call.offsets[i] - call.offsets[i] % align;
-  const uint64_t end = std::max(call.end(i), std::min(file.size(), (call.end(i) + align - 1) / align * align));
-  return {start, end};
+// TensorferryTakeString(ticket) -> the item's bytes as a scalar string (a TFRecord
+// record's data, its CRC checked).
+void compute_take_string(void *kernel, TF_OpKernelContext *ctx) {
+  auto &k = *static_cast<Kernel *>(kernel);
+  Pending item;
+  if (!take_item(k, ctx, item)) return;
+  TensorHolder out = output(ctx, kString, {}, sizeof(TString));
+  if (!out || !item.length) return;
+  auto &string = *static_cast<TString *>(TF_TensorData(out.get()));
+  uint64_t size = item.length;
+  if (k.tfrecord) {
+    size -= kTfrecordFooter;
+    uint32_t stored;
+    std::memcpy(&stored, item.data + size, sizeof stored);
+    if (tf::masked_crc32c(item.data, size) != stored)
+      return fail(ctx, kDataLoss, item.path + ": bad data CRC in the record at offset " +
+                                      std::to_string(item.offset - 12));  // the 12-byte header precedes the data
+  }
+  Landing &landing = *item.landing;
+  if (landing.own && item.landing.use_count() == 1) {
+    // The string takes the memory over (TensorFlow frees it with free()).
+    if (item.data != landing.own) std::memmove(landing.own, item.data, size);
+    string.large.ptr = landing.own;
+    string.large.cap = size;
+    landing.own = nullptr;
+    set_size(string, size);
+    return;
+  }
+  char *data = tstring_allocate(string, size);
+  if (!data) return fail(ctx, kResourceExhausted, "no memory for a string of " + std::to_string(size) + " bytes");
+  std::memcpy(data, item.data, size);
 }
 
-void compute_strings(void *kernel, TF_OpKernelContext *ctx) {
-  const auto &reader = *static_cast<Reader *>(kernel);
-  Call call;
-  call.ctx = ctx;
-  std::vector<int64_t> shape;
-  if (!take_inputs(call, 3, &call.lengths, shape) || !reader.open(call)) return;
-  const size_t n = call.paths.size();
-  auto *strings = reinterpret_cast<TString *>(allocate_output(call, kString, shape, n * sizeof(TString)));
-  if (!strings) return;
-  // Where each range's bytes land: its string's memory, or staging + offset.
-  std::vector<char *> own(n, nullptr);
-  std::vector<uint64_t> staged_at(n, 0);
-  uint64_t staged = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const uint64_t length = call.lengths[i];
-    if (reader.tfrecord && length < kTfrecordFooter)
-      return fail(ctx, kDataLoss, std::string(call.paths[i]) + ": TFRecord range shorter than its CRC");
-    if (!length) continue;
-    auto [start, end] = envelope(call, i);
-    if (length >= kOwnMemoryBytes) {
-      own[i] = tstring_allocate(strings[i], end - start);
-      if (!own[i]) return fail(ctx, kResourceExhausted, "no memory for " + std::to_string(length) + " bytes");
-      call.reads.push_back({call.files[i], start, end - start, own[i]});
-      continue;
-    }
-    // Staged: continue the previous staged read if this envelope meets or overlaps it.
-    Read *last = call.reads.empty() || call.reads.back().dest ? nullptr : &call.reads.back();
-    if (last && last->file == call.files[i] && start <= last->offset + last->size && start >= last->offset) {
-      const uint64_t last_end = last->offset + last->size;
-      staged_at[i] = staged - last->size + (call.offsets[i] - last->offset);
-      if (end > last_end) {
-        last->size = end - last->offset;
-        staged += end - last_end;
-      }
-    } else {
-      staged = (staged + 4095) / 4096 * 4096;
-      staged_at[i] = staged + (call.offsets[i] - start);
-      call.reads.push_back({call.files[i], start, end - start, nullptr});
-      staged += end - start;
-    }
-  }
-  // Staged reads got no memory yet (dest null) so that their sizes could grow; their
-  // offsets in staging follow the same sequence as above.
-  std::pair<char *, uint64_t> region;
-  try {
-    region = reader.staging.take(std::max<uint64_t>(staged, 1));
-  } catch (const tf::IOError &e) {
-    return fail(ctx, kResourceExhausted, describe("staging", e.what, e.err, e.offset, e.length));
-  }
-  struct GiveBack {
-    const Reader &r;
-    std::pair<char *, uint64_t> region;
-    ~GiveBack() { r.staging.give(region); }
-  } give_back{reader, region};
-  uint64_t at = 0;
-  for (Read &r : call.reads) {
-    if (r.dest) continue;
-    at = (at + 4095) / 4096 * 4096;
-    r.dest = region.first + at;
-    at += r.size;
-  }
-  if (!reader.read(call)) return;
-  for (size_t i = 0; i < n; ++i) {
-    uint64_t size = call.lengths[i];
-    if (!size) continue;
-    char *data = own[i];
-    if (data) {
-      const uint64_t head = call.offsets[i] % (call.files[i]->direct() ? call.files[i]->offset_align() : 1);
-      if (head) std::memmove(data, data + head, size);
-    } else {
-      data = tstring_allocate(strings[i], size);
-      if (!data) return fail(ctx, kResourceExhausted, "no memory for " + std::to_string(size) + " bytes");
-      std::memcpy(data, region.first + staged_at[i], size);
-    }
-    if (reader.tfrecord) {
-      size -= kTfrecordFooter;
-      uint32_t stored;
-      std::memcpy(&stored, data + size, sizeof stored);
-      if (tf::masked_crc32c(data, size) != stored)
-        return fail(ctx, kDataLoss, std::string(call.paths[i]) + ": bad data CRC in the record at offset " +
-                                        std::to_string(call.offsets[i] - 12));  // the 12-byte header precedes the data
-    }
-    set_size(strings[i], size);
-  }
-}
-
-void compute_records(void *kernel, TF_OpKernelContext *ctx) {
-  const auto &reader = *static_cast<Reader *>(kernel);
-  Call call;
-  call.ctx = ctx;
-  std::vector<int64_t> shape;
-  if (!take_inputs(call, 2, nullptr, shape) || !reader.open(call)) return;
-  const size_t n = call.paths.size();
-  shape.push_back(reader.record_bytes);
-  char *data = allocate_output(call, kUint8, shape, n * reader.record_bytes);
-  if (!data) return;
-  for (size_t i = 0; i < n; ++i)
-    call.reads.push_back({call.files[i], static_cast<uint64_t>(call.offsets[i]),
-                          static_cast<uint64_t>(reader.record_bytes), data + i * reader.record_bytes});
-  reader.read(call);
+// TensorferryTakeRecord(ticket) -> uint8[record_bytes].
+void compute_take_record(void *kernel, TF_OpKernelContext *ctx) {
+  auto &k = *static_cast<Kernel *>(kernel);
+  Pending item;
+  if (!take_item(k, ctx, item)) return;
+  if (item.length != static_cast<uint64_t>(k.record_bytes))
+    return fail(ctx, kInvalidArgument, item.path + ": a record of " + std::to_string(item.length) +
+                                           " bytes where record_bytes is " + std::to_string(k.record_bytes));
+  TensorHolder out = output(ctx, kUint8, {k.record_bytes}, item.length);
+  if (out && item.length) std::memcpy(TF_TensorData(out.get()), item.data, item.length);
 }
 
 void unknown_shape(TF_ShapeInferenceContext *ctx, TF_Status *status) {
   TF_ShapeInferenceContextSetUnknownShape(ctx, status);
 }
 
-void add_engine_attrs(TF_OpDefinitionBuilder *op) {
-  TF_OpDefinitionBuilderAddAttr(op, "backend: string");
-  TF_OpDefinitionBuilderAddAttr(op, "block_size: int");
-  TF_OpDefinitionBuilderAddAttr(op, "queue_depth: int");
-  TF_OpDefinitionBuilderAddAttr(op, "threads: int");
-  TF_OpDefinitionBuilderAddAttr(op, "direct: bool");
-}
-
-void register_op(const char *name, bool with_lengths, const char *attr, const char *output,
-                 void *(*create)(TF_OpKernelConstruction *), void (*compute)(void *, TF_OpKernelContext *)) {
+void register_op(const char *name, std::vector<const char *> inputs, const char *output,
+                 void (*compute)(void *, TF_OpKernelContext *)) {
   Status status;
   TF_OpDefinitionBuilder *op = TF_NewOpDefinitionBuilder(name);
-  TF_OpDefinitionBuilderAddInput(op, "paths: string");
-  TF_OpDefinitionBuilderAddInput(op, "offsets: int64");
-  if (with_lengths) TF_OpDefinitionBuilderAddInput(op, "lengths: int64");
+  for (const char *spec : inputs) TF_OpDefinitionBuilderAddInput(op, spec);
   TF_OpDefinitionBuilderAddOutput(op, output);
-  TF_OpDefinitionBuilderAddAttr(op, attr);
-  add_engine_attrs(op);
+  // Every op names its dataset's prefetcher (key) and how that reads; the first
+  // kernel of a key makes it.
+  for (const char *spec : {"key: int", "backend: string", "block_size: int", "queue_depth: int", "threads: int",
+                           "direct: bool", "tfrecord: bool = false", "record_bytes: int = 0"})
+    TF_OpDefinitionBuilderAddAttr(op, spec);
   TF_OpDefinitionBuilderSetShapeInferenceFunction(op, unknown_shape);
   TF_RegisterOpDefinition(op, status.get());
   if (!status.ok()) return;
-  TF_KernelBuilder *kernel = TF_NewKernelBuilder(name, "CPU", create, compute, delete_reader);
+  TF_KernelBuilder *kernel = TF_NewKernelBuilder(name, "CPU", create_kernel, compute, delete_kernel);
   TF_RegisterKernelBuilder(name, kernel, status.get());
 }
 
 const bool registered = [] {
-  register_op("TensorferryReadStrings", true, "tfrecord: bool", "out: string", create_string_reader,
-              compute_strings);
-  register_op("TensorferryReadRecords", false, "record_bytes: int", "out: uint8", create_record_reader,
-              compute_records);
+  register_op("TensorferryStartReads", {"paths: string", "offsets: int64", "lengths: int64"}, "tickets: int64",
+              compute_start);
+  register_op("TensorferryTakeString", {"ticket: int64"}, "out: string", compute_take_string);
+  register_op("TensorferryTakeRecord", {"ticket: int64"}, "out: uint8", compute_take_record);
   return true;
 }();
 

@@ -193,3 +193,21 @@ def test_native_crc_matches_tensorflows_framing(tfrecords) -> None:
     assert _native.masked_crc32c(header.ctypes.data, 8) == int.from_bytes(raw[8:12], "little")
     assert _native.masked_crc32c(data.ctypes.data, data.nbytes) == int.from_bytes(raw[12 + length:16 + length], "little")
     assert data.tobytes() == ordered[0]
+
+
+def test_epochs_partial_passes_and_datasets_side_by_side(tmp_path) -> None:
+    # Reads start ahead of the items handed out (tickets): a pass left half-way, a
+    # second epoch and two datasets read in turn must each still get their own items.
+    raw = np.random.default_rng(9).integers(0, 256, size=(300, 3000), dtype=np.uint8)
+    (tmp_path / "r.bin").write_bytes(raw.tobytes())
+    ds = make_dataset(str(tmp_path / "r.bin"), record_bytes=3000, reads_per_call=16, num_parallel_reads=8)
+    for _, row in zip(range(5), ds):  # abandoned with reads of later batches in flight
+        pass
+    np.testing.assert_array_equal(row.numpy(), raw[4])
+    for _ in range(2):
+        np.testing.assert_array_equal(np.stack([x.numpy() for x in ds]), raw)
+    strings = make_dataset([str(tmp_path / "r.bin")] * 2)
+    both = zip(iter(ds), iter(strings))
+    first, whole = next(both)
+    np.testing.assert_array_equal(first.numpy(), raw[0])
+    assert whole.numpy() == raw.tobytes()

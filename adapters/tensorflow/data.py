@@ -1,10 +1,12 @@
 """make_dataset: whole files, fixed-length records or TFRecord records as a tf.data.Dataset.
 
 Byte ranges flow through tf.data (so shuffle, shard, batch, prefetch and tf.distribute
-work as usual) and a parallel map reads them with the core's native ops
-(``native/tf_ops.cpp``): asynchronous TensorFlow kernels that submit the reads to the
-core's engine and fill TensorFlow's own tensors, straight from the drive where the
-memory allows, without Python or the GIL on the way.
+work as usual); two maps of the core's native ops (``native/tf_ops.cpp``) read them,
+without Python or the GIL: one starts the reads of a batch through the core's engine
+and returns at once with a ticket per item, the other waits for a ticket's read and
+hands out its item. A large item's memory is read straight from the drive and becomes
+its string; smaller ones are read, neighbours together, into reused staging and copied
+out once.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import itertools
 import os
 import struct
 from typing import Iterable, Sequence
@@ -84,20 +87,13 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         tfrecord: read the files as TFRecord files.
         shuffle: shuffle the items each epoch (``seed`` makes the order repeatable);
             otherwise the order is the files' order, then offsets.
-        num_parallel_reads: calls of the read op that may run at once. AUTOTUNE (the
-            default) asks for enough to keep 64 MiB of reads in flight; TensorFlow runs
-            at most as many as its inter-op pool has threads (by default, the cores).
+        num_parallel_reads: batches of reads started ahead of the items handed out.
+            AUTOTUNE (the default) starts enough to keep about 64 MiB in flight.
         shard: ``(index, count)``: keep every count-th item starting at index, for
             data-parallel workers (tf.distribute's auto-sharding works too).
-        reads_per_call: items one call reads at once. By default, items of 8 MiB or
-            more go one per call, and smaller ones in batches of about 8 MiB (at most
-            256 items), split again after the read. An op of TensorFlow's C API cannot
-            finish after its call returns (the asynchronous variant's done callback dies
-            with the call), so each call holds a thread of a pool as small as the core
-            count until its reads end:
-            the batch, not the number of calls, is what keeps the drive's queue deep.
-            Splitting the batch copies each item once more, which items of 8 MiB and
-            more are spared.
+        reads_per_call: items whose reads one call starts together (neighbouring
+            ranges of a file merge into one read). By default about 8 MiB, at most 256
+            items, at least one.
         engine: whose settings (backend, block size, queue depth, threads, O_DIRECT)
             the reads use; the ops run their own engine with them.
     """
@@ -126,7 +122,7 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     if reads_per_call is None:
         reads_per_call = max(1, min(256, (8 << 20) // max(1, average)))
     if num_parallel_reads == tf.data.AUTOTUNE:
-        num_parallel_reads = max(2, min(128, (64 << 20) // max(1, average * reads_per_call)))
+        num_parallel_reads = max(2, min(64, (64 << 20) // max(1, average * reads_per_call)))
 
     columns = ([p for p, _, _ in records], [o for _, o, _ in records], [n for _, _, n in records])
     dataset = tf.data.Dataset.from_tensor_slices(tuple(tf.constant(c, dtype) for c, dtype in
@@ -136,29 +132,40 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         dataset = dataset.shard(count, index)
     if shuffle:
         dataset = dataset.shuffle(len(records), seed=seed, reshuffle_each_iteration=True)
-    read = _read_op(engine, record_bytes, tfrecord)
-    if reads_per_call > 1:
-        dataset = dataset.batch(reads_per_call)
-    dataset = dataset.map(read, num_parallel_calls=num_parallel_reads, deterministic=True)
-    return dataset.unbatch() if reads_per_call > 1 else dataset
+    start, take = _read_ops(engine, record_bytes, tfrecord)
+    # Starting reads returns at once, so the first map runs num_parallel_reads batches
+    # ahead of the second, which waits for each item in turn.
+    return (dataset.batch(reads_per_call)
+            .map(start, num_parallel_calls=num_parallel_reads, deterministic=True)
+            .unbatch()
+            .map(take, num_parallel_calls=2, deterministic=True))
 
 
-def _read_op(engine: Engine, record_bytes: int | None, tfrecord: bool):
-    """The native read op for these items, with the engine's settings, as a map function
-    of (paths, offsets, lengths) of any shape."""
+_dataset_keys = itertools.count()
+
+
+def _read_ops(engine: Engine, record_bytes: int | None, tfrecord: bool):
+    """The native start and take ops of one dataset, as map functions: start takes a
+    batch of (paths, offsets, lengths) and returns a ticket for each, take turns a
+    ticket into the item. Both name the same prefetcher (``key``), which runs reads
+    with the engine's settings."""
     config = engine.config
-    settings = dict(backend=engine.backend, block_size=config.block_size, queue_depth=config.queue_depth,
-                    threads=config.threads, direct=config.direct)
+    attrs = dict(key=next(_dataset_keys), backend=engine.backend, block_size=config.block_size,
+                 queue_depth=config.queue_depth, threads=config.threads, direct=config.direct,
+                 tfrecord=tfrecord, record_bytes=record_bytes or 0)
     ops = _native_ops()
-    if record_bytes is not None:
-        records = functools.partial(ops.tensorferry_read_records, record_bytes=record_bytes, **settings)
 
-        def read(paths, offsets, lengths):
-            out = records(paths, offsets)
-            return tf.ensure_shape(out, [*paths.shape, record_bytes])
-        return read
-    strings = functools.partial(ops.tensorferry_read_strings, tfrecord=tfrecord, **settings)
-    return lambda paths, offsets, lengths: tf.ensure_shape(strings(paths, offsets, lengths), paths.shape)
+    @tf.autograph.experimental.do_not_convert  # plain op calls: nothing to convert
+    def start(paths: tf.Tensor, offsets: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+        return ops.tensorferry_start_reads(paths, offsets, lengths, **attrs)
+
+    @tf.autograph.experimental.do_not_convert
+    def take(ticket: tf.Tensor) -> tf.Tensor:
+        if record_bytes is not None:
+            return tf.ensure_shape(ops.tensorferry_take_record(ticket, **attrs), [record_bytes])
+        return tf.ensure_shape(ops.tensorferry_take_string(ticket, **attrs), [])
+
+    return start, take
 
 
 @functools.lru_cache(maxsize=None)
