@@ -30,7 +30,7 @@ from ...checkpoint import build_manifest, open_shard, read_manifest
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
-from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter, aligned_copy
+from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter, aligned_copies
 
 INDEX_FORMAT = "tensorferry.jax"
 _SCALARS = (bool, int, float, str)
@@ -238,7 +238,8 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         found: dict[str, Any] = {}
         structure = _encode_structure(item, (), found)
         records: dict[str, Any] = {}
-        arrays: list[tuple[str, np.ndarray]] = []
+        arrays: list[tuple[str, Any]] = []
+        to_copy: list[int] = []  # indices into arrays
         for name, value in found.items():
             if isinstance(value, jax.Array):
                 chunks = []
@@ -248,19 +249,22 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                     offsets, sizes = _box(shard.index, value.shape)
                     key = _chunk_key(name, offsets)
                     on_host = shard.device.platform == "cpu"
-                    arrays.append((key, aligned_copy(shard.data) if on_host and copy_host_arrays
-                                   else np.asarray(shard.data)))
+                    arrays.append((key, shard.data))
+                    if on_host and copy_host_arrays:
+                        to_copy.append(len(arrays) - 1)
                     chunks.append([key, offsets, sizes])
                 records[name] = {"kind": "array", "was_jax": True, "shape": list(value.shape),
                                  "dtype": to_safetensors_dtype(np.dtype(value.dtype)), "file": filename,
                                  "chunks": chunks}
             elif isinstance(value, (np.ndarray, np.generic)):
-                array = aligned_copy(value) if copy_host_arrays else np.asarray(value)
+                array = np.asarray(value)
                 record = {"kind": "array", "was_jax": False, "shape": list(array.shape),
                           "dtype": to_safetensors_dtype(array.dtype), "file": filename, "chunks": []}
                 if primary:
                     key = _chunk_key(name, [0] * array.ndim)
                     arrays.append((key, array))
+                    if copy_host_arrays:
+                        to_copy.append(len(arrays) - 1)
                     record["chunks"] = [[key, [0] * array.ndim, list(array.shape)]]
                 records[name] = record
             elif isinstance(value, _SCALARS):
@@ -273,7 +277,9 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         if primary:
             metadata["structure"] = structure
         json.dumps(metadata)  # fail now, not in the commit thread
-        return metadata, arrays
+        for i, copy in zip(to_copy, aligned_copies([arrays[i][1] for i in to_copy])):
+            arrays[i] = (arrays[i][0], copy)
+        return metadata, [(key, np.asarray(array)) for key, array in arrays]
 
     def _write(self, directory: str, metadata: dict[str, Any], arrays: list[tuple[str, np.ndarray]]) -> None:
         process = metadata["process"]
