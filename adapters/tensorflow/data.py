@@ -124,15 +124,18 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     if num_parallel_reads == tf.data.AUTOTUNE:
         num_parallel_reads = max(2, min(64, (64 << 20) // max(1, average * reads_per_call)))
 
-    columns = ([p for p, _, _ in records], [o for _, o, _ in records], [n for _, _, n in records])
+    # Items carry their file's index, not its path: millions of records stay small.
+    files = list(dict.fromkeys(p for p, _, _ in records))
+    number = {p: i for i, p in enumerate(files)}
+    columns = ([number[p] for p, _, _ in records], [o for _, o, _ in records], [n for _, _, n in records])
     dataset = tf.data.Dataset.from_tensor_slices(tuple(tf.constant(c, dtype) for c, dtype in
-                                                       zip(columns, (tf.string, tf.int64, tf.int64))))
+                                                       zip(columns, (tf.int32, tf.int64, tf.int64))))
     if shard is not None:
         index, count = shard
         dataset = dataset.shard(count, index)
     if shuffle:
         dataset = dataset.shuffle(len(records), seed=seed, reshuffle_each_iteration=True)
-    start, take = _read_ops(engine, record_bytes, tfrecord)
+    start, take = _read_ops(engine, files, record_bytes, tfrecord)
     # Starting reads returns at once, so the first map runs num_parallel_reads batches
     # ahead of the second, which waits for each item in turn.
     return (dataset.batch(reads_per_call)
@@ -144,11 +147,11 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
 _dataset_keys = itertools.count()
 
 
-def _read_ops(engine: Engine, record_bytes: int | None, tfrecord: bool):
+def _read_ops(engine: Engine, files: list[str], record_bytes: int | None, tfrecord: bool):
     """The native start and take ops of one dataset, as map functions: start takes a
-    batch of (paths, offsets, lengths) and returns a ticket for each, take turns a
-    ticket into the item. Both name the same prefetcher (``key``), which runs reads
-    with the engine's settings."""
+    batch of (file numbers in ``files``, offsets, lengths) and returns a ticket for
+    each, take turns a ticket into the item. Both name the same prefetcher (``key``),
+    which runs reads with the engine's settings."""
     config = engine.config
     attrs = dict(key=next(_dataset_keys), backend=engine.backend, block_size=config.block_size,
                  queue_depth=config.queue_depth, threads=config.threads, direct=config.direct,
@@ -156,7 +159,8 @@ def _read_ops(engine: Engine, record_bytes: int | None, tfrecord: bool):
     ops = _native_ops()
 
     @tf.autograph.experimental.do_not_convert  # plain op calls: nothing to convert
-    def start(paths: tf.Tensor, offsets: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+    def start(file_numbers: tf.Tensor, offsets: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+        paths = tf.gather(tf.constant(files, tf.string), file_numbers)
         return ops.tensorferry_start_reads(paths, offsets, lengths, **attrs)
 
     @tf.autograph.experimental.do_not_convert
