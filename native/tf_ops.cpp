@@ -17,6 +17,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <utility>
 #include <unordered_map>
 #include <vector>
 
@@ -93,6 +94,11 @@ union TString {
 static_assert(sizeof(TString) == 24, "tstring is 24 bytes");
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the tstring layout above is the little-endian one");
 
+void set_size(TString &s, size_t size) {
+  s.large.size = (size << 2) | 1;
+  s.large.ptr[size] = '\0';
+}
+
 std::string_view tstring_view(const TString &s) {
   switch (s.small.size & 3) {
     case 0: return {s.small.str, static_cast<size_t>(s.small.size >> 2)};
@@ -103,25 +109,15 @@ std::string_view tstring_view(const TString &s) {
 }
 
 // Gives `s` (freshly constructed: empty and small) `size` bytes of uninitialised
-// memory that TensorFlow frees with free(): aligned for O_DIRECT so the engine reads
-// straight into it, and in huge pages when large (the virtio disk here splits a 1 MiB
-// transfer through 4 KiB pages into two requests). set_size() may shrink it later.
-char *tstring_allocate(TString &s, size_t size) {
-  const size_t huge = 2u << 20;
-  const size_t align = size >= (4u << 20) ? huge : 4096;
-  void *p = nullptr;
-  if (posix_memalign(&p, align, size + 1) != 0) return nullptr;
-  if (align == huge) madvise(p, size + 1, MADV_HUGEPAGE);
-  s.large.ptr = static_cast<char *>(p);
+// memory, or adopts `memory` (from malloc or posix_memalign, at least size + 1 bytes):
+// TensorFlow frees a large tstring's memory with free().
+char *tstring_allocate(TString &s, size_t size, char *memory = nullptr) {
+  if (!memory) memory = static_cast<char *>(malloc(size + 1));
+  if (!memory) return nullptr;
+  s.large.ptr = memory;
   s.large.cap = size;
-  s.large.size = (size << 2) | 1;
-  s.large.ptr[size] = '\0';
-  return s.large.ptr;
-}
-
-void set_size(TString &s, size_t size) {
-  s.large.size = (size << 2) | 1;
-  s.large.ptr[size] = '\0';
+  set_size(s, size);
+  return memory;
 }
 
 TF_Code code_for_errno(int err) {
@@ -511,13 +507,9 @@ void compute_take_string(void *kernel, TF_OpKernelContext *ctx) {
                                       std::to_string(item.offset - 12));  // the 12-byte header precedes the data
   }
   Landing &landing = *item.landing;
-  if (landing.own && item.landing.use_count() == 1) {
-    // The string takes the memory over (TensorFlow frees it with free()).
+  if (landing.own) {  // an item's own memory (no other item shares it) becomes its string
     if (item.data != landing.own) std::memmove(landing.own, item.data, size);
-    string.large.ptr = landing.own;
-    string.large.cap = size;
-    landing.own = nullptr;
-    set_size(string, size);
+    tstring_allocate(string, size, std::exchange(landing.own, nullptr));
     return;
   }
   char *data = tstring_allocate(string, size);
