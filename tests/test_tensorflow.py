@@ -183,6 +183,28 @@ def test_io_errors_during_iteration_name_the_file_offset_and_errno(tmp_path) -> 
         list(ds)
 
 
+def _reference_masked_crc32c(data: bytes) -> int:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        table.append(c)
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 768 + 13, 100003])
+def test_native_crc_matches_a_bitwise_reference(size: int) -> None:
+    # Sizes around the three-stream blocks (3 x 256 and 3 x 8192 bytes) and the 8-byte steps.
+    from tensorferry import _native
+    data = np.random.default_rng(size).integers(0, 256, size=size, dtype=np.uint8)
+    assert _native.masked_crc32c(data.ctypes.data, size) == _reference_masked_crc32c(data.tobytes())
+
+
 def test_native_crc_matches_tensorflows_framing(tfrecords) -> None:
     from tensorferry import _native
     paths, ordered = tfrecords
