@@ -376,6 +376,8 @@ std::shared_ptr<Prefetcher> prefetcher_for(int64_t key, const tf::Config &config
   static std::mutex mu;
   static std::unordered_map<int64_t, std::weak_ptr<Prefetcher>> live;
   std::lock_guard<std::mutex> lock(mu);
+  for (auto it = live.begin(); it != live.end();)  // datasets whose kernels are gone
+    it = it->second.expired() ? live.erase(it) : std::next(it);
   auto &slot = live[key];
   auto shared = slot.lock();
   if (!shared) {
