@@ -153,9 +153,9 @@ class ShardWriter:
     """Streams named arrays into one safetensors-compatible file.
 
     ``add`` records arrays (no copy is made); ``close`` lays them out, streams small
-    ones through a ring of page-locked buffers (copy into one while the others are
-    written with O_DIRECT), folds each tensor's checksum in as its bytes
-    pass, writes large arrays straight from their own memory, fsyncs, and returns a
+    or unaligned ones through a ring of page-locked buffers (copy into one while the
+    others are written with O_DIRECT, hashing each piece just copied), writes large
+    page-aligned arrays straight from their own memory, fsyncs, and returns a
     :class:`ShardInfo`. Memory stays near ``2 * buffer_size``, plus at most
     ``staging_bytes`` (or one array, if larger) of arrays made by lazy sources whose
     writes are in flight (device tensors copied to the host, say).
@@ -275,6 +275,9 @@ class ShardWriter:
             self.abort()
 
 
+COPY_PIECE = 1 << 20  # copied, then hashed while in the cache
+
+
 class _Streamer:
     """The write pipeline of one shard: coalesce small tensors, write large ones directly.
 
@@ -304,7 +307,10 @@ class _Streamer:
         try:
             for e in entries:
                 data = self._bytes_of(e)
-                if data.nbytes >= self.direct_threshold:
+                # Only page-aligned memory goes to the drive as it is: the engine would
+                # copy anything else through its staging, and then the hash would read it
+                # from memory a second time; through the ring it is hashed from the cache.
+                if data.nbytes >= self.direct_threshold and data.ctypes.data % ALIGNMENT == 0:
                     self._flush()
                     produced = data.nbytes if callable(e.source) else 0
                     self.direct_futures.append((self.engine.pwrite(data, self.file, self.position), produced))
@@ -352,7 +358,7 @@ class _Streamer:
         while done < data.nbytes:
             if self.slots[self.current] is None:
                 self.slots[self.current] = _pool.acquire(self.slot_size)
-            take = min(self.slot_size - self.fill, data.nbytes - done)
+            take = min(self.slot_size - self.fill, data.nbytes - done, COPY_PIECE)
             piece = self.slots[self.current][self.fill:self.fill + take]
             piece[:] = data[done:done + take]
             hasher.update(piece)  # before _flush below may hand the slot to the drive
