@@ -378,15 +378,18 @@ def bench_checkpoint(directory: str, state: dict[str, np.ndarray], label: str | 
 def paired_saves(directory: str, nbytes: int, counts: list[int], rounds: int) -> list[dict[str, Any]]:
     """fio's write, then one ``save_checkpoint`` per array count, round after round; each
     save is compared with the fio run just before it, so the drive's drift between rounds
-    cancels out, and the median of those ratios is reported."""
+    cancels out, and the median of those ratios is reported. The counts take turns at
+    going first: on the development VM a save that directly follows another's was
+    often the slower."""
     from . import checkpoint
 
     target = os.path.join(directory, "ckpt")
     states = {count: make_state(nbytes, count) for count in counts}
     fio, saves = [], {count: [] for count in counts}
-    for _ in range(rounds):
+    for i in range(rounds):
         fio.append(run_fio(directory, "write", nbytes).gbps)
-        for count, state in states.items():
+        for count in counts[i % len(counts):] + counts[:i % len(counts)]:
+            state = states[count]
             shutil.rmtree(target, ignore_errors=True)
             saves[count].append(timed("save", "write", nbytes, lambda: checkpoint.save_checkpoint(target, state)).gbps)
     shutil.rmtree(target, ignore_errors=True)
