@@ -5,11 +5,13 @@
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstring>
 
 #include "crc32c.hpp"
 #include "engine.hpp"
+#include "tfrecord.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -109,6 +111,17 @@ NB_MODULE(_native, m) {
     return tf::masked_crc32c(reinterpret_cast<const void *>(address), nbytes);
   }, "address"_a, "nbytes"_a, nb::call_guard<nb::gil_scoped_release>(),
         "TFRecord's masked CRC-32C of a memory range.");
+
+  m.def("tfrecord_ranges", [](const std::string &path) {
+    tf::TfrecordRanges ranges;
+    {
+      nb::gil_scoped_release unlocked;
+      ranges = tf::scan_tfrecord(path);
+    }
+    return std::make_tuple(ranges.offsets, ranges.lengths);
+  }, "path"_a,
+        "(offsets, lengths) of the records of a TFRecord file: each record's data and its CRC "
+        "footer. Raises ValueError for a truncated or corrupt framing, OSError if unreadable.");
 
   m.def("alloc_pinned", [](uint64_t nbytes, bool lock) {
     const tf::PinnedAllocation a = tf::pinned_alloc(nbytes, lock);

@@ -474,61 +474,88 @@ void compute_start(void *kernel, TF_OpKernelContext *ctx) {
   k.prefetcher->start(path_views, offset_values, length_values, static_cast<int64_t *>(TF_TensorData(tickets.get())));
 }
 
-// The ticket's item, waited for; false with the op's error set if it failed.
-bool take_item(Kernel &k, TF_OpKernelContext *ctx, Pending &item) {
-  TensorHolder ticket = input(ctx, 0);
-  if (!ticket) return false;
-  if (TF_TensorElementCount(ticket.get()) != 1) {
-    fail(ctx, kInvalidArgument, "a take op takes one ticket");
+// The items of the tickets (a tensor of any shape), each waited for. All are taken,
+// so that none stays behind; false, with the op's error set (the first failed item's),
+// if any failed.
+bool take_items(Kernel &k, TF_OpKernelContext *ctx, std::vector<Pending> &items, std::vector<int64_t> &shape) {
+  TensorHolder tickets = input(ctx, 0);
+  if (!tickets) return false;
+  for (int d = 0; d < TF_NumDims(tickets.get()); ++d) shape.push_back(TF_Dim(tickets.get(), d));
+  const auto *ids = static_cast<const int64_t *>(TF_TensorData(tickets.get()));
+  items.resize(static_cast<size_t>(TF_TensorElementCount(tickets.get())));
+  bool known = true;
+  for (size_t i = 0; i < items.size(); ++i) known = k.prefetcher->take(ids[i], items[i]) && known;
+  if (!known) {
+    fail(ctx, kInvalidArgument, "no read started for a ticket, or it was taken already");
     return false;
   }
-  if (!k.prefetcher->take(*static_cast<const int64_t *>(TF_TensorData(ticket.get())), item)) {
-    fail(ctx, kInvalidArgument, "no read started for this ticket, or it was taken already");
-    return false;
+  for (const Pending &item : items) {
+    if (!item.error.empty()) {
+      fail(ctx, item.code, item.error);
+      return false;
+    }
   }
-  if (!item.error.empty()) fail(ctx, item.code, item.error);
-  return item.error.empty();
+  return true;
 }
 
-// TensorferryTakeString(ticket) -> the item's bytes as a scalar string (a TFRecord
-// record's data, its CRC checked).
-void compute_take_string(void *kernel, TF_OpKernelContext *ctx) {
-  auto &k = *static_cast<Kernel *>(kernel);
-  Pending item;
-  if (!take_item(k, ctx, item)) return;
-  TensorHolder out = output(ctx, kString, {}, sizeof(TString));
-  if (!out || !item.length) return;
-  auto &string = *static_cast<TString *>(TF_TensorData(out.get()));
+// Makes `string` hold the item's bytes (a TFRecord record's data, its CRC checked).
+// False, with the op's error set, if the CRC is wrong or memory runs out.
+bool fill_string(const Kernel &k, TF_OpKernelContext *ctx, Pending &item, TString &string) {
+  if (!item.length) return true;
   uint64_t size = item.length;
   if (k.tfrecord) {
     size -= kTfrecordFooter;
     uint32_t stored;
     std::memcpy(&stored, item.data + size, sizeof stored);
-    if (tf::masked_crc32c(item.data, size) != stored)
-      return fail(ctx, kDataLoss, item.path + ": bad data CRC in the record at offset " +
-                                      std::to_string(item.offset - 12));  // the 12-byte header precedes the data
+    if (tf::masked_crc32c(item.data, size) != stored) {
+      fail(ctx, kDataLoss, item.path + ": bad data CRC in the record at offset " +
+                               std::to_string(item.offset - 12));  // the 12-byte header precedes the data
+      return false;
+    }
   }
   Landing &landing = *item.landing;
   if (landing.own) {  // an item's own memory (no other item shares it) becomes its string
     if (item.data != landing.own) std::memmove(landing.own, item.data, size);
     tstring_allocate(string, size, std::exchange(landing.own, nullptr));
-    return;
+    return true;
   }
   char *data = tstring_allocate(string, size);
-  if (!data) return fail(ctx, kResourceExhausted, "no memory for a string of " + std::to_string(size) + " bytes");
+  if (!data) {
+    fail(ctx, kResourceExhausted, "no memory for a string of " + std::to_string(size) + " bytes");
+    return false;
+  }
   std::memcpy(data, item.data, size);
+  return true;
 }
 
-// TensorferryTakeRecord(ticket) -> uint8[record_bytes].
+// TensorferryTakeString(tickets) -> the items' bytes, strings of the tickets' shape.
+void compute_take_string(void *kernel, TF_OpKernelContext *ctx) {
+  auto &k = *static_cast<Kernel *>(kernel);
+  std::vector<Pending> items;
+  std::vector<int64_t> shape;
+  if (!take_items(k, ctx, items, shape)) return;
+  TensorHolder out = output(ctx, kString, shape, items.size() * sizeof(TString));
+  if (!out) return;
+  auto *strings = static_cast<TString *>(TF_TensorData(out.get()));
+  for (size_t i = 0; i < items.size(); ++i)
+    if (!fill_string(k, ctx, items[i], strings[i])) return;
+}
+
+// TensorferryTakeRecord(tickets) -> uint8[*tickets' shape, record_bytes].
 void compute_take_record(void *kernel, TF_OpKernelContext *ctx) {
   auto &k = *static_cast<Kernel *>(kernel);
-  Pending item;
-  if (!take_item(k, ctx, item)) return;
-  if (item.length != static_cast<uint64_t>(k.record_bytes))
-    return fail(ctx, kInvalidArgument, item.path + ": a record of " + std::to_string(item.length) +
-                                           " bytes where record_bytes is " + std::to_string(k.record_bytes));
-  TensorHolder out = output(ctx, kUint8, {k.record_bytes}, item.length);
-  if (out && item.length) std::memcpy(TF_TensorData(out.get()), item.data, item.length);
+  std::vector<Pending> items;
+  std::vector<int64_t> shape;
+  if (!take_items(k, ctx, items, shape)) return;
+  for (const Pending &item : items)
+    if (item.length != static_cast<uint64_t>(k.record_bytes))
+      return fail(ctx, kInvalidArgument, item.path + ": a record of " + std::to_string(item.length) +
+                                             " bytes where record_bytes is " + std::to_string(k.record_bytes));
+  shape.push_back(k.record_bytes);
+  TensorHolder out = output(ctx, kUint8, shape, items.size() * k.record_bytes);
+  if (!out) return;
+  char *rows = static_cast<char *>(TF_TensorData(out.get()));
+  for (size_t i = 0; i < items.size(); ++i) std::memcpy(rows + i * k.record_bytes, items[i].data, k.record_bytes);
 }
 
 void unknown_shape(TF_ShapeInferenceContext *ctx, TF_Status *status) {
@@ -556,8 +583,8 @@ void register_op(const char *name, std::vector<const char *> inputs, const char 
 const bool registered = [] {
   register_op("TensorferryStartReads", {"paths: string", "offsets: int64", "lengths: int64"}, "tickets: int64",
               compute_start);
-  register_op("TensorferryTakeString", {"ticket: int64"}, "out: string", compute_take_string);
-  register_op("TensorferryTakeRecord", {"ticket: int64"}, "out: uint8", compute_take_record);
+  register_op("TensorferryTakeString", {"tickets: int64"}, "out: string", compute_take_string);
+  register_op("TensorferryTakeRecord", {"tickets: int64"}, "out: uint8", compute_take_record);
   return true;
 }();
 

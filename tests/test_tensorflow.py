@@ -167,6 +167,11 @@ def test_large_and_unaligned_items_read_straight_into_tensorflow_strings(tmp_pat
     np.testing.assert_array_equal(in_order, rows)
     shuffled = [x.numpy() for x in make_dataset(str(tmp_path / "odd.rec"), record_bytes=5000, shuffle=True, seed=3)]
     assert sorted(r.tobytes() for r in shuffled) == sorted(r.tobytes() for r in rows)
+    # Records large enough to be taken one at a time (not a batch per call).
+    big_rows = np.frombuffer(b"".join(data)[: 11 * 300_001], np.uint8).reshape(11, 300_001)
+    (tmp_path / "big.rec").write_bytes(big_rows.tobytes())
+    got = np.stack([x.numpy() for x in make_dataset(str(tmp_path / "big.rec"), record_bytes=300_001)])
+    np.testing.assert_array_equal(got, big_rows)
 
 
 def test_io_errors_during_iteration_name_the_file_offset_and_errno(tmp_path) -> None:

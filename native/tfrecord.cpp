@@ -1,0 +1,81 @@
+#include "tfrecord.hpp"
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "crc32c.hpp"
+#include "engine.hpp"
+
+namespace tf {
+namespace {
+
+constexpr uint64_t kHeader = 12, kFooter = 4;
+// Headers are read through a window of the file: small records come many to a read,
+// large ones cost one small read each.
+constexpr uint64_t kWindow = 64 << 10;
+
+class Fd {
+ public:
+  explicit Fd(const std::string &path) : fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)) {
+    if (fd_ < 0) throw IOError{errno, path, "open", 0, 0};
+  }
+  ~Fd() { ::close(fd_); }
+  Fd(const Fd &) = delete;
+  Fd &operator=(const Fd &) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+}  // namespace
+
+TfrecordRanges scan_tfrecord(const std::string &path) {
+  Fd fd(path);
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) throw IOError{errno, path, "fstat", 0, 0};
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  std::vector<unsigned char> window(kWindow);
+  uint64_t window_start = 0, window_len = 0;
+  TfrecordRanges ranges;
+  for (uint64_t offset = 0; offset < size;) {
+    const std::string where = path + ": ";
+    if (offset + kHeader > size)
+      throw std::invalid_argument(where + "truncated record header at offset " + std::to_string(offset));
+    if (offset < window_start || offset + kHeader > window_start + window_len) {
+      window_start = offset;
+      window_len = 0;
+      const uint64_t want = std::min<uint64_t>(kWindow, size - offset);
+      while (window_len < want) {
+        const ssize_t n = pread(fd.get(), window.data() + window_len, want - window_len,
+                                static_cast<off_t>(offset + window_len));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) throw IOError{errno, path, "pread", offset + window_len, want - window_len};
+        if (n == 0) throw IOError{ENODATA, path, "read past end of file", offset + window_len, want - window_len};
+        window_len += static_cast<uint64_t>(n);
+      }
+    }
+    const unsigned char *header = window.data() + (offset - window_start);
+    uint64_t length;
+    uint32_t length_crc;
+    std::memcpy(&length, header, 8);
+    std::memcpy(&length_crc, header + 8, 4);
+    if (masked_crc32c(header, 8) != length_crc)
+      throw std::invalid_argument(where + "bad length CRC at offset " + std::to_string(offset) +
+                                  ": not a TFRecord file, or corrupt");
+    if (length > size || offset + kHeader + length + kFooter > size)
+      throw std::invalid_argument(where + "record at offset " + std::to_string(offset) + " (" +
+                                  std::to_string(length) + " bytes) runs past the end of the file");
+    ranges.offsets.push_back(offset + kHeader);
+    ranges.lengths.push_back(length + kFooter);
+    offset += kHeader + length + kFooter;
+  }
+  return ranges;
+}
+
+}  // namespace tf
