@@ -156,8 +156,10 @@ def _native_ops():
     """The op library built with the native core (``_tf_ops.so``), loaded into TensorFlow.
 
     It uses TensorFlow's C API without linking to TensorFlow (the build must not need
-    it), so libtensorflow_framework's symbols are made global for it first."""
-    flags = [f for f in tf.sysconfig.get_link_flags() if f.startswith("-l:")]
-    framework = flags[0][3:] if flags else "libtensorflow_framework.so.2"
-    ctypes.CDLL(os.path.join(tf.sysconfig.get_lib(), framework), mode=ctypes.RTLD_GLOBAL)
+    it). TensorFlow loads its framework library with RTLD_GLOBAL, which resolves those
+    symbols; should a build not, the library is made global here first."""
+    if not hasattr(ctypes.CDLL(None), "TF_NewKernelBuilder"):
+        flags = [f for f in tf.sysconfig.get_link_flags() if f.startswith("-l:")]
+        framework = flags[0][3:] if flags else "libtensorflow_framework.so.2"
+        ctypes.CDLL(os.path.join(tf.sysconfig.get_lib(), framework), mode=ctypes.RTLD_GLOBAL)
     return tf.load_op_library(os.path.join(os.path.dirname(_native.__file__), "_tf_ops.so"))
