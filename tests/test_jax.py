@@ -210,17 +210,28 @@ def test_async_save_returns_before_io(tmp_path, monkeypatch):
         original(self, *args)
 
     monkeypatch.setattr(FerryCheckpointHandler, "_write", held)
-    state = {"a": jnp.arange(12.0).reshape(3, 4)}
+    host = np.arange(6, dtype=np.int32)
+    state = {"a": jnp.arange(1 << 16, dtype=jnp.float32).reshape(256, 256), "h": host}
+    saved = {"a": np.asarray(state["a"]).copy(), "h": host.copy()}
     ckptr = ocp.AsyncCheckpointer(FerryCheckpointHandler())
     t0 = time.perf_counter()
     ckptr.save(tmp_path / "c", args=FerrySave(state))
     assert time.perf_counter() - t0 < 5
     assert not (tmp_path / "c").exists()  # not committed while the write is held
+    # While the write is held: the numpy array is changed (the save copied it), and the
+    # jax array is donated to a step whose output would reuse its buffer (the save holds
+    # a view of it, so XLA must not), then freed, and new arrays take memory.
+    host[:] = -1
+    stepped = jax.jit(lambda a: a * 0 - 1, donate_argnums=0)(state.pop("a"))
+    churn = [jnp.full((256, 256), 9.0) + i for i in range(20)]
+    jax.block_until_ready((stepped, churn))
     gate.set()
     ckptr.wait_until_finished()
     assert (tmp_path / "c" / "process-0.json").exists()
-    assert_same(state, ckptr.restore(tmp_path / "c", args=FerryRestore(
-        {"a": jax.ShapeDtypeStruct((3, 4), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))})))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    restored = ckptr.restore(tmp_path / "c", args=FerryRestore(
+        {"a": jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=device), "h": np.zeros(6, np.int32)}))
+    assert_same(saved, restored)
     ckptr.close()
 
 

@@ -210,13 +210,15 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         engine: the :class:`tensorferry.Engine` to use (default: the shared one).
         verify: check whole-chunk reads against their checksums on restore.
         buffer_size: the ShardWriter's staging buffer.
-        copy_host_arrays: copy arrays that already live in host memory (CPU devices,
-            numpy) before ``async_save`` returns, so that donating or mutating them
-            while the write is in flight is safe (a synchronous ``save`` never copies
-            them: nothing runs while it writes). ``False`` writes straight from their
-            memory (no copy, no page faults of a second copy: much faster saves) and
-            requires the caller not to donate/mutate them until the save is finished.
-            Arrays on accelerators are always copied to the host.
+        copy_host_arrays: copy numpy arrays before ``async_save`` returns, so that
+            mutating them while the write is in flight is safe (a synchronous ``save``
+            never copies them: nothing runs while it writes). ``False`` writes straight
+            from their memory and requires the caller not to mutate them until the save
+            is finished. ``jax.Array`` shards on CPU devices are never copied: the save
+            holds a zero-copy numpy view of each, and while such a view lives XLA
+            neither donates nor frees the buffer (a donated call allocates anew, as
+            Orbax relies on too; tested). Arrays on accelerators are always copied
+            to the host.
     """
 
     def __init__(self, *, engine: Engine | None = None, verify: bool = True, buffer_size: int = DEFAULT_BUFFER_SIZE,
@@ -248,10 +250,8 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                         continue
                     offsets, sizes = _box(shard.index, value.shape)
                     key = _chunk_key(name, offsets)
-                    on_host = shard.device.platform == "cpu"
+                    # A CPU shard is written from a view of its buffer (see copy_host_arrays).
                     arrays.append((key, shard.data))
-                    if on_host and copy_host_arrays:
-                        to_copy.append(len(arrays) - 1)
                     chunks.append([key, offsets, sizes])
                 records[name] = {"kind": "array", "was_jax": True, "shape": list(value.shape),
                                  "dtype": to_safetensors_dtype(np.dtype(value.dtype)), "file": filename,
