@@ -1,11 +1,10 @@
 #include "tfrecord.hpp"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
 
-#include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "crc32c.hpp"
@@ -19,40 +18,23 @@ constexpr uint64_t kHeader = 12, kFooter = 4;
 // large ones cost one small read each.
 constexpr uint64_t kWindow = 64 << 10;
 
-class Fd {
- public:
-  explicit Fd(const std::string &path) : fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)) {
-    if (fd_ < 0) throw IOError{errno, path, "open", 0, 0};
-  }
-  ~Fd() { ::close(fd_); }
-  Fd(const Fd &) = delete;
-  Fd &operator=(const Fd &) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
-
 }  // namespace
 
 TfrecordRanges scan_tfrecord(const std::string &path) {
-  Fd fd(path);
-  struct stat st;
-  if (fstat(fd.get(), &st) != 0) throw IOError{errno, path, "fstat", 0, 0};
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  const File file(path, "r", /*want_direct=*/false);  // headers are small: the page cache serves them
+  const uint64_t size = file.size();
   std::vector<unsigned char> window(kWindow);
   uint64_t window_start = 0, window_len = 0;
   TfrecordRanges ranges;
   for (uint64_t offset = 0; offset < size;) {
-    const std::string where = path + ": ";
     if (offset + kHeader > size)
-      throw std::invalid_argument(where + "truncated record header at offset " + std::to_string(offset));
+      throw std::invalid_argument(path + ": " + "truncated record header at offset " + std::to_string(offset));
     if (offset < window_start || offset + kHeader > window_start + window_len) {
       window_start = offset;
       window_len = 0;
       const uint64_t want = std::min<uint64_t>(kWindow, size - offset);
       while (window_len < want) {
-        const ssize_t n = pread(fd.get(), window.data() + window_len, want - window_len,
+        const ssize_t n = pread(file.buffered_fd(), window.data() + window_len, want - window_len,
                                 static_cast<off_t>(offset + window_len));
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) throw IOError{errno, path, "pread", offset + window_len, want - window_len};
@@ -66,10 +48,10 @@ TfrecordRanges scan_tfrecord(const std::string &path) {
     std::memcpy(&length, header, 8);
     std::memcpy(&length_crc, header + 8, 4);
     if (masked_crc32c(header, 8) != length_crc)
-      throw std::invalid_argument(where + "bad length CRC at offset " + std::to_string(offset) +
+      throw std::invalid_argument(path + ": " + "bad length CRC at offset " + std::to_string(offset) +
                                   ": not a TFRecord file, or corrupt");
     if (length > size || offset + kHeader + length + kFooter > size)
-      throw std::invalid_argument(where + "record at offset " + std::to_string(offset) + " (" +
+      throw std::invalid_argument(path + ": " + "record at offset " + std::to_string(offset) + " (" +
                                   std::to_string(length) + " bytes) runs past the end of the file");
     ranges.offsets.push_back(offset + kHeader);
     ranges.lengths.push_back(length + kFooter);

@@ -25,6 +25,12 @@ from ... import _native
 from ...data import records_of
 from ...engine import Engine, default_engine
 
+# Items under this size are taken a batch per op call: a call costs more than the copy
+# made when the batch is split (100,000 records of 200 bytes: 12.6 s singly, 7.7 s batched).
+SMALL_ITEM_BYTES = 256 << 10
+_dataset_keys = itertools.count()  # one prefetcher per dataset, shared by its two ops
+
+
 def _expand(files: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
     if isinstance(files, (str, os.PathLike)):
         pattern = os.fspath(files)
@@ -122,15 +128,11 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     return started.unbatch().map(take, num_parallel_calls=2, deterministic=True)
 
 
-_dataset_keys = itertools.count()
-SMALL_ITEM_BYTES = 256 << 10
-
-
 def _read_ops(engine: Engine, files: list[str], record_bytes: int | None, tfrecord: bool):
     """The native start and take ops of one dataset, as map functions: start takes a
     batch of (file numbers in ``files``, offsets, lengths) and returns a ticket for
-    each, take turns tickets (one, or a batch) into their items. Both name the same prefetcher (``key``),
-    which runs reads with the engine's settings."""
+    each, take turns tickets (one, or a batch) into their items. Both name the same
+    prefetcher (``key``), which runs reads with the engine's settings."""
     config = engine.config
     attrs = dict(key=next(_dataset_keys), backend=engine.backend, block_size=config.block_size,
                  queue_depth=config.queue_depth, threads=config.threads, direct=config.direct,
