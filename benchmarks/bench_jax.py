@@ -78,7 +78,7 @@ def block(tree: object) -> None:
     jax.block_until_ready(tree)
 
 
-def round_of(directory: str, state: dict[str, jax.Array]) -> list[bench.Measurement]:
+def round_of(directory: str, state: dict[str, jax.Array], turn: int) -> list[bench.Measurement]:
     nbytes = sum(v.nbytes for v in state.values())
     target = abstract(state)
     results: list[bench.Measurement] = []
@@ -96,7 +96,7 @@ def round_of(directory: str, state: dict[str, jax.Array]) -> list[bench.Measurem
          lambda: ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler()),
          ocp.args.StandardSave, ocp.args.StandardRestore),
     ]
-    for name, make, save_args, restore_args in contenders:
+    for name, make, save_args, restore_args in bench.in_turn(contenders, turn):
         path = os.path.join(directory, "ckpt")
         shutil.rmtree(path, ignore_errors=True)
         checkpointer = make()
@@ -127,8 +127,8 @@ def main() -> int:
     os.makedirs(args.dir, exist_ok=True)
     state = make_state(parse_size(args.size))
     results: list[bench.Measurement] = []
-    for _ in range(args.repeat):
-        results += round_of(args.dir, state)
+    for turn in range(args.repeat):
+        results += round_of(args.dir, state, turn)
     print(bench.report(bench.best_of(results), args.json))
     return 0
 

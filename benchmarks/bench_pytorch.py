@@ -52,7 +52,8 @@ def empty_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch.ones_like(v) for k, v in state.items()}
 
 
-def single_process(directory: str, state: dict[str, torch.Tensor]) -> list[bench.Measurement]:
+def single_process(directory: str, state: dict[str, torch.Tensor], turn: int = 0) -> list[bench.Measurement]:
+    """fio, then every contender's save and load, in an order rotated by ``turn``."""
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     results: list[bench.Measurement] = []
     if bench.fio_available():
@@ -66,8 +67,10 @@ def single_process(directory: str, state: dict[str, torch.Tensor]) -> list[bench
         results.append(bench.timed(name, "read", nbytes, read))
         shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
 
-    f = os.path.join(directory, "tf.safetensors")
-    writer_and_reader("tensorferry save/load", lambda: save(state, f), lambda: load(f), f)
+    def tensorferry_save() -> None:
+        f = os.path.join(directory, "tf.safetensors")
+        writer_and_reader("tensorferry save/load", lambda: save(state, f), lambda: load(f), f)
+
     def fsdp_checkpointer() -> None:  # its model (a copy of the state) goes when it returns
         model = torch.nn.Module()  # the state as a model's parameters (loaded in place)
         for i, tensor in enumerate(state.values()):
@@ -76,39 +79,49 @@ def single_process(directory: str, state: dict[str, torch.Tensor]) -> list[bench
         writer_and_reader("tensorferry FSDPCheckpointer save/load", lambda: checkpointer.save(1),
                           lambda: checkpointer.load(1), checkpointer.checkpoint_dir)
 
-    fsdp_checkpointer()
-    d = os.path.join(directory, "tf-dcp")
-    dest = empty_like(state)
-    writer_and_reader("tensorferry DCPWriter/Reader", lambda: dcp.save(state, storage_writer=DCPWriter(d)),
-                      lambda: dcp.load(dest, storage_reader=DCPReader(d)), d)
-    for threads in (1, 4):
-        d = os.path.join(directory, f"dcp-{threads}")
-        writer_and_reader(f"DCP FileSystemWriter x{threads}",
-                          lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(d, thread_count=threads,
-                                                                                     sync_files=True)),
-                          lambda: dcp.load(dest, storage_reader=dcp.FileSystemReader(d)), d)
-    f = os.path.join(directory, "torch.pt")
+    def dcp_writer(name: str, make_writer, make_reader) -> None:
+        d = os.path.join(directory, "dcp")
+        dest = empty_like(state)
+        writer_and_reader(name, lambda: dcp.save(state, storage_writer=make_writer(d)),
+                          lambda: dcp.load(dest, storage_reader=make_reader(d)), d)
 
     def torch_save() -> None:
-        torch.save(state, f)
-        fsync_tree(f)
+        f = os.path.join(directory, "torch.pt")
 
-    writer_and_reader("torch.save/load", torch_save, lambda: torch.load(f, map_location="cpu"), f)
-    try:
-        from safetensors.torch import load_file, save_file
-    except ImportError:
-        return results
-    f = os.path.join(directory, "peer.safetensors")
+        def write() -> None:
+            torch.save(state, f)
+            fsync_tree(f)
 
-    def st_save() -> None:
-        save_file(state, f)
-        fsync_tree(f)
+        writer_and_reader("torch.save/load", write, lambda: torch.load(f, map_location="cpu"), f)
 
-    def st_load() -> None:
-        for t in load_file(f).values():  # touch every byte: the file may be mapped lazily
-            digest(t.reshape(-1).view(torch.uint8).numpy())
+    def safetensors_save() -> None:
+        try:
+            from safetensors.torch import load_file, save_file
+        except ImportError:
+            return
+        f = os.path.join(directory, "peer.safetensors")
 
-    writer_and_reader("safetensors save_file/load_file", st_save, st_load, f)
+        def write() -> None:
+            save_file(state, f)
+            fsync_tree(f)
+
+        def read() -> None:
+            for t in load_file(f).values():  # touch every byte: the file may be mapped lazily
+                digest(t.reshape(-1).view(torch.uint8).numpy())
+
+        writer_and_reader("safetensors save_file/load_file", write, read, f)
+
+    contenders = [
+        tensorferry_save, fsdp_checkpointer,
+        lambda: dcp_writer("tensorferry DCPWriter/Reader", DCPWriter, DCPReader),
+        *(lambda threads=threads: dcp_writer(
+            f"DCP FileSystemWriter x{threads}",
+            lambda d: dcp.FileSystemWriter(d, thread_count=threads, sync_files=True), dcp.FileSystemReader)
+          for threads in (1, 4)),
+        torch_save, safetensors_save,
+    ]
+    for contender in bench.in_turn(contenders, turn):
+        contender()
     return results
 
 
@@ -158,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = parse_size(args.size)
     state = make_state(nbytes)
     results = []
-    for _ in range(args.repeat):
-        results += single_process(args.dir, state)
+    for turn in range(args.repeat):
+        results += single_process(args.dir, state, turn)
     del state
     for _ in range(args.repeat):
         results += two_ranks(args.dir, nbytes)

@@ -255,15 +255,15 @@ def bench_engine(directory: str, nbytes: int, backends: list[str], repeat: int =
 def reader_rounds(directory: str, files: list[str], nbytes: int, readers: dict[str, Callable[[], object]],
                   repeat: int = 1) -> list[Measurement]:
     """fio's read of ``nbytes`` on ``directory``, then each reader (a callable that reads
-    ``files`` through), every one from a dropped page cache, ``repeat`` times; the best
-    round of each."""
+    ``files`` through), every one from a dropped page cache, ``repeat`` times, in an order
+    rotated every round; the best round of each."""
     results = []
-    for _ in range(repeat):
+    for turn in range(repeat):
         if fio_available():
             run_fio(directory, "write", nbytes)
             results.append(run_fio(directory, "read", nbytes))
             remove_fio_file(directory)
-        for name, read in readers.items():
+        for name, read in in_turn(list(readers.items()), turn):
             drop_cache(files)
             results.append(timed(name, "read", nbytes, read))
     return best_of(results)
@@ -303,27 +303,51 @@ def make_state(nbytes: int, count: int) -> dict[str, np.ndarray]:
     return {f"layer{i:05d}.weight": rng.standard_normal(each, dtype=np.float32) for i in range(count)}
 
 
+def in_turn(contenders: list, turn: int) -> list:
+    """``contenders`` rotated by ``turn``, so that over rounds each takes every place and
+    an effect of order falls on all alike (on the development VM a write that directly
+    followed another's was often the slower)."""
+    k = turn % len(contenders) if contenders else 0
+    return contenders[k:] + contenders[:k]
+
+
 def bench_checkpoint(directory: str, state: dict[str, np.ndarray], label: str | None = None, *,
-                     fio: bool = True, progress: Progress | None = None) -> list[Measurement]:
+                     fio: bool = True, progress: Progress | None = None, turn: int = 0) -> list[Measurement]:
     """save_checkpoint / load_checkpoint against fio and the usual ways of saving state.
 
     The peers are a plain Python write, safetensors, ``torch.save`` and torch's DCP
-    ``FileSystemWriter``/``FileSystemReader``, each where installed. ``label``, if
-    given, is appended to every name (and pairs each row with its own fio run);
-    ``fio=False`` leaves the fio runs to the caller.
+    ``FileSystemWriter``/``FileSystemReader``, each where installed; they run in an
+    order rotated by ``turn`` (pass the round's number). ``label``, if given, is
+    appended to every name (and pairs each row with its own fio run); ``fio=False``
+    leaves the fio runs to the caller.
     """
-    from . import checkpoint, shard
+    from . import shard
 
     nbytes = sum(a.nbytes for a in state.values())
     results: list[Measurement] = []
     if fio and fio_available():
         results += [run_fio(directory, "write", nbytes, progress=progress),
                     run_fio(directory, "read", nbytes, progress=progress)]
+    for contender in in_turn([_tensorferry_rows, _python_write_rows, _safetensors_rows, _torch_peers], turn):
+        results += contender(directory, state, progress)
+    # The checksums alone, on one core: an upper bound on what they add to a save, where
+    # they run while the writes are in flight (``checksum_cost`` measures what they add).
+    results.append(timed(CHECKSUM_ROW, "hash", nbytes,
+                         lambda: [shard.digest(byte_view(a, writable=False)) for a in state.values()], progress))
+    if label is not None:
+        for m in results:
+            m.name = f"{m.name} [{label}]"
+    return results
 
+
+def _tensorferry_rows(directory: str, state: dict[str, np.ndarray], progress: Progress | None) -> list[Measurement]:
+    from . import checkpoint
+
+    nbytes = sum(a.nbytes for a in state.values())
     target = os.path.join(directory, "ckpt")
     shutil.rmtree(target, ignore_errors=True)
-    results.append(timed("tensorferry save", "write", nbytes, lambda: checkpoint.save_checkpoint(target, state),
-                         progress, track_rss=True))
+    results = [timed("tensorferry save", "write", nbytes, lambda: checkpoint.save_checkpoint(target, state),
+                     progress, track_rss=True)]
     drop_cache(files_under(target))
     results.append(timed("tensorferry load", "read", nbytes, lambda: checkpoint.load_checkpoint(target), progress))
     existing = {name: a.copy() for name, a in state.items()}  # a model's parameters, already in memory
@@ -331,12 +355,12 @@ def bench_checkpoint(directory: str, state: dict[str, np.ndarray], label: str | 
     results.append(timed("tensorferry load in place", "read", nbytes,
                          lambda: checkpoint.load_checkpoint(target, out=existing), progress))
     existing.clear()  # the copies go before the peers run
-
     shutil.rmtree(target)
-    # The checksums alone, on one core: an upper bound on what they add to a save, where
-    # they run while the writes are in flight (``checksum_cost`` measures what they add).
-    results.append(timed(CHECKSUM_ROW, "hash", nbytes,
-                         lambda: [shard.digest(byte_view(a, writable=False)) for a in state.values()], progress))
+    return results
+
+
+def _python_write_rows(directory: str, state: dict[str, np.ndarray], progress: Progress | None) -> list[Measurement]:
+    nbytes = sum(a.nbytes for a in state.values())
     plain = os.path.join(directory, "plain.bin")
 
     def python_write() -> None:
@@ -346,32 +370,34 @@ def bench_checkpoint(directory: str, state: dict[str, np.ndarray], label: str | 
             f.flush()
             os.fsync(f.fileno())
 
-    results.append(timed("python write+fsync", "write", nbytes, python_write, progress))
+    result = timed("python write+fsync", "write", nbytes, python_write, progress)
     os.unlink(plain)
+    return [result]
+
+
+def _safetensors_rows(directory: str, state: dict[str, np.ndarray], progress: Progress | None) -> list[Measurement]:
+    from . import shard
+
     try:
         import safetensors.numpy as stnp
     except ImportError:
-        stnp = None
-    if stnp is not None:
-        st_path = os.path.join(directory, "peer.safetensors")
+        return []
+    nbytes = sum(a.nbytes for a in state.values())
+    st_path = os.path.join(directory, "peer.safetensors")
 
-        def st_save() -> None:
-            stnp.save_file(state, st_path)
-            _fsync_path(st_path)
+    def st_save() -> None:
+        stnp.save_file(state, st_path)
+        _fsync_path(st_path)
 
-        def st_load() -> None:
-            loaded = stnp.load_file(st_path)
-            for a in loaded.values():  # make sure every byte really came off the disk
-                shard.digest(a)
+    def st_load() -> None:
+        loaded = stnp.load_file(st_path)
+        for a in loaded.values():  # make sure every byte really came off the disk
+            shard.digest(a)
 
-        results.append(timed("safetensors save_file", "write", nbytes, st_save, progress))
-        drop_cache([st_path])
-        results.append(timed("safetensors load_file", "read", nbytes, st_load, progress))
-        os.unlink(st_path)
-    results += _torch_peers(directory, state, progress)
-    if label is not None:
-        for m in results:
-            m.name = f"{m.name} [{label}]"
+    results = [timed("safetensors save_file", "write", nbytes, st_save, progress)]
+    drop_cache([st_path])
+    results.append(timed("safetensors load_file", "read", nbytes, st_load, progress))
+    os.unlink(st_path)
     return results
 
 
@@ -735,8 +761,8 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for count in (int(c) for c in args.counts.split(",")):
             state = make_state(nbytes, count)
-            for _ in range(args.repeat):
-                results += bench_checkpoint(directory, state, f"{count} arrays")
+            for turn in range(args.repeat):
+                results += bench_checkpoint(directory, state, f"{count} arrays", turn=turn)
             del state
         results = best_of(results)
     remove_fio_file(directory)
