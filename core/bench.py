@@ -44,6 +44,9 @@ class Measurement:
     seconds: float
     cpu_seconds: float
     peak_rss_growth: int | None = None  # bytes, where the run measured it
+    # Set by best_of: the median over rounds of this contender's speed divided by that of
+    # the fio run of the same round, which the drive's drift between rounds does not move.
+    median_round_ratio: float | None = None
 
     @property
     def gbps(self) -> float:
@@ -203,13 +206,10 @@ def write_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> Measu
 def report_rows(measurements: list[Measurement]) -> list[dict[str, Any]]:
     """Each measurement as a dict with GB/s, CPU s/GB and the ratio to fio for the same operation."""
     # Each measurement is compared with the fio run of the same operation and label.
-    def label(m: Measurement) -> str:
-        return m.name[m.name.index(" ["):] if " [" in m.name else ""
-
-    ceilings = {(m.op, label(m)): m.gbps for m in measurements if m.name.startswith("fio")}
+    ceilings = {(m.op, _label(m)): m.gbps for m in measurements if m.name.startswith("fio")}
     rows = []
     for m in measurements:
-        ceiling = ceilings.get((m.op, label(m)))
+        ceiling = ceilings.get((m.op, _label(m)))
         ratio = m.gbps / ceiling if ceiling else None
         rows.append({**asdict(m), "gbps": round(m.gbps, 3), "cpu_s_per_gb": round(m.cpu_per_gb, 3),
                      "ratio_to_fio": None if ratio is None else round(ratio, 3)})
@@ -217,15 +217,20 @@ def report_rows(measurements: list[Measurement]) -> list[dict[str, Any]]:
 
 
 def report(measurements: list[Measurement], as_json: bool = False) -> str:
-    """A table (or JSON) of GB/s, CPU s/GB and the ratio to fio for the same operation."""
+    """A table (or JSON) of GB/s, CPU s/GB and the ratio to fio for the same operation;
+    after rounds (see :func:`best_of`), also the median of the same-round ratios."""
     rows = report_rows(measurements)
     if as_json:
         return json.dumps(rows, indent=2)
     width = max([len("what"), *(len(r["name"]) for r in rows)]) + 2
-    lines = [f"{'what':<{width}}{'op':<7}{'GB/s':>8}{'CPU s/GB':>10}{'vs fio':>8}"]
+    rounds = any(r["median_round_ratio"] is not None for r in rows)
+    lines = [f"{'what':<{width}}{'op':<7}{'GB/s':>8}{'CPU s/GB':>10}{'vs fio':>8}"
+             + (f"{'median same-round vs fio':>26}" if rounds else "")]
     for r in rows:
         ratio = "" if r["ratio_to_fio"] is None else f"{r['ratio_to_fio']:.2f}"
-        lines.append(f"{r['name']:<{width}}{r['op']:<7}{r['gbps']:>8.2f}{r['cpu_s_per_gb']:>10.2f}{ratio:>8}")
+        median = "" if r["median_round_ratio"] is None else f"{r['median_round_ratio']:.2f}"
+        lines.append(f"{r['name']:<{width}}{r['op']:<7}{r['gbps']:>8.2f}{r['cpu_s_per_gb']:>10.2f}{ratio:>8}"
+                     + (f"{median:>26}" if rounds else ""))
     lines += [f"peak RSS growth during {r['name']}: {r['peak_rss_growth'] / 2**20:.0f} MiB"
               for r in rows if r["peak_rss_growth"] is not None]
     for r in rows:
@@ -269,17 +274,31 @@ def reader_rounds(directory: str, files: list[str], nbytes: int, readers: dict[s
     return best_of(results)
 
 
+def _label(m: Measurement) -> str:
+    return m.name[m.name.index(" ["):] if " [" in m.name else ""
+
+
 def best_of(results: list[Measurement]) -> list[Measurement]:
-    """The fastest round of each contender, with the largest memory growth of any round."""
+    """The fastest round of each contender, with the largest memory growth of any round
+    and the median of its ratios to the fio run of its own round (``results`` in the
+    order they were measured, each round's fio first)."""
     best: dict[tuple[str, str], Measurement] = {}
     growth: dict[tuple[str, str], int] = {}
+    ratios: dict[tuple[str, str], list[float]] = {}
+    round_fio: dict[tuple[str, str], float] = {}
     for m in results:
         key = (m.name, m.op)
+        if m.name.startswith("fio"):
+            round_fio[(m.op, _label(m))] = m.gbps
+        elif (m.op, _label(m)) in round_fio:
+            ratios.setdefault(key, []).append(m.gbps / round_fio[(m.op, _label(m))])
         if key not in best or m.gbps > best[key].gbps:
             best[key] = m
         if m.peak_rss_growth is not None:
             growth[key] = max(growth.get(key, 0), m.peak_rss_growth)
-    return [replace(m, peak_rss_growth=growth.get(key)) for key, m in best.items()]
+    return [replace(m, peak_rss_growth=growth.get(key),
+                    median_round_ratio=statistics.median(ratios[key]) if key in ratios else None)
+            for key, m in best.items()]
 
 
 def _peak_rss_reset() -> None:

@@ -61,3 +61,15 @@ def test_reader_rounds_times_every_reader_and_keeps_the_best(tmp_path) -> None:
     assert names.count("plain read") == 1 and all(m.op == "read" for m in rows)
     assert ("fio" in names) == bench.fio_available()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.bin"]
+
+
+def test_best_of_keeps_the_fastest_round_and_the_median_same_round_ratio() -> None:
+    def m(name: str, gbps: float) -> bench.Measurement:
+        return bench.Measurement(name, "write", 10**9, 1 / gbps, 0.0)
+
+    rounds = [m("fio", 2.0), m("ours", 1.0), m("fio", 1.0), m("ours", 1.5), m("fio", 4.0), m("ours", 2.0)]
+    fio, ours = bench.best_of(rounds)
+    assert fio.gbps == 4.0 and fio.median_round_ratio is None
+    # Best 2.0 against fio's best 4.0, but the rounds' own ratios are 0.5, 1.5 and 0.5.
+    assert ours.gbps == 2.0 and ours.median_round_ratio == 0.5
+    assert "median same-round vs fio" in bench.report([fio, ours])
