@@ -79,24 +79,12 @@ def block(tree: object) -> None:
 
 
 def round_of(directory: str, state: dict[str, jax.Array], turn: int) -> list[bench.Measurement]:
+    """fio and each checkpointer's save and restore, in an order rotated by ``turn``."""
     nbytes = sum(v.nbytes for v in state.values())
     target = abstract(state)
     results: list[bench.Measurement] = []
-    if bench.fio_available():
-        results += [bench.run_fio(directory, "write", nbytes), bench.run_fio(directory, "read", nbytes)]
-        bench.remove_fio_file(directory)
-    contenders = [
-        ("tensorferry FerryCheckpointHandler", lambda: ocp.Checkpointer(FerryCheckpointHandler()),
-         FerrySave, FerryRestore),
-        ("tensorferry FerryCheckpointHandler, async", lambda: ocp.AsyncCheckpointer(FerryCheckpointHandler()),
-         FerrySave, FerryRestore),
-        ("Orbax StandardCheckpointHandler", lambda: ocp.Checkpointer(ocp.StandardCheckpointHandler()),
-         ocp.args.StandardSave, ocp.args.StandardRestore),
-        ("Orbax StandardCheckpointHandler, async",
-         lambda: ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler()),
-         ocp.args.StandardSave, ocp.args.StandardRestore),
-    ]
-    for name, make, save_args, restore_args in bench.in_turn(contenders, turn):
+
+    def checkpointer_rows(name: str, make, save_args, restore_args) -> None:
         path = os.path.join(directory, "ckpt")
         shutil.rmtree(path, ignore_errors=True)
         checkpointer = make()
@@ -119,6 +107,20 @@ def round_of(directory: str, state: dict[str, jax.Array], turn: int) -> list[ben
         restored.clear()
         checkpointer.close()
         shutil.rmtree(path)
+
+    contenders = [
+        lambda: results.extend(bench.fio_rows(directory, nbytes)),
+        lambda: checkpointer_rows("tensorferry FerryCheckpointHandler", lambda: ocp.Checkpointer(
+            FerryCheckpointHandler()), FerrySave, FerryRestore),
+        lambda: checkpointer_rows("tensorferry FerryCheckpointHandler, async", lambda: ocp.AsyncCheckpointer(
+            FerryCheckpointHandler()), FerrySave, FerryRestore),
+        lambda: checkpointer_rows("Orbax StandardCheckpointHandler", lambda: ocp.Checkpointer(
+            ocp.StandardCheckpointHandler()), ocp.args.StandardSave, ocp.args.StandardRestore),
+        lambda: checkpointer_rows("Orbax StandardCheckpointHandler, async", lambda: ocp.AsyncCheckpointer(
+            ocp.StandardCheckpointHandler()), ocp.args.StandardSave, ocp.args.StandardRestore),
+    ]
+    for contender in bench.in_turn(contenders, turn):
+        contender()
     return results
 
 

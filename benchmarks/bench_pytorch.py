@@ -53,12 +53,9 @@ def empty_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def single_process(directory: str, state: dict[str, torch.Tensor], turn: int = 0) -> list[bench.Measurement]:
-    """fio, then every contender's save and load, in an order rotated by ``turn``."""
+    """fio and every contender's save and load, in an order rotated by ``turn``."""
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     results: list[bench.Measurement] = []
-    if bench.fio_available():
-        results += [bench.run_fio(directory, "write", nbytes), bench.run_fio(directory, "read", nbytes)]
-        os.unlink(os.path.join(directory, "fio.bin"))
 
     def writer_and_reader(name: str, write, read, target: str) -> None:
         shutil.rmtree(target, ignore_errors=True) if os.path.isdir(target) else None
@@ -112,7 +109,7 @@ def single_process(directory: str, state: dict[str, torch.Tensor], turn: int = 0
         writer_and_reader("safetensors save_file/load_file", write, read, f)
 
     contenders = [
-        tensorferry_save, fsdp_checkpointer,
+        lambda: results.extend(bench.fio_rows(directory, nbytes)), tensorferry_save, fsdp_checkpointer,
         lambda: dcp_writer("tensorferry DCPWriter/Reader", DCPWriter, DCPReader),
         *(lambda threads=threads: dcp_writer(
             f"DCP FileSystemWriter x{threads}",
@@ -174,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     for turn in range(args.repeat):
         results += single_process(args.dir, state, turn)
     del state
-    for _ in range(args.repeat):
-        results += two_ranks(args.dir, nbytes)
+    for turn in range(args.repeat):  # with fio runs of their own, to compare with
+        for contender in bench.in_turn([lambda: bench.fio_rows(args.dir, nbytes),
+                                        lambda: two_ranks(args.dir, nbytes)], turn):
+            results += contender()
     print(bench.report(bench.best_of(results), args.json))
     return 0
 

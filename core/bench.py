@@ -139,6 +139,19 @@ def remove_fio_file(directory: str) -> None:
         os.unlink(path)
 
 
+def fio_rows(directory: str, nbytes: int, progress: Progress | None = None) -> list[Measurement]:
+    """fio's write and then read of ``nbytes`` (nothing where fio is not installed); the
+    file is removed afterwards. Benchmarks run this as one contender among the others,
+    in turn with them: it too gains or loses by where it stands in a round."""
+    if not fio_available():
+        return []
+    try:
+        return [run_fio(directory, "write", nbytes, progress=progress),
+                run_fio(directory, "read", nbytes, progress=progress)]
+    finally:
+        remove_fio_file(directory)
+
+
 def aligned_random(nbytes: int, seed: int = 0) -> np.ndarray:
     """Random bytes in page-aligned memory, as fio's buffers are.
 
@@ -248,29 +261,34 @@ def bench_engine(directory: str, nbytes: int, backends: list[str], repeat: int =
     """fio and each backend, interleaved so that drift in the drive hits all alike."""
     data = aligned_random(nbytes)
     results: list[Measurement] = []
-    for _ in range(repeat):
-        if fio_available():
-            results += [run_fio(directory, "write", nbytes, progress=progress),
-                        run_fio(directory, "read", nbytes, progress=progress)]
-        for backend in backends:
-            results += engine_round(directory, backend, data, progress=progress)
+    contenders = [lambda: fio_rows(directory, nbytes, progress),
+                  *(lambda backend=backend: engine_round(directory, backend, data, progress=progress)
+                    for backend in backends)]
+    for turn in range(repeat):
+        for contender in in_turn(contenders, turn):
+            results += contender()
     return best_of(results)
 
 
 def reader_rounds(directory: str, files: list[str], nbytes: int, readers: dict[str, Callable[[], object]],
                   repeat: int = 1) -> list[Measurement]:
     """fio's read of ``nbytes`` on ``directory``, then each reader (a callable that reads
-    ``files`` through), every one from a dropped page cache, ``repeat`` times, in an order
-    rotated every round; the best round of each."""
+    ``files`` through), every one from a dropped page cache, ``repeat`` times, fio
+    included in an order rotated every round; the best round of each."""
+    def reader(name: str, read: Callable[[], object]) -> Callable[[], list[Measurement]]:
+        def run() -> list[Measurement]:
+            drop_cache(files)
+            return [timed(name, "read", nbytes, read)]
+        return run
+
+    def fio_read() -> list[Measurement]:
+        return [m for m in fio_rows(directory, nbytes) if m.op == "read"]
+
+    contenders = [fio_read, *(reader(name, read) for name, read in readers.items())]
     results = []
     for turn in range(repeat):
-        if fio_available():
-            run_fio(directory, "write", nbytes)
-            results.append(run_fio(directory, "read", nbytes))
-            remove_fio_file(directory)
-        for name, read in in_turn(list(readers.items()), turn):
-            drop_cache(files)
-            results.append(timed(name, "read", nbytes, read))
+        for contender in in_turn(contenders, turn):
+            results += contender()
     return best_of(results)
 
 
@@ -280,22 +298,30 @@ def _label(m: Measurement) -> str:
 
 def best_of(results: list[Measurement]) -> list[Measurement]:
     """The fastest round of each contender, with the largest memory growth of any round
-    and the median of its ratios to the fio run of its own round (``results`` in the
-    order they were measured, each round's fio first)."""
+    and the median of its ratios to the fio run of its own round. ``results`` are in
+    the order they were measured; a round ends where a contender comes again."""
     best: dict[tuple[str, str], Measurement] = {}
     growth: dict[tuple[str, str], int] = {}
     ratios: dict[tuple[str, str], list[float]] = {}
-    round_fio: dict[tuple[str, str], float] = {}
+
+    def close_round(round_: dict[tuple[str, str], Measurement]) -> None:
+        fio = {(m.op, _label(m)): m.gbps for m in round_.values() if m.name.startswith("fio")}
+        for key, m in round_.items():
+            if not m.name.startswith("fio") and (m.op, _label(m)) in fio:
+                ratios.setdefault(key, []).append(m.gbps / fio[(m.op, _label(m))])
+
+    current: dict[tuple[str, str], Measurement] = {}
     for m in results:
         key = (m.name, m.op)
-        if m.name.startswith("fio"):
-            round_fio[(m.op, _label(m))] = m.gbps
-        elif (m.op, _label(m)) in round_fio:
-            ratios.setdefault(key, []).append(m.gbps / round_fio[(m.op, _label(m))])
+        if key in current:
+            close_round(current)
+            current = {}
+        current[key] = m
         if key not in best or m.gbps > best[key].gbps:
             best[key] = m
         if m.peak_rss_growth is not None:
             growth[key] = max(growth.get(key, 0), m.peak_rss_growth)
+    close_round(current)
     return [replace(m, peak_rss_growth=growth.get(key),
                     median_round_ratio=statistics.median(ratios[key]) if key in ratios else None)
             for key, m in best.items()]
@@ -335,8 +361,8 @@ def bench_checkpoint(directory: str, state: dict[str, np.ndarray], label: str | 
     """save_checkpoint / load_checkpoint against fio and the usual ways of saving state.
 
     The peers are a plain Python write, safetensors, ``torch.save`` and torch's DCP
-    ``FileSystemWriter``/``FileSystemReader``, each where installed; they run in an
-    order rotated by ``turn`` (pass the round's number). ``label``, if given, is
+    ``FileSystemWriter``/``FileSystemReader``, each where installed; they and fio run
+    in an order rotated by ``turn`` (pass the round's number). ``label``, if given, is
     appended to every name (and pairs each row with its own fio run); ``fio=False``
     leaves the fio runs to the caller.
     """
@@ -344,10 +370,10 @@ def bench_checkpoint(directory: str, state: dict[str, np.ndarray], label: str | 
 
     nbytes = sum(a.nbytes for a in state.values())
     results: list[Measurement] = []
-    if fio and fio_available():
-        results += [run_fio(directory, "write", nbytes, progress=progress),
-                    run_fio(directory, "read", nbytes, progress=progress)]
-    for contender in in_turn([_tensorferry_rows, _python_write_rows, _safetensors_rows, _torch_peers], turn):
+    contenders = [_tensorferry_rows, _python_write_rows, _safetensors_rows, _torch_peers]
+    if fio:
+        contenders.insert(0, lambda directory, state, progress: fio_rows(directory, nbytes, progress))
+    for contender in in_turn(contenders, turn):
         results += contender(directory, state, progress)
     # The checksums alone, on one core: an upper bound on what they add to a save, where
     # they run while the writes are in flight (``checksum_cost`` measures what they add).
@@ -421,21 +447,24 @@ def _safetensors_rows(directory: str, state: dict[str, np.ndarray], progress: Pr
 
 
 def paired_saves(directory: str, nbytes: int, counts: list[int], rounds: int) -> list[dict[str, Any]]:
-    """fio's write, then one ``save_checkpoint`` per array count, round after round; each
-    save is compared with the fio run just before it, so the drive's drift between rounds
-    cancels out, and the median of those ratios is reported. The counts take turns at
-    going first: on the development VM a save that directly follows another's was
-    often the slower."""
+    """fio's write and one ``save_checkpoint`` per array count, round after round; each
+    save is compared with the fio run of its round, so the drive's drift between rounds
+    cancels out, and the median of those ratios is reported. fio and the counts take
+    turns at going first: on the development VM a write that directly follows another's
+    was often the slower."""
     from . import checkpoint
 
     target = os.path.join(directory, "ckpt")
     states = {count: make_state(nbytes, count) for count in counts}
     fio, saves = [], {count: [] for count in counts}
     for i in range(rounds):
-        fio.append(run_fio(directory, "write", nbytes).gbps)
-        for count in counts[i % len(counts):] + counts[:i % len(counts)]:
-            state = states[count]
+        for count in in_turn([None, *counts], i):  # None: fio's turn
             shutil.rmtree(target, ignore_errors=True)
+            if count is None:
+                fio.append(run_fio(directory, "write", nbytes).gbps)
+                remove_fio_file(directory)
+                continue
+            state = states[count]
             saves[count].append(timed("save", "write", nbytes, lambda: checkpoint.save_checkpoint(target, state)).gbps)
     shutil.rmtree(target, ignore_errors=True)
     rows = []
