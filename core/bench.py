@@ -349,11 +349,26 @@ def make_state(nbytes: int, count: int) -> dict[str, np.ndarray]:
 
 
 def in_turn(contenders: list, turn: int) -> list:
-    """``contenders`` rotated by ``turn``, so that over rounds each takes every place and
-    an effect of order falls on all alike (on the development VM a write that directly
-    followed another's was often the slower)."""
-    k = turn % len(contenders) if contenders else 0
-    return contenders[k:] + contenders[:k]
+    """``contenders`` in the order of round ``turn`` of a Williams design: over ``n``
+    rounds (``2n`` for an odd count) each takes every place, and follows every other
+    contender, equally often. On the development VM a write was often slower right
+    after another's; a plain rotation keeps who follows whom, so the same contender
+    would always pay for the same predecessor."""
+    n = len(contenders)
+    if n < 2:
+        return list(contenders)
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        if len(first) % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    order = [(j + turn) % n for j in first]
+    if n % 2 and (turn // n) % 2:  # an odd count needs the mirrored rounds too
+        order.reverse()
+    return [contenders[j] for j in order]
 
 
 def bench_checkpoint(directory: str, state: dict[str, np.ndarray], label: str | None = None, *,

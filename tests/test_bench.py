@@ -73,3 +73,14 @@ def test_best_of_keeps_the_fastest_round_and_the_median_same_round_ratio() -> No
     # Best 2.0 against fio's best 4.0, but the rounds' own ratios are 0.5, 1.5 and 0.5.
     assert ours.gbps == 2.0 and ours.median_round_ratio == 0.5
     assert "median same-round vs fio" in bench.report([fio, ours])
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_in_turn_balances_places_and_predecessors(n: int) -> None:
+    rounds = [bench.in_turn(list(range(n)), turn) for turn in range(n if n % 2 == 0 else 2 * n)]
+    assert all(sorted(r) == list(range(n)) for r in rounds)
+    places = {(r[i], i) for r in rounds for i in range(n)}
+    assert len(places) == n * n  # every contender in every place
+    pairs = [(r[i], r[i + 1]) for r in rounds for i in range(n - 1)]
+    assert {p: pairs.count(p) for p in pairs} == {p: len(rounds) // n for p in set(pairs)}
+    assert len(set(pairs)) == n * (n - 1)  # each follows every other, equally often
