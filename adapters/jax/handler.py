@@ -290,7 +290,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                 writer.add(key, array)
         index = build_manifest([writer.info], metadata)
         with open(_index_path(directory, process), "w") as f:
-            json.dump(index, f, separators=(",", ":"))
+            f.write(json.dumps(index, separators=(",", ":")))  # the C encoder; json.dump never takes it
             f.flush()
             os.fsync(f.fileno())
 
