@@ -503,18 +503,20 @@ bool take_items(Kernel &k, TF_OpKernelContext *ctx, std::vector<Pending> &items,
 bool fill_string(const Kernel &k, TF_OpKernelContext *ctx, Pending &item, TString &string) {
   if (!item.length) return true;
   uint64_t size = item.length;
+  uint32_t stored = 0;
   if (k.tfrecord) {
     size -= kTfrecordFooter;
-    uint32_t stored;
     std::memcpy(&stored, item.data + size, sizeof stored);
-    if (tf::masked_crc32c(item.data, size) != stored) {
-      fail(ctx, kDataLoss, item.path + ": bad data CRC in the record at offset " +
-                               std::to_string(item.offset - 12));  // the 12-byte header precedes the data
-      return false;
-    }
   }
+  const auto crc_matches = [&](uint32_t crc) {
+    if (!k.tfrecord || tf::mask_crc32c(crc) == stored) return true;
+    fail(ctx, kDataLoss, item.path + ": bad data CRC in the record at offset " +
+                             std::to_string(item.offset - 12));  // the 12-byte header precedes the data
+    return false;
+  };
   Landing &landing = *item.landing;
   if (landing.own) {  // an item's own memory (no other item shares it) becomes its string
+    if (k.tfrecord && !crc_matches(tf::crc32c(item.data, size))) return false;
     if (item.data != landing.own) std::memmove(landing.own, item.data, size);
     tstring_allocate(string, size, std::exchange(landing.own, nullptr));
     return true;
@@ -524,8 +526,12 @@ bool fill_string(const Kernel &k, TF_OpKernelContext *ctx, Pending &item, TStrin
     fail(ctx, kResourceExhausted, "no memory for a string of " + std::to_string(size) + " bytes");
     return false;
   }
-  std::memcpy(data, item.data, size);
-  return true;
+  if (!k.tfrecord) {
+    std::memcpy(data, item.data, size);
+    return true;
+  }
+  // Checked as it is copied out of staging, from the cache: a pass over memory fewer.
+  return crc_matches(tf::crc32c_copy(data, item.data, size));
 }
 
 // TensorferryTakeString(tickets) -> the items' bytes, strings of the tickets' shape.

@@ -93,6 +93,27 @@ def test_tfrecord_corruption_is_caught(tfrecords, tmp_path) -> None:
         make_dataset([str(tmp_path / "not.tfrecord")], tfrecord=True)
 
 
+def test_tfrecord_crc_checked_while_copied_across_chunks(tmp_path) -> None:
+    # Staged records are copied out 64 KiB at a time, each chunk summed from the cache:
+    # sizes around chunk boundaries, and a flipped byte in a record's last chunk.
+    sizes = [65535, 65536, 65537, 3 * 65536 + 5, 200003]
+    rng = np.random.default_rng(11)
+    records = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in sizes]
+    path = tmp_path / "chunks.tfrecord"
+    with tf.io.TFRecordWriter(str(path)) as w:
+        for r in records:
+            w.write(r)
+    ours = [x.numpy() for x in make_dataset([str(path)], tfrecord=True, reads_per_call=2)]
+    assert ours == [x.numpy() for x in tf.data.TFRecordDataset([str(path)])] == records
+    raw = bytearray(path.read_bytes())
+    start = sum(16 + n for n in sizes[:3]) + 12  # the fourth record's data
+    raw[start + sizes[3] - 2] ^= 0x40
+    bad = tmp_path / "bad-late.tfrecord"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(tf.errors.DataLossError, match=rf"bad data CRC in the record at offset {start - 12}"):
+        list(make_dataset([str(bad)], tfrecord=True))
+
+
 def test_shuffle_is_deterministic_by_seed_and_complete(whole_files) -> None:
     root, data = whole_files
     pattern = str(root / "*.bin")
