@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import concurrent.futures
 import glob
 import itertools
 import os
@@ -28,6 +29,7 @@ from ...engine import Engine, default_engine
 # Items under this size are taken a batch per op call: a call costs more than the copy
 # made when the batch is split (100,000 records of 200 bytes: 12.6 s singly, 7.7 s batched).
 SMALL_ITEM_BYTES = 256 << 10
+MAX_SCANS = 32  # TFRecord files whose framing is scanned at once
 _dataset_keys = itertools.count()  # one prefetcher per dataset, shared by its two ops
 
 
@@ -89,7 +91,11 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
             raise FileNotFoundError(2, "no such file", p)
     engine = engine or default_engine()
     if tfrecord:
-        records = [r for p in paths for r in tfrecord_records(p)]
+        # A file's framing is a chain of small reads (each header gives the next offset),
+        # one per record when the cache is cold: files are scanned at once (the scan
+        # releases the GIL). 8 files of 256 records, cold: 0.20-0.27 s one by one.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(MAX_SCANS, len(paths))) as pool:
+            records = [r for file_records in pool.map(tfrecord_records, paths) for r in file_records]
     elif record_bytes is not None:
         records = []
         for p in paths:
