@@ -95,8 +95,10 @@ def test_tfrecord_corruption_is_caught(tfrecords, tmp_path) -> None:
 
 def test_tfrecord_crc_checked_while_copied_across_chunks(tmp_path) -> None:
     # Staged records are copied out 64 KiB at a time, each chunk summed from the cache:
-    # sizes around chunk boundaries, and a flipped byte in a record's last chunk.
-    sizes = [65535, 65536, 65537, 3 * 65536 + 5, 200003]
+    # sizes around chunk boundaries, and a flipped byte in a record's last chunk. Small
+    # records after large ones: the framing scan reads one page after a record longer
+    # than its window, then whole windows again.
+    sizes = [65535, 65536, 65537, 3 * 65536 + 5, 200003, 10, 3000, 0, 70000, 5, 4090]
     rng = np.random.default_rng(11)
     records = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in sizes]
     path = tmp_path / "chunks.tfrecord"
