@@ -100,10 +100,6 @@ __attribute__((target("sse4.2"))) uint32_t crc32c_sse42(uint32_t crc, const unsi
 }
 #endif
 
-}  // namespace
-
-namespace {
-
 // The CRC register after n more bytes, by the fastest means this CPU has.
 uint32_t extend(uint32_t crc, const unsigned char *p, size_t n) {
 #if defined(__x86_64__)

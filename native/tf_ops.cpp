@@ -509,7 +509,7 @@ bool fill_string(const Kernel &k, TF_OpKernelContext *ctx, Pending &item, TStrin
     std::memcpy(&stored, item.data + size, sizeof stored);
   }
   const auto crc_matches = [&](uint32_t crc) {
-    if (!k.tfrecord || tf::mask_crc32c(crc) == stored) return true;
+    if (tf::mask_crc32c(crc) == stored) return true;
     fail(ctx, kDataLoss, item.path + ": bad data CRC in the record at offset " +
                              std::to_string(item.offset - 12));  // the 12-byte header precedes the data
     return false;

@@ -11,9 +11,9 @@ out once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
-import concurrent.futures
 import glob
 import itertools
 import os
