@@ -334,3 +334,33 @@ def test_two_processes(tmp_path):
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-3000:]
     assert "process-0.safetensors" in outputs[0] and "process-1.json" in outputs[0]
+
+
+def test_restore_reads_ahead_within_a_window(tmp_path, monkeypatch):
+    from tensorferry.adapters.jax import handler
+    # Many small leaves: each leaf's reads start while earlier leaves are still being
+    # finished, but never more than the window's bytes ahead.
+    state = {f"w{i:02d}": jax.device_put(make(jnp.float32, (64, 64), seed=i)) for i in range(24)}
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    ckptr.save(tmp_path / "c", args=FerrySave(state))
+    leaf_bytes = 64 * 64 * 4
+    monkeypatch.setattr(handler, "RESTORE_WINDOW", 3 * leaf_bytes)
+    events = []
+    original = handler._Checkpoint.start_box
+
+    def logged(self, name, offsets, sizes):
+        events.append(1)
+        finish = original(self, name, offsets, sizes)
+
+        def finished():
+            events.append(-1)
+            return finish()
+        return finished
+
+    monkeypatch.setattr(handler._Checkpoint, "start_box", logged)
+    target = abstract(state, lambda x: NamedSharding(mesh((2, 4)), P("x", "y")))
+    restored = ckptr.restore(tmp_path / "c", args=FerryRestore(target))
+    assert_same(state, restored)
+    boxes_per_leaf = 8  # one per device of the 2x4 mesh
+    ahead = max(np.cumsum(events)) / boxes_per_leaf
+    assert 3 <= ahead <= 4, ahead

@@ -13,12 +13,13 @@ that overlap the device's box.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import json
 import math
 import os
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import jax
 import numpy as np
@@ -34,6 +35,8 @@ from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter, aligned_copi
 
 INDEX_FORMAT = "tensorferry.jax"
 _SCALARS = (bool, int, float, str)
+# Bytes of reads kept in flight ahead of the leaves being finished on restore.
+RESTORE_WINDOW = 512 << 20
 
 
 def _key_entry(entry: Any) -> Any:
@@ -157,20 +160,29 @@ class _Checkpoint:
         self._readers.clear()
 
     def read_box(self, name: str, offsets: list[int], sizes: list[int]) -> np.ndarray:
-        """The box ``[offsets, offsets + sizes)`` of leaf ``name``, assembled from the
-        stored chunks that overlap it, reading only the bytes needed."""
+        """The box ``[offsets, offsets + sizes)`` of leaf ``name`` (see :meth:`start_box`)."""
+        return self.start_box(name, offsets, sizes)()
+
+    def start_box(self, name: str, offsets: list[int], sizes: list[int]) -> Callable[[], np.ndarray]:
+        """Starts reading the box ``[offsets, offsets + sizes)`` of leaf ``name`` from the
+        stored chunks that overlap it, reading only the bytes needed; the function
+        returned waits for the reads and returns the box."""
         leaf = self.leaves[name]
         dtype = to_numpy_dtype(leaf.dtype)
         if math.prod(sizes) == 0:
-            return np.empty(sizes, dtype)
+            return lambda: np.empty(sizes, dtype)
         for filename, key, c_off, c_size in leaf.chunks:
             if all(c <= o and o + s <= c + n for o, s, c, n in zip(offsets, sizes, c_off, c_size)):
                 # One stored chunk holds the whole box (the same sharding as at save time,
                 # say): a contiguous box comes back in its own aligned buffer, uncopied;
                 # a strided one is made compact so the envelope read need not stay alive.
                 rel = [o - c for o, c in zip(offsets, c_off)]
-                box = self.reader(filename).read_box(key, rel, sizes).result()
-                return box if box.flags.c_contiguous else box.copy()
+                read = self.reader(filename).read_box(key, rel, sizes)
+
+                def one_chunk() -> np.ndarray:
+                    box = read.result()
+                    return box if box.flags.c_contiguous else box.copy()
+                return one_chunk
         out = np.empty(sizes, dtype)
         covered = 0
         reads = []
@@ -187,9 +199,12 @@ class _Checkpoint:
         if covered != out.size:
             raise CorruptCheckpointError(f"{self.directory}: the saved chunks of {name!r} do not cover "
                                          f"the box at {offsets} of size {sizes}")
-        for read in reads:
-            read.result()
-        return out
+
+        def assembled() -> np.ndarray:
+            for read in reads:
+                read.result()
+            return out
+        return assembled
 
 
 def _index_path(directory: str, process: int) -> str:
@@ -327,9 +342,14 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         ckpt = _Checkpoint(os.fspath(directory), self.engine, self.verify)
         try:
             if item is None:
-                return _decode_structure(ckpt.structure, lambda name: _host_value(ckpt, name))
+                names: list[str] = []
+                _decode_structure(ckpt.structure, names.append)
+                values = dict(zip(names, _in_window(lambda name=name: _start_host_value(ckpt, name)
+                                                    for name in names)))
+                return _decode_structure(ckpt.structure, values.__getitem__)
             leaves, treedef = jax.tree_util.tree_flatten_with_path(item)
-            restored = [_restore_leaf(ckpt, jax.tree_util.keystr(path), target) for path, target in leaves]
+            restored = _in_window(lambda path=path, target=target: _start_leaf(ckpt, jax.tree_util.keystr(path), target)
+                                  for path, target in leaves)
             return jax.tree_util.tree_unflatten(treedef, restored)
         finally:
             ckpt.close()
@@ -359,39 +379,79 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         pass
 
 
-def _host_value(ckpt: _Checkpoint, name: str) -> Any:
+def _in_window(starts: Iterable[Callable[[], tuple[int, Callable[[], Any]]]]) -> list[Any]:
+    """Calls each start (which begins a leaf's reads and returns their byte count and
+    a function that finishes the leaf), keeping about ``RESTORE_WINDOW`` bytes of
+    reads in flight, and returns the finished leaves in order. Leaves read one at a time kept a
+    single request in flight for every leaf of up to a block (1 MiB), and held the
+    drive's queue short for larger ones; a window bounds the host memory that reads
+    ahead of the finished leaves take."""
+    pending: collections.deque[tuple[int, Callable[[], Any]]] = collections.deque()
+    finished: list[Any] = []
+    in_flight = 0
+    for start in starts:
+        nbytes, finish = start()
+        pending.append((nbytes, finish))
+        in_flight += nbytes
+        while in_flight > RESTORE_WINDOW:
+            nbytes, finish = pending.popleft()
+            finished.append(finish())
+            in_flight -= nbytes
+    finished.extend(finish() for _, finish in pending)
+    return finished
+
+
+def _start_host_value(ckpt: _Checkpoint, name: str) -> tuple[int, Callable[[], Any]]:
     leaf = ckpt.leaves[name]
     if leaf.kind == "scalar":
-        return leaf.value
-    return ckpt.read_box(name, [0] * len(leaf.shape), list(leaf.shape))
+        return 0, lambda: leaf.value
+    box = ckpt.start_box(name, [0] * len(leaf.shape), list(leaf.shape))
+    return math.prod(leaf.shape) * to_numpy_dtype(leaf.dtype).itemsize, box
 
 
-def _restore_leaf(ckpt: _Checkpoint, name: str, target: Any) -> Any:
+def _start_leaf(ckpt: _Checkpoint, name: str, target: Any) -> tuple[int, Callable[[], Any]]:
+    """Starts reading what ``target`` needs of leaf ``name``: its byte count, and a
+    function that waits and returns the restored leaf."""
     leaf = ckpt.leaves.get(name)
     if leaf is None:
         raise KeyError(f"{ckpt.directory} holds no leaf {name!r} (saved: {', '.join(sorted(ckpt.leaves))})")
     if leaf.kind == "scalar":
-        return leaf.value
+        return 0, lambda: leaf.value
     shape = tuple(getattr(target, "shape", leaf.shape))
     if shape != leaf.shape:
         raise ValueError(f"{name}: saved with shape {leaf.shape}, the target has {shape}")
     dtype = np.dtype(getattr(target, "dtype", to_numpy_dtype(leaf.dtype)))
+    itemsize = to_numpy_dtype(leaf.dtype).itemsize
     if isinstance(target, (np.ndarray, np.generic)) or (target is not None and not hasattr(target, "sharding")
                                                         and not isinstance(target, jax.ShapeDtypeStruct)):
-        return ckpt.read_box(name, [0] * len(shape), list(shape)).astype(dtype, copy=False)
+        box = ckpt.start_box(name, [0] * len(shape), list(shape))
+        return math.prod(shape) * itemsize, lambda: box().astype(dtype, copy=False)
     sharding = getattr(target, "sharding", None)
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    cache: dict[tuple, np.ndarray] = {}
-
-    def callback(index: tuple) -> np.ndarray:
+    # Replicated shardings ask for the same box on several devices: it is read once.
+    boxes: dict[tuple, Callable[[], np.ndarray]] = {}
+    for index in sharding.addressable_devices_indices_map(shape).values():
         offsets, sizes = _box(index, shape)
         key = (tuple(offsets), tuple(sizes))
-        if key not in cache:  # replicated shardings ask for the same box on several devices
-            cache[key] = ckpt.read_box(name, offsets, sizes).astype(dtype, copy=False)
-        return cache[key]
+        if key not in boxes:
+            boxes[key] = ckpt.start_box(name, offsets, sizes)
+    nbytes = sum(math.prod(sizes) for _, sizes in boxes) * itemsize
 
-    return jax.make_array_from_callback(shape, sharding, callback)
+    def finish() -> jax.Array:
+        done: dict[tuple, np.ndarray] = {}
+
+        def callback(index: tuple) -> np.ndarray:
+            offsets, sizes = _box(index, shape)
+            key = (tuple(offsets), tuple(sizes))
+            if key not in done:
+                box = boxes[key] if key in boxes else ckpt.start_box(name, offsets, sizes)
+                done[key] = box().astype(dtype, copy=False)
+            return done[key]
+
+        return jax.make_array_from_callback(shape, sharding, callback)
+
+    return nbytes, finish
 
 
 @checkpoint_args.register_with_handler(FerryCheckpointHandler, for_save=True)
