@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from ...checkpoint import MAX_CONCURRENT_SHARDS, latest_checkpoint, prune_checkpoints, read_manifest
+from ...checkpoint import latest_checkpoint, prune_checkpoints, read_manifest
 from ...errors import CheckpointNotFoundError, TensorferryError, TensorferryIOError
 from ...engine import Engine
 from ...shard import ShardWriter, write_order
@@ -45,7 +45,7 @@ class FSDPCheckpointer:
 
     def __init__(self, checkpoint_dir: str | os.PathLike, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None = None, *, keep_last: int | None = None,
-                 engine: Engine | None = None, files_per_rank: int = MAX_CONCURRENT_SHARDS,
+                 engine: Engine | None = None, files_per_rank: int | None = None,
                  process_group: Any = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ...checkpoint import MANIFEST, MAX_CONCURRENT_SHARDS, PendingCheckpoint, open_shard, read_manifest, split_by_size
+from ...checkpoint import MANIFEST, PendingCheckpoint, default_files_per_process, open_shard, read_manifest, split_by_size
 from ...engine import Engine
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
 from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardReader
@@ -76,19 +76,19 @@ class DCPWriter(StorageWriter):
     Args:
         path: the checkpoint directory; it appears only once complete.
         engine: the :class:`tensorferry.Engine` to write with (default: shared).
-        files_per_rank: shard files each rank writes concurrently (4 by default, as
-            `save_checkpoint` does: with 2, a 2 GiB single-process save measured 1.90 GB/s
-            against 2.10, medians of 4 interleaved rounds).
+        files_per_rank: shard files each rank writes concurrently (default: one per two
+            cores of the rank's share of the host, at most 4; see
+            :func:`tensorferry.checkpoint.default_files_per_process`).
         overwrite: replace an existing checkpoint at ``path`` (after the new one is whole).
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, engine: Engine | None = None,
-                 files_per_rank: int = MAX_CONCURRENT_SHARDS, overwrite: bool = False,
+                 files_per_rank: int | None = None, overwrite: bool = False,
                  buffer_size: int = DEFAULT_BUFFER_SIZE) -> None:
         super().__init__()
         self.path = None if path is None else os.path.abspath(os.fspath(path))
         self.engine = engine
-        self.files_per_rank = max(1, files_per_rank)
+        self.files_per_rank = max(1, files_per_rank or default_files_per_process())
         self.overwrite = overwrite
         self.buffer_size = buffer_size
         self._pending: PendingCheckpoint | None = None
