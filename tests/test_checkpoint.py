@@ -562,3 +562,21 @@ def test_a_small_file_takes_staging_of_its_own_size(tmp_path) -> None:
     assert shard._pool.cached_bytes <= 2 << 20, "staging went back to the pool: one slot of about the file's size"
     with ShardReader(tmp_path / "small.safetensors") as r:
         assert all(np.array_equal(r.read(n), a) for n, a in arrays.items())
+
+
+def test_default_files_per_process_follows_the_cores_of_its_share(monkeypatch):
+    from tensorferry.checkpoint import default_files_per_process
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_files_per_process() == 4  # capped
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_files_per_process() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert default_files_per_process() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert default_files_per_process() == 1  # never none
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert default_files_per_process() == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert default_files_per_process() == 1
