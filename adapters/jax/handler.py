@@ -348,8 +348,8 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                                                     for name in names)))
                 return _decode_structure(ckpt.structure, values.__getitem__)
             leaves, treedef = jax.tree_util.tree_flatten_with_path(item)
-            restored = _in_window(lambda path=path, target=target: _start_leaf(ckpt, jax.tree_util.keystr(path), target)
-                                  for path, target in leaves)
+            restored = _in_window(lambda path=path, target=target:
+                                  _start_leaf(ckpt, jax.tree_util.keystr(path), target) for path, target in leaves)
             return jax.tree_util.tree_unflatten(treedef, restored)
         finally:
             ckpt.close()
@@ -382,10 +382,9 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
 def _in_window(starts: Iterable[Callable[[], tuple[int, Callable[[], Any]]]]) -> list[Any]:
     """Calls each start (which begins a leaf's reads and returns their byte count and
     a function that finishes the leaf), keeping about ``RESTORE_WINDOW`` bytes of
-    reads in flight, and returns the finished leaves in order. Leaves read one at a time kept a
-    single request in flight for every leaf of up to a block (1 MiB), and held the
-    drive's queue short for larger ones; a window bounds the host memory that reads
-    ahead of the finished leaves take."""
+    reads in flight, and returns the finished leaves in order. Read one at a time,
+    leaves of up to a block (1 MiB) kept a single request in flight and larger ones a
+    short queue; the window bounds the host memory that reads ahead take."""
     pending: collections.deque[tuple[int, Callable[[], Any]]] = collections.deque()
     finished: list[Any] = []
     in_flight = 0
