@@ -159,10 +159,6 @@ class _Checkpoint:
             r.close()
         self._readers.clear()
 
-    def read_box(self, name: str, offsets: list[int], sizes: list[int]) -> np.ndarray:
-        """The box ``[offsets, offsets + sizes)`` of leaf ``name`` (see :meth:`start_box`)."""
-        return self.start_box(name, offsets, sizes)()
-
     def start_box(self, name: str, offsets: list[int], sizes: list[int]) -> Callable[[], np.ndarray]:
         """Starts reading the box ``[offsets, offsets + sizes)`` of leaf ``name`` from the
         stored chunks that overlap it, reading only the bytes needed; the function
