@@ -46,8 +46,10 @@ def to_safetensors_dtype(dtype: np.dtype | str) -> str:
     """The safetensors name of a numpy dtype (or a safetensors name, checked)."""
     if isinstance(dtype, str) and dtype in SAFETENSORS_DTYPES:
         return dtype
-    dt = np.dtype(dtype).newbyteorder("=") if np.dtype(dtype).byteorder == ">" else np.dtype(dtype)
     _, from_numpy = _tables()
+    if isinstance(dtype, np.dtype) and dtype in from_numpy:  # once per tensor of a save: keep it short
+        return from_numpy[dtype]
+    dt = np.dtype(dtype).newbyteorder("=") if np.dtype(dtype).byteorder == ">" else np.dtype(dtype)
     try:
         return from_numpy[dt]
     except KeyError:

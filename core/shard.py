@@ -11,6 +11,7 @@ header, which therefore covers the data too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import concurrent.futures
@@ -18,7 +19,7 @@ import os
 import secrets
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
 import numpy as np
 
@@ -102,9 +103,15 @@ class ShardInfo:
     checksum: str
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "checksum": self.checksum,
-                "tensors": {name: t.to_json() for name, t in self.tensors.items()}}
+    @functools.cached_property
+    def manifest_entries(self) -> str:
+        """This file's tensors as a manifest lists them (each naming the file), JSON
+        members without the braces. Cached, so that each writer of a multi-file save
+        encodes its own as its file closes, while the others still write: 4096 tensors'
+        entries take about 10 ms to build and encode, all after the last write otherwise."""
+        file = os.path.basename(self.path)
+        entries = {name: {"file": file, **t.to_json()} for name, t in self.tensors.items()}
+        return json.dumps(entries, separators=(",", ":"))[1:-1]
 
 
 @dataclass
@@ -181,6 +188,7 @@ class ShardWriter:
         if CHECKSUMS_KEY in self.metadata:
             raise ValueError(f"metadata key {CHECKSUMS_KEY!r} is reserved")
         self._entries: dict[str, _Entry] = {}
+        self._plan: _Plan | None = None
         self.info: ShardInfo | None = None
 
     def add(self, name: str, array_or_dtype: Any, shape: Iterable[int] | None = None,
@@ -194,42 +202,49 @@ class ShardWriter:
             raise ValueError(f"{self.path}: add() after close()")
         if name in self._entries:
             raise ValueError(f"{self.path}: tensor {name!r} added twice")
+        if name == "__metadata__":
+            raise ValueError(f"{self.path}: the name '__metadata__' is the safetensors header's own")
+        self._plan = None
         if shape is None and data is None:
             array = np.asarray(array_or_dtype)
-            dtype = to_safetensors_dtype(array.dtype)
-            dims = tuple(int(d) for d in array.shape)
             # Byte order and layout are fixed in _Streamer._bytes_of, one tensor at a
             # time, so a non-contiguous state is never copied whole.
-            source: Source = array
-        else:
-            dtype = to_safetensors_dtype(array_or_dtype)
-            dims = tuple(int(d) for d in (shape or ()))
-            source = data
-        nbytes = math.prod(dims) * to_numpy_dtype(dtype).itemsize
-        self._entries[name] = _Entry(name, dtype, dims, nbytes, source)
+            self._entries[name] = _Entry(name, to_safetensors_dtype(array.dtype), array.shape, array.nbytes, array)
+            return
+        dtype = to_safetensors_dtype(array_or_dtype)
+        dims = tuple(int(d) for d in (shape or ()))
+        self._entries[name] = _Entry(name, dtype, dims, math.prod(dims) * to_numpy_dtype(dtype).itemsize, data)
 
-    def close(self) -> ShardInfo:
-        """Writes the file, makes it durable and returns its :class:`ShardInfo`."""
-        if self.info is not None:
-            return self.info
+    def plan(self) -> None:
+        """Lays out the tensors added so far and encodes the header, as :meth:`close`
+        does first unless done before: milliseconds of Python for thousands of tensors,
+        which concurrent writers do better one at a time, so that the first file starts
+        streaming at once rather than all of them late."""
         order = write_order([(e.name, e.dtype) for e in self._entries.values()])
         entries = [self._entries[name] for name in order]
         layout, offset = {}, 0
         for e in entries:
             layout[e.name] = (offset, offset + e.nbytes)
             offset += e.nbytes
-        data_start = self._header_size(entries, layout)
+        self._plan = _Plan(entries, layout, offset, _Header(self.metadata, entries, layout))
+
+    def close(self) -> ShardInfo:
+        """Writes the file, makes it durable and returns its :class:`ShardInfo`."""
+        if self.info is not None:
+            return self.info
+        if self._plan is None:
+            self.plan()
+        entries, layout, offset, header = self._plan
         file = File(self._write_path, "w")
         try:
-            file.reserve(data_start + offset)
+            file.reserve(header.size + offset)
             # A small file needs no more staging than its own size (one slot of it).
             staging = min(self.buffer_size, 2 * _round_up(max(offset, 1), ALIGNMENT))
-            checksums = _Streamer(self.engine, file, data_start, staging, self.staging_bytes).write(entries)
-            tensors = {e.name: TensorInfo(e.dtype, e.shape, *layout[e.name], checksums[e.name]) for e in entries}
-            header = self._header(tensors, data_start)
-            self.engine.write(header, file, 0)
+            checksums = _Streamer(self.engine, file, header.size, staging, self.staging_bytes).write(entries)
+            header_bytes = header.encode(checksums)
+            self.engine.write(header_bytes, file, 0)
             file.fsync()
-            size = data_start + offset
+            size = header.size + offset
             file.close()
             if self._write_path != self.path:
                 os.replace(self._write_path, self.path)
@@ -238,32 +253,14 @@ class ShardWriter:
             file.close()
             _remove_quietly(self._write_path)
             raise
-        self.info = ShardInfo(self.path, size, digest(header), tensors)
+        tensors = {e.name: TensorInfo(e.dtype, e.shape, *layout[e.name], checksums[e.name]) for e in entries}
+        self.info = ShardInfo(self.path, size, digest(header_bytes), tensors)
         return self.info
 
     def abort(self) -> None:
         """Discards the file (if any was started)."""
         self.info = None
         _remove_quietly(self._write_path)
-
-    def _header_json(self, tensors: Mapping[str, TensorInfo]) -> bytes:
-        metadata = dict(self.metadata)
-        metadata[CHECKSUMS_KEY] = json.dumps({n: t.checksum or "0" * _DIGEST_CHARS for n, t in tensors.items()},
-                                             separators=(",", ":"))
-        header: dict[str, Any] = {"__metadata__": metadata}
-        for name, t in tensors.items():
-            header[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
-        return json.dumps(header, separators=(",", ":")).encode()
-
-    def _header_size(self, entries: list[_Entry], layout: Mapping[str, tuple[int, int]]) -> int:
-        # Checksums are fixed-width, so placeholders give the final header's length.
-        placeholder = {e.name: TensorInfo(e.dtype, e.shape, *layout[e.name]) for e in entries}
-        return _round_up(8 + len(self._header_json(placeholder)), ALIGNMENT)
-
-    def _header(self, tensors: Mapping[str, TensorInfo], data_start: int) -> bytes:
-        body = self._header_json(tensors)
-        body += b" " * (data_start - 8 - len(body))
-        return struct.pack("<Q", len(body)) + body
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -273,6 +270,42 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+class _Plan(NamedTuple):
+    entries: list[_Entry]  # in file order
+    layout: dict[str, tuple[int, int]]  # name: data offsets
+    data_bytes: int
+    header: "_Header"
+
+
+class _Header:
+    """A shard's JSON header, sized before the data is written and completed after.
+
+    The tensors' part is encoded once; only the checksums, which are fixed-width, wait
+    for the data (encoding 1024 tensors' entries takes milliseconds, under the GIL,
+    before any byte streams).
+    """
+
+    def __init__(self, metadata: Mapping[str, str], entries: list[_Entry],
+                 layout: Mapping[str, tuple[int, int]]) -> None:
+        self.metadata, self.names = metadata, [e.name for e in entries]
+        self.tensors_json = json.dumps(
+            {e.name: {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": list(layout[e.name])}
+             for e in entries}, separators=(",", ":")).encode()
+        placeholder = self._json(dict.fromkeys(self.names, "0" * _DIGEST_CHARS))
+        self.size = _round_up(8 + len(placeholder), ALIGNMENT)  # where the data starts
+
+    def _json(self, checksums: Mapping[str, str]) -> bytes:
+        metadata = dict(self.metadata)
+        metadata[CHECKSUMS_KEY] = json.dumps({n: checksums[n] for n in self.names}, separators=(",", ":"))
+        head = b'{"__metadata__":' + json.dumps(metadata, separators=(",", ":")).encode()
+        return head + (b"," + self.tensors_json[1:] if self.names else b"}")
+
+    def encode(self, checksums: Mapping[str, str]) -> bytes:
+        """The header with its length prefix, padded with spaces up to the data."""
+        body = self._json(checksums)
+        return struct.pack("<Q", self.size - 8) + body + b" " * (self.size - 8 - len(body))
 
 
 COPY_PIECE = 1 << 20  # copied, then hashed while in the cache
@@ -353,21 +386,36 @@ class _Streamer:
         small tensor from memory twice (hash, then copy) made checksums cost 19% of a
         save of 4096 tensors of 512 KiB; the copy and the drive's reads already use most
         of the memory bandwidth."""
+        if data.nbytes <= min(COPY_PIECE, self.slot_size - self.fill):
+            # Most small tensors fit in one piece, and one digest call costs less than a hasher.
+            piece = self._piece(data.nbytes)
+            piece[:] = data
+            checksum = digest(piece)
+            self._advance(data.nbytes)
+            return checksum
         hasher = new_hasher()
         done = 0
         while done < data.nbytes:
-            if self.slots[self.current] is None:
-                self.slots[self.current] = _pool.acquire(self.slot_size)
             take = min(self.slot_size - self.fill, data.nbytes - done, COPY_PIECE)
-            piece = self.slots[self.current][self.fill:self.fill + take]
+            piece = self._piece(take)
             piece[:] = data[done:done + take]
-            hasher.update(piece)  # before _flush below may hand the slot to the drive
-            self.fill += take
-            self.position += take
+            hasher.update(piece)  # before _advance may hand the slot to the drive
+            self._advance(take)
             done += take
-            if self.fill == self.slot_size:
-                self._flush()
         return hasher.hexdigest()
+
+    def _piece(self, nbytes: int) -> np.ndarray:
+        """The next ``nbytes`` of the current slot (which must have room for them)."""
+        if self.slots[self.current] is None:
+            self.slots[self.current] = _pool.acquire(self.slot_size)
+        return self.slots[self.current][self.fill:self.fill + nbytes]
+
+    def _advance(self, nbytes: int) -> None:
+        """Counts ``nbytes`` just copied into the slot; a full slot goes to the drive."""
+        self.fill += nbytes
+        self.position += nbytes
+        if self.fill == self.slot_size:
+            self._flush()
 
     def _flush(self) -> None:
         """Starts writing the current slot, then waits until the next one is free."""

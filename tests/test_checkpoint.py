@@ -80,6 +80,22 @@ def test_layout_is_aligned(tmp_path) -> None:
     assert all(a[1] == b[0] for a, b in zip(begins, begins[1:])), "packed without holes"
 
 
+def test_a_plan_is_redone_after_another_add(tmp_path) -> None:
+    from safetensors.numpy import load_file
+
+    arrays = {"first": np.arange(5.0), "later": np.arange(7, dtype=np.int8), "wide": np.ones((3, 2), np.int64)}
+    with ShardWriter(tmp_path / "planned.safetensors", metadata={"step": "3"}) as w:
+        w.add("first", arrays["first"])
+        w.plan()
+        w.add("later", arrays["later"])
+        w.add("wide", arrays["wide"])
+    assert set(w.info.tensors) == set(arrays)
+    assert_same(arrays, load_file(str(tmp_path / "planned.safetensors")))
+    with ShardReader(tmp_path / "planned.safetensors") as r:
+        assert_same(arrays, r.read_many(list(arrays)))
+        assert r.metadata["step"] == "3"
+
+
 def test_files_open_with_the_safetensors_library(tmp_path) -> None:
     torch = pytest.importorskip("torch")
     from safetensors import safe_open
@@ -431,6 +447,29 @@ def test_multi_writer_commit(tmp_path) -> None:
     assert loaded["w.rank1"][0] == 1 and loaded["w.rank0"][0] == 0
     with pytest.raises(ValueError):
         pending.writer("../escape.safetensors")
+    manifest = tensorferry.read_manifest(tmp_path / "step_3")
+    assert manifest["metadata"] == {"world_size": 2}
+    for rank, info in enumerate(infos):
+        name = f"rank{rank}.safetensors"
+        assert manifest["files"][name] == {"size": info.size, "checksum": info.checksum}
+        stored = info.tensors[f"w.rank{rank}"]
+        assert manifest["tensors"][f"w.rank{rank}"] == {
+            "file": name, "dtype": "F32", "shape": [10], "data_offsets": [stored.begin, stored.end],
+            "checksum": stored.checksum}
+
+
+def test_commit_refuses_a_tensor_in_two_files(tmp_path) -> None:
+    pending = tensorferry.PendingCheckpoint.begin(tmp_path / "step_4")
+    infos = []
+    for rank in range(2):
+        with pending.writer(f"rank{rank}.safetensors") as w:
+            w.add("shared", np.zeros(4))
+        infos.append(w.info)
+    with pytest.raises(ValueError, match="'shared' is in both rank0.safetensors and rank1.safetensors"):
+        pending.commit(infos)
+    assert tensorferry.latest_checkpoint(tmp_path) is None
+    with pytest.raises(ValueError, match="__metadata__"):
+        pending.writer("rank2.safetensors").add("__metadata__", np.zeros(1))
 
 
 def test_disk_full_keeps_the_previous_checkpoint(small_tmpfs) -> None:

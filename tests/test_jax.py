@@ -250,7 +250,7 @@ def stuck(*args):  # the shard file of step 1 is written; its index never will b
     print("WRITING", flush=True)
     time.sleep(120)
 
-h.build_manifest = stuck
+h.encode_manifest = stuck
 mngr.save(1, args=ocp.args.Composite(state=h.FerrySave({"w": jnp.ones(1000), "step": 1})))
 time.sleep(120)
 """

@@ -27,7 +27,7 @@ from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint._src.futures import future as ocp_future
 from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
-from ...checkpoint import build_manifest, open_shard, read_manifest
+from ...checkpoint import encode_manifest, open_shard, read_manifest, write_durably
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
@@ -299,11 +299,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         with ShardWriter(path, self.engine, buffer_size=self.buffer_size) as writer:
             for key, array in arrays:
                 writer.add(key, array)
-        index = build_manifest([writer.info], metadata)
-        with open(_index_path(directory, process), "w") as f:
-            f.write(json.dumps(index, separators=(",", ":")))  # the C encoder; json.dump never takes it
-            f.flush()
-            os.fsync(f.fileno())
+        write_durably(_index_path(directory, process), encode_manifest([writer.info], metadata))
 
     async def async_save(self, directory: Any, item: Any = None, args: "FerrySave | None" = None
                          ) -> list[ocp_future.Future]:

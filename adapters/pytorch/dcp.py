@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ...checkpoint import MANIFEST, PendingCheckpoint, default_files_per_process, open_shard, read_manifest, split_by_size
+from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_process, open_shard, read_manifest,
+                           split_by_size, write_durably)
 from ...engine import Engine
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
 from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardReader
@@ -144,10 +145,7 @@ class DCPWriter(StorageWriter):
         for name in files:
             with ShardReader(os.path.join(pending.tmp_path, name), self.engine, verify=False) as reader:
                 infos.append(reader.shard_info())
-        with open(os.path.join(pending.tmp_path, DCP_METADATA), "wb") as f:
-            pickle.dump(metadata, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_durably(os.path.join(pending.tmp_path, DCP_METADATA), pickle.dumps(metadata))
         pending.commit(infos, {"written_by": "tensorferry.adapters.pytorch.DCPWriter",
                                "dcp_metadata": DCP_METADATA}, overwrite=self.overwrite)
 
