@@ -1,9 +1,11 @@
-"""Shared fixtures: every engine test runs over each backend this machine offers."""
+"""Shared fixtures: every engine test runs over each backend this machine offers, and
+no test leaves anything in the temporary directory."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import tempfile
 from typing import Iterator
@@ -13,6 +15,42 @@ import pytest
 import tensorferry
 
 BACKENDS = ["threads", "io_uring"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A temporary directory of this session's own, made the default (``TMPDIR`` too, so
+    child processes use it) for everything but pytest's ``tmp_path``, which stays where
+    pytest keeps its recent runs. It is removed at the end."""
+    tmp_path_factory.getbasetemp()
+    root = tempfile.mkdtemp(prefix="tensorferry-tests-")
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = root
+    try:
+        yield root
+    finally:
+        if saved[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def leaves_no_temp_files(session_temp_dir: str) -> Iterator[None]:
+    """Fails (at teardown) a test that leaves files or directories in the temporary
+    directory, naming them, and removes them so the next test starts clean."""
+    yield
+    left = sorted(os.listdir(session_temp_dir))
+    for name in left:
+        path = os.path.join(session_temp_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    if left:
+        pytest.fail(f"the test left {', '.join(left)} in the temporary directory")
 
 
 def _require_backend(name: str) -> None:

@@ -234,8 +234,10 @@ def _worker(rank: int, world: int, rendezvous: str, root: str, scenario: str) ->
 
 def run(world: int, root: str, scenario: str) -> None:
     # A rendezvous file, not a TCP port: a port found free can be taken before it is bound.
-    rendezvous = os.path.join(tempfile.mkdtemp(prefix="tensorferry-rdzv-"), "store")
-    mp.spawn(_worker, args=(world, rendezvous, root, scenario), nprocs=world, join=True)
+    # Its directory goes with the run: the workers leave the file behind (os._exit skips
+    # the store's own cleanup).
+    with tempfile.TemporaryDirectory(prefix="tensorferry-rdzv-") as directory:
+        mp.spawn(_worker, args=(world, os.path.join(directory, "store"), root, scenario), nprocs=world, join=True)
 
 
 def scenario_resume(rank: int, world: int, root: str) -> None:
