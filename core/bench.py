@@ -3,16 +3,21 @@ and the adaptive search for the best engine settings of a drive (:func:`tune`).
 
 Writes are timed until durable (fsync included); reads start from a dropped page
 cache (``posix_fadvise(DONTNEED)`` on each file after an fsync). Run
-``python -m tensorferry.bench engine --dir DIR --size 2G``.
+``python -m tensorferry.bench engine --dir DIR --size 2G``; ``--results DIR`` also
+writes the run as a JSON result file (see :func:`save_results`), from which
+``benchmarks/report.py`` renders docs/benchmarks.md. The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
+import platform
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -257,8 +262,9 @@ def report(measurements: list[Measurement], as_json: bool = False) -> str:
 
 
 def bench_engine(directory: str, nbytes: int, backends: list[str], repeat: int = 1,
-                 progress: Progress | None = None) -> list[Measurement]:
-    """fio and each backend, interleaved so that drift in the drive hits all alike."""
+                 progress: Progress | None = None, *, rounds: bool = False) -> list[Measurement]:
+    """fio and each backend, interleaved so that drift in the drive hits all alike: the
+    best round of each (see :func:`best_of`), or with ``rounds`` every round's measurements."""
     data = aligned_random(nbytes)
     results: list[Measurement] = []
     contenders = [lambda: fio_rows(directory, nbytes, progress),
@@ -267,7 +273,7 @@ def bench_engine(directory: str, nbytes: int, backends: list[str], repeat: int =
     for turn in range(repeat):
         for contender in in_turn(contenders, turn):
             results += contender()
-    return best_of(results)
+    return results if rounds else best_of(results)
 
 
 def reader_rounds(directory: str, files: list[str], nbytes: int, readers: dict[str, Callable[[], object]],
@@ -775,6 +781,104 @@ def warm_memory(nbytes: int) -> None:
     del block
 
 
+RESULTS_SCHEMA = "tensorferry.bench/1"
+
+
+def machine_info(directory: str) -> dict[str, Any]:
+    """What a result depends on besides the code: CPUs, memory, kernel, the filesystem
+    and device under ``directory``, and the versions of the contenders."""
+    from importlib import metadata
+
+    def first_line(path: str, prefix: str = "") -> str | None:
+        try:
+            with open(path) as f:
+                return next((line.split(":", 1)[1].strip() if prefix else line.strip()
+                             for line in f if line.startswith(prefix)), None)
+        except OSError:
+            return None
+
+    mount = ("", None)  # the longest mount point that holds the directory wins
+    try:
+        with open("/proc/mounts") as f:
+            real = os.path.realpath(directory)
+            for line in f:
+                source, point, fstype = line.split()[:3]
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) > len(mount[0]):
+                    mount = (point, f"{fstype} on {source}")
+    except OSError:
+        pass
+    versions = {}
+    for package in ("tensorferry", "numpy", "torch", "safetensors", "jax", "orbax-checkpoint", "tensorflow"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    from . import __version__
+    versions.setdefault("tensorferry", __version__)
+    if fio_available():
+        versions["fio"] = subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
+    memory = first_line("/proc/meminfo", "MemTotal")
+    return {"cpus": len(os.sched_getaffinity(0)), "cpu_model": first_line("/proc/cpuinfo", "model name"),
+            "memory": memory, "kernel": platform.release(), "python": platform.python_version(),
+            "filesystem": mount[1], "io_uring": io_uring_probe()[0], "versions": versions,
+            "commit": _source_commit()}
+
+
+def _source_commit() -> str | None:
+    """The git commit of the code measured (``+dirty`` with uncommitted changes), where
+    it runs from a git checkout."""
+    here = os.path.dirname(os.path.realpath(__file__))
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def save_results(results_dir: str, benchmark: str, command: list[str], settings: dict[str, Any], directory: str,
+                 started: float, *, measurements: list[Measurement] | None = None,
+                 rows: list[dict[str, Any]] | None = None) -> str:
+    """Writes one run as ``<results_dir>/<UTC time>-<benchmark>.json``; returns its path.
+
+    ``measurements`` are every round's, in the order they ran (what :func:`best_of`
+    reduces); the file holds them and the reduced ``results`` (as :func:`report_rows`),
+    so a report can recompute anything. ``rows`` hold the results of benchmarks that
+    are not made of measurements (``paired``, ``checksums``).
+    """
+    os.makedirs(results_dir, exist_ok=True)
+    stamp = datetime.datetime.fromtimestamp(started, datetime.timezone.utc)
+    document: dict[str, Any] = {
+        "schema": RESULTS_SCHEMA, "benchmark": benchmark, "command": shlex.join(command),
+        "started": stamp.strftime("%Y-%m-%dT%H:%M:%SZ"), "seconds": round(time.time() - started, 1),
+        "settings": settings, "machine": machine_info(directory)}
+    if measurements is not None:
+        document["measurements"] = [asdict(m) for m in measurements]
+        document["results"] = report_rows(best_of(measurements))
+    if rows is not None:
+        document["rows"] = rows
+    path = os.path.join(results_dir, f"{stamp.strftime('%Y%m%dT%H%M%SZ')}-{benchmark}.json")
+    with open(path, "w") as f:
+        json.dump(document, f, indent=1)
+        f.write("\n")
+    return path
+
+
+def load_results(path: str) -> dict[str, Any]:
+    """A result file written by :func:`save_results`, with its measurements as
+    :class:`Measurement` objects (``measurements``, in the order they ran)."""
+    with open(path) as f:
+        document = json.load(f)
+    if document.get("schema") != RESULTS_SCHEMA:
+        raise ValueError(f"{path} is not a tensorferry benchmark result ({RESULTS_SCHEMA})")
+    document["measurements"] = [Measurement(**m) for m in document.get("measurements", [])]
+    return document
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tensorferry.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -797,39 +901,64 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--dir", default=None, help="directory on the drive to measure (default: a temp dir)")
         p.add_argument("--size", default="2G", help="bytes to move (default 2G)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--results", default=None, metavar="DIR",
+                       help="also write the run as a JSON result file in DIR (e.g. benchmarks/results)")
     args = parser.parse_args(argv)
-    directory = args.dir or tempfile.mkdtemp(prefix="tensorferry-bench-")
-    os.makedirs(directory, exist_ok=True)
+    command = ["python", "-m", "tensorferry.bench", *(sys.argv[1:] if argv is None else argv)]
     if not fio_available():
         print("fio is not installed: no ceiling to compare with", file=sys.stderr)
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+        return _run(args, args.dir, command)
+    directory = tempfile.mkdtemp(prefix="tensorferry-bench-")
+    try:
+        return _run(args, directory, command)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, directory: str, command: list[str]) -> int:
+    """Runs the benchmark ``args.what`` in ``directory``, prints its report and, with
+    ``--results``, writes its result file."""
     nbytes = parse_size(args.size)
-    if args.what == "engine":
-        results = bench_engine(directory, nbytes, args.backends.split(","), args.repeat)
-    elif args.what == "paired":
-        rows = paired_saves(directory, nbytes, [int(c) for c in args.counts.split(",")], args.rounds)
+    started = time.time()
+    settings = {k: v for k, v in vars(args).items() if k not in ("what", "dir", "json", "results")}
+    settings["size"] = nbytes
+
+    def save(**kwargs: Any) -> None:
+        if args.results:
+            path = save_results(args.results, args.what, command, settings, directory, started, **kwargs)
+            print(f"results written to {path}", file=sys.stderr)
+
+    counts = [int(c) for c in getattr(args, "counts", "0").split(",")]
+    if args.what == "paired":
+        rows = paired_saves(directory, nbytes, counts, args.rounds)
         remove_fio_file(directory)
+        save(rows=rows)
         print(json.dumps(rows, indent=2) if args.json else "\n".join(
             f"{r['arrays']} arrays: median ratio to fio {r['median_ratio']:.2f} (rounds: {r['ratios']}; "
             f"save GB/s {r['save_gbps']}, fio GB/s {r['fio_gbps']})" for r in rows))
         return 0
-    elif args.what == "checksums":
-        rows = [checksum_cost(directory, make_state(nbytes, int(c)), args.pairs) | {"arrays": int(c)}
-                for c in args.counts.split(",")]
+    if args.what == "checksums":
+        rows = [checksum_cost(directory, make_state(nbytes, c), args.pairs) | {"arrays": c} for c in counts]
+        save(rows=rows)
         print(json.dumps(rows, indent=2) if args.json else "\n".join(
             f"{r['arrays']} arrays: median save {r['with_s']:.3f} s with checksums, {r['without_s']:.3f} s "
             f"without: the checksums cost {r['cost']:+.1%} (differences of the pairs: {r['pair_differences_s']})"
             for r in rows))
         return 0
+    if args.what == "engine":
+        raw = bench_engine(directory, nbytes, args.backends.split(","), args.repeat, rounds=True)
     else:
-        results = []
-        for count in (int(c) for c in args.counts.split(",")):
+        raw = []
+        for count in counts:
             state = make_state(nbytes, count)
             for turn in range(args.repeat):
-                results += bench_checkpoint(directory, state, f"{count} arrays", turn=turn)
+                raw += bench_checkpoint(directory, state, f"{count} arrays", turn=turn)
             del state
-        results = best_of(results)
     remove_fio_file(directory)
-    print(report(results, args.json))
+    save(measurements=raw)
+    print(report(best_of(raw), args.json))
     return 0
 
 

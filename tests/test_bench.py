@@ -12,11 +12,21 @@ from tensorferry import bench
 
 
 @pytest.mark.parametrize("what,extra", [("engine", ["--backends", "threads"]), ("checkpoint", ["--counts", "8"])])
-def test_bench_runs_and_reports_json(tmp_path, what: str, extra: list[str]) -> None:
-    cmd = [sys.executable, "-m", "tensorferry.bench", what, "--dir", str(tmp_path), "--size", "8M", "--json", *extra]
+def test_bench_runs_and_reports_json(tmp_path, tmp_path_factory, what: str, extra: list[str]) -> None:
+    results_dir = tmp_path_factory.mktemp("results")
+    cmd = [sys.executable, "-m", "tensorferry.bench", what, "--dir", str(tmp_path), "--size", "8M", "--json",
+           "--repeat", "2", "--results", str(results_dir), *extra]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
+    [saved] = results_dir.iterdir()
+    document = bench.load_results(str(saved))
+    assert document["benchmark"] == what and document["command"].startswith(f"python -m tensorferry.bench {what}")
+    assert document["settings"]["size"] == 8 << 20 and document["settings"]["repeat"] == 2
+    assert document["machine"]["cpus"] >= 1 and document["machine"]["filesystem"]
+    contenders = {(r["name"], r["op"]) for r in rows}
+    assert len(document["measurements"]) == 2 * len(contenders), "every round's measurements are kept"
+    assert document["results"] == rows, "the file holds what was printed"
     names = {r["name"].split(" [")[0] for r in rows}
     assert {r["op"] for r in rows} == ({"write", "read"} if what == "engine" else {"write", "read", "hash"})
     assert all(r["gbps"] > 0 and r["nbytes"] > 0 for r in rows)
