@@ -37,12 +37,18 @@ def session_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+# What frameworks keep there for the whole process, on purpose: TensorFlow's autograph
+# its generated code (removed at exit), torch's inductor its cache. The session's
+# directory takes them with it at the end.
+KEPT_FOR_THE_SESSION = ("__autograph_generated_file", "torchinductor_")
+
+
 @pytest.fixture(autouse=True)
 def leaves_no_temp_files(session_temp_dir: str) -> Iterator[None]:
     """Fails (at teardown) a test that leaves files or directories in the temporary
     directory, naming them, and removes them so the next test starts clean."""
     yield
-    left = sorted(os.listdir(session_temp_dir))
+    left = sorted(n for n in os.listdir(session_temp_dir) if not n.startswith(KEPT_FOR_THE_SESSION))
     for name in left:
         path = os.path.join(session_temp_dir, name)
         if os.path.isdir(path) and not os.path.islink(path):
