@@ -11,6 +11,7 @@ import argparse
 import os
 import shutil
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -34,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="2G")
     parser.add_argument("--repeat", type=int, default=1, help="rounds; the best of each reader is reported")
     parser.add_argument("--json", action="store_true")
+    bench.add_results_option(parser)
     args = parser.parse_args(argv)
+    started = time.time()
     nbytes = parse_size(args.size)
     root = os.path.join(args.dir, "tf-bench")
     shutil.rmtree(root, ignore_errors=True)
@@ -72,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         ("TFRecordDataset(num_parallel_reads=AUTOTUNE)", lambda: tf.data.TFRecordDataset(tfrecords, num_parallel_reads=auto)),
     ]
     results = bench.reader_rounds(root, [*files, records, *tfrecords], nbytes,
-                                  {name: lambda make=make: drain(make()) for name, make in readers}, args.repeat)
+                                  {name: lambda make=make: drain(make()) for name, make in readers}, args.repeat,
+                                  rounds=True)
     shutil.rmtree(root)
-    print(bench.report(results, args.json))
+    bench.save_run(args, "data_tf", ["python", *sys.argv], args.dir, started, measurements=results)
+    print(bench.report(bench.best_of(results), args.json))
     return 0
 
 

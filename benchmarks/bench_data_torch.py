@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
+import time
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -53,7 +55,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=1, help="rounds; the best of each reader is reported")
     parser.add_argument("--json", action="store_true")
+    bench.add_results_option(parser)
     args = parser.parse_args()
+    started = time.time()
     total = parse_size(args.size)
     per_file = total // FILES
     nbytes = per_file * FILES
@@ -80,9 +84,10 @@ def main() -> None:
                    for name, dataset in cases.items()}
         results = bench.reader_rounds(directory, [*paths, records_file], nbytes,
                                       {name: lambda loader=loader: drain(loader) for name, loader in loaders.items()},
-                                      args.repeat)
+                                      args.repeat, rounds=True)
+        bench.save_run(args, "data_torch", ["python", *sys.argv], directory, started, measurements=results)
         print(f"{nbytes / 2**20:.0f} MiB, batch {args.batch}, workers {args.workers}")
-        print(bench.report(results, args.json))
+        print(bench.report(bench.best_of(results), args.json))
 
 
 if __name__ == "__main__":

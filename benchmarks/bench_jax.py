@@ -14,6 +14,9 @@ import argparse
 import os
 import shutil
 import sys
+import time
+
+from tensorferry import bench, parse_size  # no framework: safe before XLA_FLAGS is set
 
 
 def parse_args() -> argparse.Namespace:
@@ -24,6 +27,7 @@ def parse_args() -> argparse.Namespace:
                         help="virtual CPU devices; with more than one, half the arrays are sharded over them")
     parser.add_argument("--repeat", type=int, default=1, help="rounds; the best of each contender is reported")
     parser.add_argument("--json", action="store_true")
+    bench.add_results_option(parser)
     return parser.parse_args()
 
 
@@ -37,7 +41,6 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from tensorferry import bench, parse_size  # noqa: E402
 from tensorferry.adapters.jax import FerryCheckpointHandler, FerryRestore, FerrySave  # noqa: E402
 
 
@@ -127,10 +130,12 @@ def round_of(directory: str, state: dict[str, jax.Array], turn: int) -> list[ben
 def main() -> int:
     args = ARGS
     os.makedirs(args.dir, exist_ok=True)
+    started = time.time()
     state = make_state(parse_size(args.size))
     results: list[bench.Measurement] = []
     for turn in range(args.repeat):
         results += round_of(args.dir, state, turn)
+    bench.save_run(args, "jax", ["python", *sys.argv], args.dir, started, measurements=results)
     print(bench.report(bench.best_of(results), args.json))
     return 0
 

@@ -163,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="2G")
     parser.add_argument("--repeat", type=int, default=1, help="rounds; the best of each contender is reported")
     parser.add_argument("--json", action="store_true")
+    bench.add_results_option(parser)
     args = parser.parse_args(argv)
     os.makedirs(args.dir, exist_ok=True)
+    started = time.time()
     nbytes = parse_size(args.size)
     state = make_state(nbytes)
     results = []
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         for contender in bench.in_turn([lambda: bench.fio_rows(args.dir, nbytes),
                                         lambda: two_ranks(args.dir, nbytes)], turn):
             results += contender()
+    bench.save_run(args, "pytorch", ["python", *sys.argv], args.dir, started, measurements=results)
     print(bench.report(bench.best_of(results), args.json))
     return 0
 

@@ -277,10 +277,11 @@ def bench_engine(directory: str, nbytes: int, backends: list[str], repeat: int =
 
 
 def reader_rounds(directory: str, files: list[str], nbytes: int, readers: dict[str, Callable[[], object]],
-                  repeat: int = 1) -> list[Measurement]:
+                  repeat: int = 1, *, rounds: bool = False) -> list[Measurement]:
     """fio's read of ``nbytes`` on ``directory``, then each reader (a callable that reads
     ``files`` through), every one from a dropped page cache, ``repeat`` times, fio
-    included in an order rotated every round; the best round of each."""
+    included in an order rotated every round; the best round of each (see
+    :func:`best_of`), or with ``rounds`` every round's measurements."""
     def reader(name: str, read: Callable[[], object]) -> Callable[[], list[Measurement]]:
         def run() -> list[Measurement]:
             drop_cache(files)
@@ -295,7 +296,7 @@ def reader_rounds(directory: str, files: list[str], nbytes: int, readers: dict[s
     for turn in range(repeat):
         for contender in in_turn(contenders, turn):
             results += contender()
-    return best_of(results)
+    return results if rounds else best_of(results)
 
 
 def _label(m: Measurement) -> str:
@@ -868,6 +869,24 @@ def save_results(results_dir: str, benchmark: str, command: list[str], settings:
     return path
 
 
+def add_results_option(parser: argparse.ArgumentParser) -> None:
+    """The ``--results DIR`` option of every benchmark command."""
+    parser.add_argument("--results", default=None, metavar="DIR",
+                        help="also write the run as a JSON result file in DIR (e.g. benchmarks/results)")
+
+
+def save_run(args: argparse.Namespace, benchmark: str, command: list[str], directory: str, started: float,
+             **results: Any) -> None:
+    """With ``--results``, writes the run of a benchmark command (its options are the
+    settings; ``--dir``, ``--json`` and ``--results`` are not) as :func:`save_results` does."""
+    if not args.results:
+        return
+    settings = {k: v for k, v in vars(args).items() if k not in ("what", "dir", "json", "results")}
+    settings["size"] = parse_size(args.size)
+    path = save_results(args.results, benchmark, command, settings, directory, started, **results)
+    print(f"results written to {path}", file=sys.stderr)
+
+
 def load_results(path: str) -> dict[str, Any]:
     """A result file written by :func:`save_results`, with its measurements as
     :class:`Measurement` objects (``measurements``, in the order they ran)."""
@@ -901,8 +920,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--dir", default=None, help="directory on the drive to measure (default: a temp dir)")
         p.add_argument("--size", default="2G", help="bytes to move (default 2G)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
-        p.add_argument("--results", default=None, metavar="DIR",
-                       help="also write the run as a JSON result file in DIR (e.g. benchmarks/results)")
+        add_results_option(p)
     args = parser.parse_args(argv)
     command = ["python", "-m", "tensorferry.bench", *(sys.argv[1:] if argv is None else argv)]
     if not fio_available():
@@ -922,13 +940,9 @@ def _run(args: argparse.Namespace, directory: str, command: list[str]) -> int:
     ``--results``, writes its result file."""
     nbytes = parse_size(args.size)
     started = time.time()
-    settings = {k: v for k, v in vars(args).items() if k not in ("what", "dir", "json", "results")}
-    settings["size"] = nbytes
 
-    def save(**kwargs: Any) -> None:
-        if args.results:
-            path = save_results(args.results, args.what, command, settings, directory, started, **kwargs)
-            print(f"results written to {path}", file=sys.stderr)
+    def save(**results: Any) -> None:
+        save_run(args, args.what, command, directory, started, **results)
 
     counts = [int(c) for c in getattr(args, "counts", "0").split(",")]
     if args.what == "paired":

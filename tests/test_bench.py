@@ -94,3 +94,42 @@ def test_in_turn_balances_places_and_predecessors(n: int) -> None:
     pairs = [(r[i], r[i + 1]) for r in rounds for i in range(n - 1)]
     assert {p: pairs.count(p) for p in pairs} == {p: len(rounds) // n for p in set(pairs)}
     assert len(set(pairs)) == n * (n - 1)  # each follows every other, equally often
+
+
+def _report_module():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "report.py")
+    spec = importlib.util.spec_from_file_location("benchmarks_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_report_renders_the_newest_result_of_each_benchmark(tmp_path) -> None:
+    report = _report_module()
+    results = tmp_path / "results"
+
+    def run(save_gbps: float, started: float) -> None:
+        rounds = []
+        for fio_gbps in (2.0, 1.0):  # two rounds: fio, then the save, each time
+            rounds += [bench.Measurement("fio [8 arrays]", "write", 10**9, 1 / fio_gbps, 0.2),
+                       bench.Measurement("tensorferry save [8 arrays]", "write", 10**9, 1 / save_gbps, 0.3, 5 << 20)]
+        bench.save_results(str(results), "checkpoint", ["python", "-m", "tensorferry.bench", "checkpoint", "--dir",
+                                                        "/nvme/x", "--size", "1G"], {"size": 1 << 30, "repeat": 2},
+                           str(tmp_path), started, measurements=rounds)
+
+    run(1.0, 1_000_000_000)  # older: left out of the page
+    run(3.0, 1_000_000_100)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.README_START}\nold table\n{report.README_END}\nrest\n")
+    out = tmp_path / "docs" / "benchmarks.md"
+    assert report.main(["--results", str(results), "--out", str(out), "--readme", str(readme), "--plot", ""]) == 0
+    page = out.read_text()
+    assert "--dir DIR --size 1G" in page and "/nvme/x" not in page
+    assert "| tensorferry save | write | 3.00 (3.00) | 2.25 | 0.30 | 2 |" in page  # median of 1.5 and 3.0
+    assert "1.00 (1.00)" not in page, "the older run is not shown"
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("intro\n") and text.endswith("rest\n")
+    assert "| tensorferry save | write | 3.00, 2.25, 0.30 |" in text
