@@ -37,13 +37,11 @@ MAX_CONCURRENT_SHARDS = 4
 def default_files_per_process() -> int:
     """Shard files one process of a distributed save writes at once, by default.
 
-    Each file has a writer thread that copies and hashes at about one core's pace, and
-    the engine and the kernel need about a core per process as well: so one file per two
-    cores of this process's share of the host (``LOCAL_WORLD_SIZE`` processes, as
-    torchrun sets), at most ``MAX_CONCURRENT_SHARDS``. On the 2-core development VM that
-    is one: 2 GiB single-process DCP saves had median ratios to fio of 0.91 with one
-    file against 0.73 with two and 0.68 with four (8 interleaved rounds), and four files
-    never beat one in four such probes.
+    Each file's writer thread copies and hashes at about one core's pace, and the engine
+    and kernel need about a core per process too: so one file per two cores of this
+    process's share of the host (``LOCAL_WORLD_SIZE`` processes, as torchrun sets), at
+    most ``MAX_CONCURRENT_SHARDS``. On 2 cores one file beat two and four (median ratios
+    to fio 0.91, 0.73, 0.68; docs/architecture.md).
     """
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

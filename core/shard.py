@@ -382,10 +382,8 @@ class _Streamer:
 
     def _copy_in(self, data: np.ndarray) -> str:
         """Copies ``data`` into the ring and returns its checksum, hashed from the copy
-        while that is still in the cache: with four shards saving at once, reading each
-        small tensor from memory twice (hash, then copy) made checksums cost 19% of a
-        save of 4096 tensors of 512 KiB; the copy and the drive's reads already use most
-        of the memory bandwidth."""
+        while that is still in the cache: hashing it from its own memory read every byte
+        twice, and cost 19% of a save of 4096 tensors of 512 KiB (docs/architecture.md)."""
         if data.nbytes <= min(COPY_PIECE, self.slot_size - self.fill):
             # Most small tensors fit in one piece, and one digest call costs less than a hasher.
             piece = self._piece(data.nbytes)
