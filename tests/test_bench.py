@@ -133,3 +133,14 @@ def test_report_renders_the_newest_result_of_each_benchmark(tmp_path) -> None:
     text = readme.read_text()
     assert "old table" not in text and text.startswith("intro\n") and text.endswith("rest\n")
     assert "| tensorferry save | write | 3.00, 2.25, 0.30 |" in text
+
+
+def test_bench_without_a_dir_removes_its_temporary_one() -> None:
+    import os
+    import tempfile
+
+    before = set(os.listdir(tempfile.gettempdir()))
+    cmd = [sys.executable, "-m", "tensorferry.bench", "engine", "--backends", "threads", "--size", "4M"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert set(os.listdir(tempfile.gettempdir())) == before
