@@ -225,7 +225,8 @@ def render_doc(latest: dict[str, dict[str, Any]], plot: str | None, out_dir: str
              METHOD, "## Reproducing", "",
              "Each figure comes from one command (`DIR`: a directory on the drive to measure; "
              "`--results` writes the run as a JSON file, from which `python benchmarks/report.py` "
-             "renders this page):", "",
+             "renders this page, showing the newest file of each benchmark; delete superseded files, "
+             "git keeps them):", "",
              "| benchmark | command | what it compares |", "| --- | --- | --- |"]
     lines += [f"| {name} | `{command}` | {what} |" for name, command, what in COMMANDS]
     lines += [""] + render_results(latest, plot, out_dir)
