@@ -2,7 +2,7 @@
 
 The page cache is dropped before each reader; bytes/s over a full pass.
 
-    python benchmarks/bench_data_tf.py --dir /nvme/tmp --size 2G [--repeat 2]
+    python benchmarks/bench_data_tf.py --dir /nvme/tmp --size 2G [--repeat 2] [--results benchmarks/results]
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ The data is ``--size`` bytes as 64 files, and again as one file of 1 MiB records
 cache is dropped before each reader.
 
     python benchmarks/bench_data_torch.py --dir /nvme/tmp --size 2G [--workers 0] [--batch 8] [--repeat 2]
+        [--results benchmarks/results]
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ async save counts until ``wait_until_finished`` returns); restores start from a 
 page cache and land in arrays with the given shardings.
 
     python benchmarks/bench_jax.py --dir /nvme/tmp --size 2G [--devices 8] [--repeat 2] [--json]
+        [--results benchmarks/results]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ safetensors and fio, in one run.
 
 Writes are timed until durable; reads start from a dropped page cache.
 
-    python benchmarks/bench_pytorch.py --dir /nvme/tmp --size 2G [--repeat 2] [--json]
+    python benchmarks/bench_pytorch.py --dir /nvme/tmp --size 2G [--repeat 2] [--json] [--results benchmarks/results]
 """
 
 from __future__ import annotations
