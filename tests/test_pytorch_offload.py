@@ -343,3 +343,92 @@ def test_full_directory():
         assert info.value.errno == errno.ENOSPC
         assert torch.equal(big.weight, weight)
         assert os.listdir(small) == []
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    return optimizer.state_dict()["state"]
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for index, entries in a.items():
+        assert entries.keys() == b[index].keys()
+        for key, value in entries.items():
+            assert torch.equal(value, b[index][key]), (index, key)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torch_state_dict_helpers_neither_step_nor_change_anything(tmp_path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from tensorferry.adapters.pytorch import FSDPCheckpointer
+
+    plain, offloaded = mlp(), mlp()
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    wrapped = OffloadedOptimizer(torch.optim.AdamW(offloaded.parameters(), lr=1e-2), tmp_path,
+                                 resident_bytes=small_budget(plain))
+    checkpointer = FSDPCheckpointer(tmp_path / "ckpt", offloaded, wrapped)
+    train(plain, reference, 2)
+    train(offloaded, wrapped, 2)
+    wrapped.zero_grad()  # no gradients: torch's helpers step an optimizer whose state looks empty
+    checkpointer.save(2)
+    model_state, optim_state = get_state_dict(offloaded, wrapped)
+    set_state_dict(offloaded, wrapped, model_state_dict=model_state, optim_state_dict=optim_state)
+    assert all(float(entries["step"]) == 2 for entries in optimizer_state(wrapped).values())
+    assert_same_params(plain, offloaded)
+    assert_same_state(optimizer_state(reference), optimizer_state(wrapped))
+    train(plain, reference, 2)
+    train(offloaded, wrapped, 2)
+    wrapped.zero_grad()
+    checkpointer.save(4)
+    assert_same_params(plain, offloaded)
+    assert_same_state(optimizer_state(reference), optimizer_state(wrapped))
+
+    # The checkpoint of step 2 resumes as step 2: two more steps give step 4 exactly.
+    resumed = mlp(seed=5)
+    fresh = OffloadedOptimizer(torch.optim.AdamW(resumed.parameters(), lr=1e-2), tmp_path,
+                               resident_bytes=small_budget(plain))
+    assert FSDPCheckpointer(tmp_path / "ckpt", resumed, fresh).load(2) == 2
+    assert all(float(entries["step"]) == 2 for entries in optimizer_state(fresh).values())
+    train(resumed, fresh, 2)
+    assert_same_params(plain, resumed)
+    assert_same_state(optimizer_state(reference), optimizer_state(fresh))
+    # What torch's helpers look at: the state, as on a plain optimizer.
+    assert len(fresh.state) == len(reference.state)
+    assert list(fresh.state[resumed[0].weight]) == list(reference.state[plain[0].weight])
+    assert torch.equal(fresh.state[resumed[0].weight]["exp_avg"], reference.state[plain[0].weight]["exp_avg"])
+    for o in (wrapped, fresh):
+        o.close()
+
+
+def test_hooks_run_once_per_step_and_schedulers_see_the_step(tmp_path):
+    import warnings
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    model = mlp()
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    wrapped = OffloadedOptimizer(inner, tmp_path, resident_bytes=small_budget(model))
+    calls: list[tuple[str, torch.optim.Optimizer]] = []
+
+    def record(name):
+        return lambda optimizer, args, kwargs: calls.append((name, optimizer))
+
+    handles = [wrapped.register_step_pre_hook(record("pre")), wrapped.register_step_post_hook(record("post")),
+               inner.register_step_pre_hook(record("inner-pre")),
+               inner.register_step_post_hook(record("inner-post")),
+               register_optimizer_step_pre_hook(record("global-pre")),
+               register_optimizer_step_post_hook(record("global-post"))]
+    try:
+        scheduler = torch.optim.lr_scheduler.StepLR(wrapped, 1, 0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+            for _ in range(2):
+                train(model, wrapped, 1)
+                scheduler.step()
+        assert len(list(wrapped._chunks(wrapped._params()))) > 1  # several chunks per step
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert [name for name, _ in calls] == ["global-pre", "pre", "inner-pre", "inner-post", "post", "global-post"] * 2
+    assert all(o is (inner if name.startswith("inner") else wrapped) for name, o in calls)
+    assert wrapped.param_groups[0]["lr"] == 1e-2 / 4
+    wrapped.close()

@@ -7,6 +7,7 @@ staging, GDS) is not written yet.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import errno
 import math
@@ -124,6 +125,60 @@ class _Write:
     error: OSError | None = None
 
 
+class _StoredState(collections.abc.Mapping):
+    """One parameter's offloaded state, as ``optimizer.state[p]`` shows it: its names known
+    without I/O, its tensors read from the store on first access (copies: changing them
+    changes nothing stored)."""
+
+    def __init__(self, owner: "OffloadedOptimizer", key: str) -> None:
+        self._owner, self._key = owner, key
+        self._names = [name for name, *_ in owner._layouts[key].entries] + list(owner._extras[key])
+        self._values: dict[Any, Any] | None = None
+
+    def __getitem__(self, name: Any) -> Any:
+        if self._values is None:
+            self._values = self._owner._read_state(self._key)
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class _OffloadedStateView(collections.abc.Mapping):
+    """``OffloadedOptimizer.state``: every parameter with state, wherever it lies now.
+
+    Code that inspects an optimizer's state (torch's ``get_state_dict`` and
+    ``set_state_dict`` step an optimizer whose state looks empty) sees it as on a plain
+    optimizer; a parameter without state reads as ``{}``, as from torch's defaultdict.
+    """
+
+    def __init__(self, owner: "OffloadedOptimizer") -> None:
+        self._owner = owner
+
+    def _holds(self, p: Any) -> bool:
+        held = self._owner.optimizer.state.get(p)
+        key = self._owner._keys.get(p)
+        return bool(held) or key in self._owner._layouts or bool(self._owner._extras.get(key))
+
+    def __getitem__(self, p: Any) -> Any:
+        held = self._owner.optimizer.state.get(p)
+        if held:
+            return held
+        key = self._owner._keys.get(p)
+        if key in self._owner._layouts:
+            return _StoredState(self._owner, key)
+        return dict(self._owner._extras.get(key, {}))
+
+    def __iter__(self) -> Iterator[Any]:
+        return (p for p in self._owner._params() if self._holds(p))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class OffloadedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer so that its state lives on NVMe between steps (ZeRO-Infinity style).
 
@@ -164,9 +219,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if prefetch < 0:
             raise ValueError(f"prefetch must not be negative, got {prefetch}")
         _require_cpu((p for g in optimizer.param_groups for p in g["params"]), "OffloadedOptimizer")
-        # Not Optimizer.__init__: the wrapped optimizer owns the groups and the hooks; the
-        # subclass is so that LR schedulers and isinstance checks accept the wrapper.
+        # Not Optimizer.__init__: the wrapped optimizer owns the groups; the subclass is so
+        # that LR schedulers and isinstance checks accept the wrapper. Step hooks are the
+        # wrapper's own and run once per step (torch's hooked step, patched on the class);
+        # state-dict hooks are the wrapped optimizer's, whose state_dict the wrapper calls.
         self.optimizer = optimizer
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = collections.OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = collections.OrderedDict()
+        self._optimizer_state_dict_pre_hooks = optimizer._optimizer_state_dict_pre_hooks
+        self._optimizer_state_dict_post_hooks = optimizer._optimizer_state_dict_post_hooks
+        self._optimizer_load_state_dict_pre_hooks = optimizer._optimizer_load_state_dict_pre_hooks
+        self._optimizer_load_state_dict_post_hooks = optimizer._optimizer_load_state_dict_post_hooks
+        self._patch_step_function()
         self.defaults = optimizer.defaults
         self.resident_bytes = resident_bytes
         self.prefetch = prefetch
@@ -187,8 +251,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> Any:  # type: ignore[override]
-        """The wrapped optimizer's state: empty between steps (it is in the store)."""
-        return self.optimizer.state
+        """Each parameter's state, as on a plain optimizer (read-only: the tensors of state
+        in the store are read on access, as copies)."""
+        return _OffloadedStateView(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group to the wrapped optimizer."""
@@ -223,18 +288,27 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         _require_cpu(params, "OffloadedOptimizer")
         groups = self.optimizer.param_groups
         members = [g["params"] for g in groups]
+        inner = self.optimizer
+        # The wrapped optimizer's step without torch's hook runner, which would run its
+        # hooks (and the global ones) once per chunk: they run once, here and around us.
+        raw_step = type(inner).step
+        raw_step = getattr(raw_step, "__wrapped__", raw_step) if getattr(raw_step, "hooked", False) else raw_step
+        for pre_hook in list(inner._optimizer_step_pre_hooks.values()):
+            pre_hook(inner, (), {})
 
         def step_chunk(chunk: list[torch.Tensor]) -> None:
             ids = {id(p) for p in chunk}
             try:
                 for group, full in zip(groups, members):
                     group["params"] = [p for p in full if id(p) in ids]
-                self.optimizer.step()
+                raw_step(inner)
             finally:
                 for group, full in zip(groups, members):
                     group["params"] = full
 
         self._pipeline(self._chunks(params), step_chunk, write_back=True)
+        for post_hook in list(inner._optimizer_step_post_hooks.values()):
+            post_hook(inner, (), {})
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -509,6 +583,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 failed.append(write)
         self._resident -= charged
         return failed
+
+    def _read_state(self, key: str) -> dict[Any, Any]:
+        """A copy of one key's stored state, read now."""
+        layout = self._layouts[key]
+        region = aligned_empty(layout.nbytes)
+        self.store.swap_in(key, region).result()
+        return {**layout.views(region), **self._extras[key]}
 
     def _drop_key(self, key: str) -> None:
         if self._layouts.pop(key, None) is not None:
