@@ -596,6 +596,31 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self.store.delete(key)
 
 
+# Modules whose forward uses their children's weights without calling the children
+# (MultiheadAttention reads out_proj.weight; TransformerEncoderLayer's inference fast path
+# hands every weight of its subtree to one fused kernel): streamed as one unit.
+_WHOLE_UNITS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer)
+
+
+def _streaming_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose forward hooks read weights, in ``model.modules()`` order; raises,
+    naming the module, for one that runs without hooks."""
+    units: list[torch.nn.Module] = []
+    inside: set[int] = set()  # modules within a whole unit, loaded with it
+    for name, module in model.named_modules(remove_duplicate=True):
+        if id(module) in inside:
+            continue
+        if isinstance(module, torch.jit.ScriptModule):
+            raise TypeError(f"stream_weights cannot stream {name or 'the model'} "
+                            f"({type(module).__name__}): a TorchScript module runs no forward hooks")
+        if isinstance(module, _WHOLE_UNITS):
+            inside.update(id(m) for m in module.modules())
+            units.append(module)
+        elif next(module.parameters(recurse=False), None) is not None:
+            units.append(module)
+    return units
+
+
 class StreamedWeights:
     """The handle :func:`stream_weights` returns: hooks that read each layer's weights from NVMe.
 
@@ -613,18 +638,21 @@ class StreamedWeights:
         _require_cpu(model.parameters(), "stream_weights")
         self.resident_bytes = resident_bytes
         self.prefetch = prefetch
-        # A unit is a module with parameters of its own; a parameter tied into several
-        # units is read once and released when the last of them is done.
-        self._units = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+        # A unit is a module with parameters of its own, or one that uses its children's
+        # weights without calling them, with its whole subtree; a parameter tied into
+        # several units is read once and released when the last of them is done.
+        # Parameters are told apart by identity: `in` on a list of tensors compares values.
+        self._units = _streaming_units(model)
         self._unit_params: dict[torch.nn.Module, list[torch.nn.Parameter]] = {}
+        self._unit_ids: dict[torch.nn.Module, set[int]] = {}
         self._params: dict[torch.nn.Parameter, tuple[str, torch.dtype, torch.Size]] = {}
         for unit in self._units:
-            own = []
-            for p in unit.parameters(recurse=False):
+            own = list(unit.parameters(recurse=isinstance(unit, _WHOLE_UNITS)))
+            for p in own:
                 if p not in self._params:
                     self._params[p] = (str(len(self._params)), p.dtype, p.shape)
-                own.append(p)
             self._unit_params[unit] = own
+            self._unit_ids[unit] = {id(p) for p in own}
         largest = max((self._unit_bytes(u) for u in self._units), default=0)
         if largest > resident_bytes:
             raise ValueError(f"resident_bytes={resident_bytes} is too small: one layer's weights take "
@@ -742,7 +770,7 @@ class StreamedWeights:
         for p in list(self._pending):
             if self._resident + need <= self.resident_bytes:
                 break
-            if p not in self._unit_params[unit]:
+            if id(p) not in self._unit_ids[unit]:
                 _, future = self._pending.pop(p)
                 _check_io([future])
                 self._release(p)
