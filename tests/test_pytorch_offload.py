@@ -432,3 +432,71 @@ def test_hooks_run_once_per_step_and_schedulers_see_the_step(tmp_path):
     assert all(o is (inner if name.startswith("inner") else wrapped) for name, o in calls)
     assert wrapped.param_groups[0]["lr"] == 1e-2 / 4
     wrapped.close()
+
+
+def embedding_model(seed: int = 0) -> torch.nn.Module:
+    """An embedding (2000 x 64, 500 KiB) far larger than the rest, a vocabulary-sized matrix."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(2000, 64), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                               torch.nn.Linear(64, 2000))
+
+
+def train_embedding(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        tokens = torch.randint(0, 2000, (8, 5), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+ELEMENTWISE = {**OPTIMIZERS,
+               "adam-foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+               "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+               "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=1e-3),
+               "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9, centered=True)}
+
+
+@pytest.mark.parametrize("name", list(ELEMENTWISE))
+def test_large_parameters_step_in_slices(tmp_path, name):
+    plain, offloaded = embedding_model(), embedding_model()
+    reference = ELEMENTWISE[name](plain.parameters())
+    largest = 2000 * 64 * 4
+    budget = 3 * largest // 2  # a chunk holds half of one state tensor of the embedding
+    wrapped = OffloadedOptimizer(ELEMENTWISE[name](offloaded.parameters()), tmp_path, resident_bytes=budget)
+    assert len(wrapped._params()) > len(list(offloaded.parameters()))  # sliced
+    train_embedding(plain, reference, 3)
+    train_embedding(offloaded, wrapped, 3)
+    assert_same_params(plain, offloaded)
+    assert wrapped.peak_resident_bytes <= budget
+    saved = wrapped.state_dict()
+    assert_same_state(reference.state_dict()["state"], saved["state"])
+    assert torch.equal(wrapped.state[offloaded[0].weight][next(iter(reference.state[plain[0].weight]))],
+                       next(iter(reference.state[plain[0].weight].values())))
+
+    # Loaded into a fresh wrapper, the state is cut into slices again and training goes on alike.
+    resumed = embedding_model(seed=3)
+    resumed.load_state_dict(offloaded.state_dict())
+    fresh = OffloadedOptimizer(ELEMENTWISE[name](resumed.parameters()), tmp_path, resident_bytes=budget)
+    fresh.load_state_dict(saved)
+    train_embedding(plain, reference, 2)
+    train_embedding(resumed, fresh, 2)
+    assert_same_params(plain, resumed)
+    assert fresh.peak_resident_bytes <= budget or name == "adagrad"  # load itself holds the whole state
+    for o in (wrapped, fresh):
+        o.close()
+
+
+def test_budget_is_checked_when_the_optimizer_is_built(tmp_path):
+    model = embedding_model()
+    # AdamW with amsgrad keeps 3 tensors per element; 4 KiB chunks cannot hold one slice.
+    with pytest.raises(ValueError, match="too small"):
+        OffloadedOptimizer(torch.optim.AdamW(model.parameters(), amsgrad=True), tmp_path, resident_bytes=3 << 12)
+    assert list(tmp_path.iterdir()) == []
+    # A budget smaller than the embedding's state, but holding slices, trains from step 1 on.
+    wrapped = OffloadedOptimizer(torch.optim.AdamW(model.parameters(), amsgrad=True), tmp_path,
+                                 resident_bytes=3 * (200 << 10))
+    train_embedding(model, wrapped, 2)
+    assert wrapped.peak_resident_bytes <= 3 * (200 << 10)
+    wrapped.close()

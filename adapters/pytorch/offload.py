@@ -10,6 +10,7 @@ import collections
 import collections.abc
 import dataclasses
 import errno
+import inspect
 import math
 import os
 import shutil
@@ -126,18 +127,18 @@ class _Write:
 
 
 class _StoredState(collections.abc.Mapping):
-    """One parameter's offloaded state, as ``optimizer.state[p]`` shows it: its names known
-    without I/O, its tensors read from the store on first access (copies: changing them
-    changes nothing stored)."""
+    """One parameter's state, as ``optimizer.state[p]`` shows it: its names known without
+    I/O, its tensors read on first access (copies: changing them changes nothing stored;
+    a parameter stepped in slices shows its slices' state put together)."""
 
-    def __init__(self, owner: "OffloadedOptimizer", key: str) -> None:
-        self._owner, self._key = owner, key
-        self._names = [name for name, *_ in owner._layouts[key].entries] + list(owner._extras[key])
+    def __init__(self, owner: "OffloadedOptimizer", param: torch.Tensor) -> None:
+        self._owner, self._param = owner, param
+        self._names = owner._state_names(param)
         self._values: dict[Any, Any] | None = None
 
     def __getitem__(self, name: Any) -> Any:
         if self._values is None:
-            self._values = self._owner._read_state(self._key)
+            self._values = self._owner._read_param_state(self._param)
         return self._values[name]
 
     def __iter__(self) -> Iterator[Any]:
@@ -158,25 +159,47 @@ class _OffloadedStateView(collections.abc.Mapping):
     def __init__(self, owner: "OffloadedOptimizer") -> None:
         self._owner = owner
 
-    def _holds(self, p: Any) -> bool:
-        held = self._owner.optimizer.state.get(p)
-        key = self._owner._keys.get(p)
-        return bool(held) or key in self._owner._layouts or bool(self._owner._extras.get(key))
-
     def __getitem__(self, p: Any) -> Any:
-        held = self._owner.optimizer.state.get(p)
-        if held:
-            return held
-        key = self._owner._keys.get(p)
-        if key in self._owner._layouts:
-            return _StoredState(self._owner, key)
-        return dict(self._owner._extras.get(key, {}))
+        return _StoredState(self._owner, p) if self._owner._state_names(p) else {}
 
     def __iter__(self) -> Iterator[Any]:
-        return (p for p in self._owner._params() if self._holds(p))
+        return (p for p in self._owner._unique_params() if self._owner._state_names(p))
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+# Optimizers whose update of each element reads only that element's parameter, gradient
+# and state (and scalars): stepping a parameter in slices gives the same bits.
+_ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop)
+# Slices are whole multiples of this many elements, so that each slice starts aligned and
+# vectorised kernels treat every element as they would in the whole tensor.
+_SLICE_ELEMENTS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class _StateSize:
+    """Bytes of a parameter's state: ``per_element`` per element plus ``fixed``."""
+
+    per_element: float
+    fixed: int
+
+    def of(self, elements: int) -> int:
+        return _round_up(int(self.per_element * elements) + self.fixed, _PAGE)
+
+
+def _probe_state_size(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> _StateSize:
+    """Steps an optimizer of the same class and group options on a small parameter of
+    ``dtype`` with a zero gradient, and measures the state it creates."""
+    probe = torch.zeros(_SLICE_ELEMENTS, dtype=dtype)
+    probe.grad = torch.zeros_like(probe)
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    twin = type(optimizer)([probe], **{k: v for k, v in group.items() if k != "params" and k in accepted})
+    twin.step()
+    tensors = [v for v in twin.state[probe].values() if isinstance(v, torch.Tensor)]
+    shaped = sum(_nbytes(t) for t in tensors if t.shape == probe.shape)
+    others = sum(_nbytes(t) for t in tensors if t.shape != probe.shape)
+    return _StateSize(shaped / _SLICE_ELEMENTS, others + _ALIGN * len(tensors))
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -202,6 +225,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             state the optimizer creates beside its packed copy).
         prefetch: how many chunks to read ahead.
         engine: the :class:`tensorferry.Engine` to use; by default the store's own.
+        elementwise: whether the optimizer updates each element from that element alone
+            (Adam, AdamW, SGD, Adagrad and RMSprop are known to; say True for others,
+            Lion say). Such an optimizer steps a parameter whose state exceeds a chunk's
+            share of the budget in slices, with the same result, and the budget is
+            checked when the wrapper is built; others need the largest parameter's state
+            to fit a chunk.
 
     Example::
 
@@ -211,7 +240,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, store_dir: PathLike, *,
-                 resident_bytes: int = 1 << 30, prefetch: int = 1, engine: Engine | None = None) -> None:
+                 resident_bytes: int = 1 << 30, prefetch: int = 1, engine: Engine | None = None,
+                 elementwise: bool | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError(f"expected a torch optimizer to wrap, got {type(optimizer).__name__}")
         if resident_bytes <= 0:
@@ -235,7 +265,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.resident_bytes = resident_bytes
         self.prefetch = prefetch
         self.store = OffloadStore(store_dir, engine, max_pool_bytes=0)
-        self._keys: dict[torch.Tensor, str] = {}  # parameter -> store key, given on first sight
+        self.elementwise = isinstance(optimizer, _ELEMENTWISE) if elementwise is None else elementwise
+        # What the optimizer steps: each parameter itself, or views of its slices
+        # (parameter -> [(view, start element)]), each with a store key given on first sight.
+        self._keys: dict[torch.Tensor, str] = {}
+        self._slices: dict[torch.Tensor, list[tuple[torch.Tensor, int]]] = {}
+        self._sizes: dict[tuple[int, torch.dtype], _StateSize] = {}  # (group, dtype) -> probed
+        self._expected: dict[str, int] = {}  # key -> probed state bytes, before it has state
         self._layouts: dict[str, _Layout] = {}  # keys whose state is in the store
         self._extras: dict[str, dict[Any, Any]] = {}  # non-tensor state entries, kept in memory
         # Learnt from the first parameters stepped, to size chunks of parameters that have
@@ -243,7 +279,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._estimate: tuple[float, int] | None = None
         self._resident = 0
         self.peak_resident_bytes = 0
-        self._offload_in_memory()
+        try:
+            self._offload_in_memory()
+            self._check_budget(self._params())
+        except BaseException:
+            self.store.close()
+            raise
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -260,6 +301,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         _require_cpu(param_group["params"] if not isinstance(param_group["params"], torch.Tensor)
                      else [param_group["params"]], "OffloadedOptimizer")
         self.optimizer.add_param_group(param_group)
+        self._check_budget(self._params())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's ``zero_grad``."""
@@ -288,6 +330,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         _require_cpu(params, "OffloadedOptimizer")
         groups = self.optimizer.param_groups
         members = [g["params"] for g in groups]
+        stepped = [[t for p in full for t in self._pieces(p)] for full in members]
         inner = self.optimizer
         # The wrapped optimizer's step without torch's hook runner, which would run its
         # hooks (and the global ones) once per chunk: they run once, here and around us.
@@ -299,14 +342,22 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         def step_chunk(chunk: list[torch.Tensor]) -> None:
             ids = {id(p) for p in chunk}
             try:
-                for group, full in zip(groups, members):
-                    group["params"] = [p for p in full if id(p) in ids]
+                for group, pieces in zip(groups, stepped):
+                    group["params"] = [p for p in pieces if id(p) in ids]
                 raw_step(inner)
             finally:
                 for group, full in zip(groups, members):
                     group["params"] = full
 
-        self._pipeline(self._chunks(params), step_chunk, write_back=True)
+        for p, pieces in self._slices.items():
+            for view, start in pieces:
+                view.grad = None if p.grad is None else p.grad.reshape(-1)[start:start + view.numel()]
+        try:
+            self._pipeline(self._chunks(params), step_chunk, write_back=True)
+        finally:
+            for pieces in self._slices.values():
+                for view, _ in pieces:
+                    view.grad = None
         for post_hook in list(inner._optimizer_step_post_hooks.values()):
             post_hook(inner, (), {})
         return loss
@@ -321,14 +372,25 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     copies[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
                                  for k, v in self.optimizer.state[p].items()}
 
-        stored = [p for p in self._params() if self._keys.get(p) in self._layouts]
+        params = self._params()
+        stored = [p for p in params if self._keys.get(p) in self._layouts]
         self._pipeline(self._chunks(stored), collect, write_back=False)
-        self.optimizer.state.update(copies)
+        for p in params:  # state without tensors (SGD's momentum_buffer of None) is never stored
+            if p not in copies and self._extras.get(self._keys[p]):
+                copies[p] = dict(self._extras[self._keys[p]])
+        # Slices' state held in memory (a write failed) goes into their parameter's whole.
+        held_slices = {v: self.optimizer.state.pop(v) for pieces in self._slices.values()
+                       for v, _ in pieces if self.optimizer.state.get(v)}
+        copies.update(held_slices)
+        whole = {p: self._joined(p, copies) for p in self._unique_params()
+                 if any(piece in copies for piece in self._pieces(p))}
+        self.optimizer.state.update(whole)
         try:
             return self.optimizer.state_dict()
         finally:
-            for p in copies:
+            for p in whole:
                 del self.optimizer.state[p]
+            self.optimizer.state.update(held_slices)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a (wrapped or plain) optimizer state dict into the wrapped optimizer and offloads it."""
@@ -360,20 +422,120 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     # Internals.
 
-    def _params(self) -> list[torch.Tensor]:
-        """Every parameter once, in param-group order, each with its store key."""
+    def _unique_params(self) -> list[torch.Tensor]:
+        """Every parameter once, in param-group order."""
         seen: dict[int, torch.Tensor] = {}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 seen.setdefault(id(p), p)
-        for p in seen.values():
-            if p not in self._keys:
-                self._keys[p] = str(len(self._keys))
         return list(seen.values())
+
+    def _params(self) -> list[torch.Tensor]:
+        """What the optimizer steps, in param-group order: each parameter, or its slices.
+
+        A parameter seen for the first time gets its store keys; with an element-wise
+        optimizer, one whose state would exceed a chunk's share of the budget is cut
+        into slices that fit it.
+        """
+        for index, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                if p not in self._keys and p not in self._slices:
+                    self._place(index, group, p)
+        return [t for p in self._unique_params() for t in self._pieces(p)]
+
+    def _place(self, index: int, group: dict[str, Any], p: torch.Tensor) -> None:
+        if not self.elementwise:
+            self._keys[p] = str(len(self._keys))
+            return
+        size = self._sizes.get((index, p.dtype))
+        if size is None:
+            size = self._sizes[(index, p.dtype)] = _probe_state_size(self.optimizer, group, p.dtype)
+        elements = p.numel()
+        if size.of(elements) > self._chunk_budget() and p.is_contiguous() and elements > _SLICE_ELEMENTS:
+            fits = int((self._chunk_budget() - size.fixed - _PAGE) / max(size.per_element, 1e-9))
+            elements = max(_SLICE_ELEMENTS, fits // _SLICE_ELEMENTS * _SLICE_ELEMENTS)
+            self._slices[p] = []
+            for start in range(0, p.numel(), elements):
+                view = p.detach().reshape(-1)[start:start + elements]
+                self._slices[p].append((view, start))
+                self._keys[view] = str(len(self._keys))
+                self._expected[self._keys[view]] = size.of(view.numel())
+        else:
+            self._keys[p] = str(len(self._keys))
+            self._expected[self._keys[p]] = size.of(elements)
+
+    def _pieces(self, p: torch.Tensor) -> list[torch.Tensor]:
+        """What the optimizer steps for ``p``: ``p``, or views of its slices (made anew, with
+        their keys, if ``p`` no longer lies where they look)."""
+        pieces = self._slices.get(p)
+        if pieces is None:
+            return [p]
+        view, start = pieces[0]
+        if (view.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+                or view.storage_offset() != p.storage_offset() + start):
+            for i, (old, begin) in enumerate(pieces):
+                new = p.detach().reshape(-1)[begin:begin + old.numel()]
+                self._keys[new] = self._keys.pop(old)
+                if old in self.optimizer.state:
+                    self.optimizer.state[new] = self.optimizer.state.pop(old)
+                pieces[i] = (new, begin)
+        return [view for view, _ in pieces]
+
+    def _split_held(self) -> None:
+        """Hands the state the wrapped optimizer holds for a sliced parameter to its slices."""
+        for p, pieces in self._slices.items():
+            held = self.optimizer.state.pop(p, None)
+            if not held:
+                continue
+            for view, start in pieces:
+                self.optimizer.state[view] = {
+                    k: v.reshape(-1)[start:start + view.numel()]
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape else v for k, v in held.items()}
+
+    def _joined(self, p: torch.Tensor, states: dict[torch.Tensor, dict[Any, Any]]) -> dict[Any, Any]:
+        """``p``'s state from its pieces' states: slices of per-element tensors put together."""
+        if p not in self._slices:
+            return states[p]
+        pieces = self._pieces(p)
+        first = states[pieces[0]]
+        return {k: torch.cat([states[view][k] for view in pieces]).view(p.shape)
+                if isinstance(v, torch.Tensor) and v.shape == pieces[0].shape else v for k, v in first.items()}
+
+    def _state_names(self, p: torch.Tensor) -> list[Any]:
+        """The names of ``p``'s state entries (empty without state), found without I/O."""
+        piece = self._pieces(p)[0] if p in self._keys or p in self._slices else None
+        held = self.optimizer.state.get(piece) if piece is not None else None
+        if held:
+            return list(held)
+        key = self._keys.get(piece)
+        if key in self._layouts:
+            return [name for name, *_ in self._layouts[key].entries] + list(self._extras[key])
+        return list(self._extras.get(key, {}))
+
+    def _read_param_state(self, p: torch.Tensor) -> dict[Any, Any]:
+        """A copy of ``p``'s state, read now."""
+        states = {}
+        for piece in self._pieces(p):
+            held = self.optimizer.state.get(piece)
+            key = self._keys[piece]
+            if held:
+                states[piece] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in held.items()}
+            elif key in self._layouts:
+                region = aligned_empty(self._layouts[key].nbytes)
+                _check_io([self.store.swap_in(key, region)])
+                states[piece] = {**self._layouts[key].views(region), **self._extras[key]}
+            else:
+                states[piece] = dict(self._extras.get(key, {}))
+        return self._joined(p, states)
+
+    def _chunk_budget(self) -> int:
+        return self.resident_bytes // max(self.prefetch + 2, 3)
 
     def _offload_in_memory(self) -> None:
         """Writes out the state the wrapped optimizer holds in memory (on wrapping, after a load)."""
-        held = [p for p in self._params() if self.optimizer.state.get(p)]
+        params = self._params()
+        self._split_held()
+        held = [p for p in params if self.optimizer.state.get(p)]
         self._pipeline(self._chunks(held), lambda chunk: None, write_back=True)
 
     def _charge(self, nbytes: int) -> None:
@@ -390,6 +552,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             return _Layout.of({k: v for k, v in held.items() if isinstance(v, torch.Tensor)}).nbytes
         if p.grad is None:
             return 0  # optimizers neither step nor create state for parameters without gradients
+        if key in self._expected:
+            return self._expected[key]
         if self._estimate is None:
             return None
         per_byte, fixed = self._estimate
@@ -411,17 +575,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         Sizes known beforehand are checked against the budget before the first chunk, so
         a step never stops half done; a first step's estimates are not.
         """
-        budget = self.resident_bytes // max(self.prefetch + 2, 3)
+        self._check_budget(params)
+        return self._chunk_runs(params, self._chunk_budget())
+
+    def _check_budget(self, params: list[torch.Tensor]) -> None:
+        """Raises if the state of one of ``params``, where known (held, stored or probed),
+        exceeds a chunk's share of the budget."""
+        budget = self._chunk_budget()
         for p in params:
-            nbytes = self._state_bytes(p)
-            known = self._keys[p] in self._layouts or self.optimizer.state.get(p)
-            if known and nbytes > budget:
-                held = max(self.prefetch + 2, 3)
+            key = self._keys[p]
+            held = self.optimizer.state.get(p)
+            if key in self._layouts or held:
+                nbytes = self._state_bytes(p)
+            else:
+                nbytes = self._expected.get(key, 0)
+            if nbytes > budget:
+                chunks = max(self.prefetch + 2, 3)
+                whole = next((q for q, pieces in self._slices.items() if any(v is p for v, _ in pieces)), None)
+                what = (f"a parameter of shape {tuple(p.shape)}" if whole is None else
+                        f"a slice of {p.numel()} elements (the smallest) of a parameter of shape {tuple(whole.shape)}")
                 raise ValueError(
-                    f"resident_bytes={self.resident_bytes} is too small: the state of a parameter of "
-                    f"shape {tuple(p.shape)} takes {nbytes} bytes and a step holds up to {held} "
-                    f"chunks; give at least {nbytes * held} bytes")
-        return self._chunk_runs(params, budget)
+                    f"resident_bytes={self.resident_bytes} is too small: the state of {what} takes {nbytes} "
+                    f"bytes and a step holds up to {chunks} chunks; give at least {nbytes * chunks} bytes")
 
     def _chunk_runs(self, params: list[torch.Tensor], budget: int) -> Iterator[list[torch.Tensor]]:
         """The generator behind :meth:`_chunks`."""
@@ -583,13 +758,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 failed.append(write)
         self._resident -= charged
         return failed
-
-    def _read_state(self, key: str) -> dict[Any, Any]:
-        """A copy of one key's stored state, read now."""
-        layout = self._layouts[key]
-        region = aligned_empty(layout.nbytes)
-        self.store.swap_in(key, region).result()
-        return {**layout.views(region), **self._extras[key]}
 
     def _drop_key(self, key: str) -> None:
         if self._layouts.pop(key, None) is not None:
