@@ -78,32 +78,37 @@ def loss_of(output: Any) -> torch.Tensor:
     return first_output(output).square().mean()
 
 
-def largest_unit_bytes(model: torch.nn.Module) -> int:
-    """The largest streaming unit: a module's own weights, or a whole MultiheadAttention /
-    TransformerEncoderLayer, each weight rounded up to pages."""
-    def page_bytes(params):
-        return sum(-(-p.numel() * p.element_size() // 4096) * 4096 for p in params)
-
-    whole = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer)
-    return max(page_bytes(m.parameters(recurse=isinstance(m, whole))) for m in model.modules())
+def streaming_bytes(module: torch.nn.Module, held: dict[int, int] | None = None) -> int:
+    """The most weight bytes a forward holds at once: a module's own weights (a whole
+    MultiheadAttention / TransformerEncoderLayer's), with those of the modules around it,
+    each weight rounded up to pages."""
+    whole = isinstance(module, (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer))
+    held = {**(held or {}), **{id(p): -(-p.numel() * p.element_size() // 4096) * 4096
+                               for p in module.parameters(recurse=whole)}}
+    if whole:
+        return sum(held.values())
+    return max([sum(held.values())] + [streaming_bytes(child, held) for child in module.children()])
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("prefetch", [0, 2])
-@pytest.mark.parametrize("factor", [2, 3])
+@pytest.mark.parametrize("factor", [1, 2, 3])
 def test_stream_weights_on_real_architectures(tmp_path, name, prefetch, factor):
     model, inputs = build(name)
     model.eval()
+    if factor == 1:
+        with pytest.raises(ValueError, match="too small"):
+            stream_weights(model, tmp_path, resident_bytes=streaming_bytes(model) - 1)
     before = {n: p.clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         expected = first_output(run(model, inputs))
-        with stream_weights(model, tmp_path, resident_bytes=factor * largest_unit_bytes(model),
+        with stream_weights(model, tmp_path, resident_bytes=factor * streaming_bytes(model),
                             prefetch=prefetch) as streamed:
             outputs = [first_output(run(model, inputs)) for _ in range(2)]
             assert all(p.numel() == 0 for p in model.parameters())
     for out in outputs:
         assert torch.equal(out, expected)
-    assert streamed.peak_resident_bytes <= factor * largest_unit_bytes(model)
+    assert streamed.peak_resident_bytes <= factor * streaming_bytes(model)
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
     assert list(tmp_path.iterdir()) == []

@@ -821,10 +821,10 @@ class StreamedWeights:
                     self._params[p] = (str(len(self._params)), p.dtype, p.shape)
             self._unit_params[unit] = own
             self._unit_ids[unit] = {id(p) for p in own}
-        largest = max((self._unit_bytes(u) for u in self._units), default=0)
+        largest = self._nested_bytes(model, {})
         if largest > resident_bytes:
-            raise ValueError(f"resident_bytes={resident_bytes} is too small: one layer's weights take "
-                             f"{largest} bytes")
+            raise ValueError(f"resident_bytes={resident_bytes} is too small: one layer's weights, with those "
+                             f"of the layers around it (held while it runs), take {largest} bytes")
         total = sum(self._param_bytes(p) for p in self._params)
         free = shutil.disk_usage(store_dir).free if os.path.isdir(store_dir) else None
         self.store = OffloadStore(store_dir, engine, max_pool_bytes=0)
@@ -853,8 +853,14 @@ class StreamedWeights:
         _, dtype, shape = self._params[p]
         return _round_up(math.prod(shape) * dtype.itemsize, _PAGE)
 
-    def _unit_bytes(self, unit: torch.nn.Module) -> int:
-        return sum(self._param_bytes(p) for p in self._unit_params[unit])
+    def _nested_bytes(self, module: torch.nn.Module, held: dict[int, int]) -> int:
+        """The most weight bytes loaded at once while ``module`` or a module inside it runs,
+        ``held`` (parameter id -> bytes) being loaded already by the modules around it."""
+        if module in self._unit_params:
+            held = {**held, **{id(p): self._param_bytes(p) for p in self._unit_params[module]}}
+            if isinstance(module, _WHOLE_UNITS):
+                return sum(held.values())
+        return max([sum(held.values())] + [self._nested_bytes(child, held) for child in module.children()])
 
     def _write_all(self) -> None:
         """Writes every weight, a bounded amount in flight; replaces them by empty tensors only
@@ -1010,16 +1016,18 @@ def stream_weights(model: torch.nn.Module, store_dir: PathLike, *, resident_byte
 
     Every module with parameters of its own gets a forward pre-hook that reads them
     (and starts reading the next ``prefetch`` layers, in the order of the last forward
-    pass) and a forward hook that releases them. Buffers stay in memory. Inference only:
-    a forward with gradients enabled raises.
+    pass) and a forward hook that releases them. A module that uses its children's
+    weights without calling them (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``)
+    is read as one unit with its children; a TorchScript module, which runs no hooks, is
+    refused. Buffers stay in memory. Inference only: a forward with gradients enabled raises.
 
     Args:
         model: the model, its parameters on the CPU. Its parameters become empty tensors
             outside their layer's forward.
         store_dir: an existing directory on the drive.
         resident_bytes: bound on parameter memory held at once, prefetched layers included;
-            must hold the largest layer (a layer whose children also have weights holds its
-            own while they run).
+            must hold the largest layer with the layers around it (a layer whose children
+            also have weights holds its own while they run), which is checked here.
         prefetch: how many layers to read ahead.
         engine: the :class:`tensorferry.Engine` to use; by default the store's own.
 
