@@ -211,12 +211,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     so the arithmetic, and therefore the result, is bit-identical to the unwrapped
     optimizer. While a chunk computes, the next ``prefetch`` chunks are read and the
     previous chunk is written. The state the optimizer creates on its first step is
-    offloaded the same way.
+    offloaded the same way. Step hooks (the wrapper's, the wrapped optimizer's, torch's
+    global ones) run once per step, and :attr:`state` shows every parameter's state as a
+    plain optimizer would, so LR schedulers and torch's ``get_state_dict`` /
+    ``set_state_dict`` (hence :class:`FSDPCheckpointer`) treat the wrapper as one.
 
     Args:
         optimizer: the torch optimizer to wrap (its parameters on the CPU). Use only the
-            wrapper from now on: between steps ``optimizer.state`` is empty, and a step
-            of the bare optimizer would start its state afresh.
+            wrapper from now on: between steps the wrapped ``optimizer.state`` is empty,
+            and a step of the bare optimizer would start its state afresh.
         store_dir: an existing directory on the drive; the state goes to a private
             subdirectory that :meth:`close` removes.
         resident_bytes: bound on the optimizer state held in memory at once, in flight
