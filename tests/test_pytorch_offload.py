@@ -418,6 +418,8 @@ def test_hooks_run_once_per_step_and_schedulers_see_the_step(tmp_path):
                register_optimizer_step_pre_hook(record("global-pre")),
                register_optimizer_step_post_hook(record("global-post"))]
     try:
+        # A parameter group added now is measured on a twin optimizer: no hooks for that.
+        wrapped.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]})
         scheduler = torch.optim.lr_scheduler.StepLR(wrapped, 1, 0.5)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"

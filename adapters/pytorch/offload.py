@@ -188,6 +188,13 @@ class _StateSize:
         return _round_up(int(self.per_element * elements) + self.fixed, _PAGE)
 
 
+def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
+    """The optimizer class's own ``step``, without the hook runner torch wraps it in (which
+    runs the optimizer's and the global step hooks)."""
+    step = type(optimizer).step
+    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+
+
 def _probe_state_size(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> _StateSize:
     """Steps an optimizer of the same class and group options on a small parameter of
     ``dtype`` with a zero gradient, and measures the state it creates."""
@@ -195,7 +202,7 @@ def _probe_state_size(optimizer: torch.optim.Optimizer, group: dict[str, Any], d
     probe.grad = torch.zeros_like(probe)
     accepted = inspect.signature(type(optimizer).__init__).parameters
     twin = type(optimizer)([probe], **{k: v for k, v in group.items() if k != "params" and k in accepted})
-    twin.step()
+    _unhooked_step(twin)(twin)  # a measurement, not a step: no hooks
     tensors = [v for v in twin.state[probe].values() if isinstance(v, torch.Tensor)]
     shaped = sum(_nbytes(t) for t in tensors if t.shape == probe.shape)
     others = sum(_nbytes(t) for t in tensors if t.shape != probe.shape)
@@ -337,10 +344,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         inner = self.optimizer
         # The wrapped optimizer's step without torch's hook runner, which would run its
         # hooks (and the global ones) once per chunk: they run once, here and around us.
-        raw_step = type(inner).step
-        raw_step = getattr(raw_step, "__wrapped__", raw_step) if getattr(raw_step, "hooked", False) else raw_step
+        raw_step = _unhooked_step(inner)
         for pre_hook in list(inner._optimizer_step_pre_hooks.values()):
-            pre_hook(inner, (), {})
+            pre_hook(inner, (inner,), {})
 
         def step_chunk(chunk: list[torch.Tensor]) -> None:
             ids = {id(p) for p in chunk}
@@ -362,7 +368,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 for view, _ in pieces:
                     view.grad = None
         for post_hook in list(inner._optimizer_step_post_hooks.values()):
-            post_hook(inner, (), {})
+            post_hook(inner, (inner,), {})
         return loss
 
     def state_dict(self) -> dict[str, Any]:
