@@ -15,13 +15,13 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
+from ...checkpoint import DEFAULT_SHARD_BYTES, read_manifest
 from ...checkpoint import load_checkpoint as _load_directory
-from ...checkpoint import read_manifest
 from ...checkpoint import save_checkpoint as _save_directory
 from ...dtypes import to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
-from ...shard import ShardReader, ShardWriter
+from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter
 from .tensors import byte_source, from_array, host_array, safetensors_dtype
 
 STRUCTURE_KEY = "tensorferry.structure"
@@ -201,7 +201,8 @@ def _placed(structure: Any, arrays: Mapping[str, np.ndarray], map_location: Any)
 
 
 def save_checkpoint(directory: str | os.PathLike, obj: Any, metadata: Mapping[str, Any] | None = None, *,
-                    engine: Engine | None = None, overwrite: bool = False, **kwargs: Any) -> str:
+                    engine: Engine | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    buffer_size: int = DEFAULT_BUFFER_SIZE, overwrite: bool = False) -> str:
     """Saves a state dict (anything :func:`save` takes) as a checkpoint directory, atomically
     (:func:`tensorferry.save_checkpoint`: sharded, checksummed, a manifest); returns its path.
 
@@ -213,7 +214,8 @@ def save_checkpoint(directory: str | os.PathLike, obj: Any, metadata: Mapping[st
     meta = dict(metadata or {})
     meta[STRUCTURE_KEY] = structure
     arrays = {name: t if isinstance(t, np.ndarray) else host_array(t) for name, t in encoder.tensors.items()}
-    return _save_directory(directory, arrays, meta, engine=engine, overwrite=overwrite, **kwargs)
+    return _save_directory(directory, arrays, meta, engine=engine, max_shard_bytes=max_shard_bytes,
+                           buffer_size=buffer_size, overwrite=overwrite)
 
 
 def load_checkpoint(directory: str | os.PathLike, map_location: str | torch.device | None = None, *,
