@@ -86,23 +86,29 @@ class _Encoder:
         raise TypeError(f"{where or 'the object'}: cannot save a {type(value).__name__} without pickle")
 
 
-def _decode(structure: Any, values: Mapping[str, Any], where: str) -> Any:
-    """The object :class:`_Encoder` flattened, from ``values`` by name (tensors made once
-    each, so tied entries come back as one tensor; numpy arrays)."""
+def _decode(structure: Any, arrays: Mapping[str, np.ndarray], where: str, map_location: Any) -> Any:
+    """The object :class:`_Encoder` flattened, from the arrays the core read: each tensor
+    made once (tied entries come back as one tensor) and moved to ``map_location``; numpy
+    arrays as they were read."""
+    tensors: dict[str, torch.Tensor] = {}
 
-    def value_of(name: Any) -> Any:
-        if name not in values:
+    def array(name: Any) -> np.ndarray:
+        if name not in arrays:
             raise CorruptCheckpointError(f"{where}: the structure names a missing tensor {name!r}")
-        return values[name]
+        return arrays[name]
 
     def decode(node: Any) -> Any:
         if not isinstance(node, dict) or len(node) != 1:
             raise CorruptCheckpointError(f"{where}: unreadable structure node {node!r}")
         (kind, value), = node.items()
-        if kind in ("tensor", "ndarray"):
-            return value_of(value)
+        if kind == "tensor":
+            if value not in tensors:
+                tensors[value] = _to_tensors({value: array(value)}, map_location)[value]
+            return tensors[value]
+        if kind == "ndarray":
+            return array(value)
         if kind == "npscalar":
-            return value_of(value)[()]
+            return array(value)[()]
         if kind == "dict":
             return {k: decode(v) for k, v in value}
         if kind == "list":
@@ -131,7 +137,7 @@ def _check_map_location(map_location: Any) -> None:
 def _to_tensors(arrays: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
     """Arrays the core read as CPU tensors (bf16 and fp8 included), moved to ``map_location``."""
     tensors = {name: a if isinstance(a, torch.Tensor) else from_array(a, to_safetensors_dtype(a.dtype))
-               for name, a in arrays.items()}
+               for name, a in arrays.items()}  # tensors already: those read in place
     if map_location is not None and torch.device(map_location).type != "cpu":
         tensors = {name: t.to(map_location) for name, t in tensors.items()}
     return tensors
@@ -175,29 +181,7 @@ def load(path: str | os.PathLike, map_location: str | torch.device | None = None
         structure = json.loads(structure_text)
     except ValueError:
         raise CorruptCheckpointError(f"{path}: the saved structure is not valid JSON") from None
-    return _decode(structure, _placed(structure, arrays, map_location), os.fspath(path))
-
-
-def _placed(structure: Any, arrays: Mapping[str, np.ndarray], map_location: Any) -> dict[str, Any]:
-    """The arrays that the structure uses as tensors, made tensors on ``map_location``; numpy
-    arrays stay arrays."""
-    as_numpy: set[str] = set()
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict) and len(node) == 1:
-            (kind, value), = node.items()
-            if kind in ("ndarray", "npscalar"):
-                as_numpy.add(value)
-            elif kind == "dict":
-                for _, v in value:
-                    walk(v)
-            elif kind in ("list", "tuple"):
-                for v in value:
-                    walk(v)
-
-    walk(structure)
-    tensors = _to_tensors({n: a for n, a in arrays.items() if n not in as_numpy}, map_location)
-    return {**tensors, **{n: a for n, a in arrays.items() if n in as_numpy}}
+    return _decode(structure, arrays, os.fspath(path), map_location)
 
 
 def save_checkpoint(directory: str | os.PathLike, obj: Any, metadata: Mapping[str, Any] | None = None, *,
@@ -234,7 +218,7 @@ def load_checkpoint(directory: str | os.PathLike, map_location: str | torch.devi
     structure = read_manifest(directory)["metadata"].get(STRUCTURE_KEY)
     if structure is None or names is not None or out:
         return _to_tensors(arrays, map_location)
-    return _decode(structure, _placed(structure, arrays, map_location), os.fspath(directory))
+    return _decode(structure, arrays, os.fspath(directory), map_location)
 
 
 __all__ = ["load", "load_checkpoint", "save", "save_checkpoint"]
