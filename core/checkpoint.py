@@ -244,7 +244,7 @@ def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = 
     tensors = manifest["tensors"]
     out = dict(out or {})
     wanted = list(names) if names is not None else list(out) if out else list(tensors)
-    missing = [n for n in [*wanted, *out] if n not in tensors]
+    missing = [n for n in dict.fromkeys([*wanted, *out]) if n not in tensors]
     if missing:
         raise KeyError(f"{directory} holds no tensor(s) {', '.join(map(repr, missing))}")
     for name, dest in out.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import threading
 import warnings
@@ -58,6 +59,11 @@ class File:
         self._native = _native.File(self.path, mode, want_direct)
         self._closed = False
         if self._native.direct_refused:
+            # A directory opens read-only but refuses O_DIRECT: that is no news about the
+            # filesystem, and a warning given now would silence the one for a real refusal.
+            if os.path.isdir(self.path):
+                self.close()
+                raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", self.path)
             _warn_direct_refused(self.path)
 
     @classmethod

@@ -572,8 +572,9 @@ def test_load_in_place_into_existing_arrays(tmp_path) -> None:
         tensorferry.load_checkpoint(path, out={"w": np.zeros((70, 300), np.float32)})
     with pytest.raises(ValueError, match="F32"):
         tensorferry.load_checkpoint(path, out={"w": np.zeros((300, 70), np.float64)})
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError) as missing:
         tensorferry.load_checkpoint(path, out={"nope": np.zeros(1)})
+    assert str(missing.value).count("nope") == 1
 
 
 def test_atomic_writer_replaces_only_when_complete(tmp_path) -> None:

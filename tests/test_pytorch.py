@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402 (
 
 import tensorferry  # noqa: E402
 from tensorferry import CheckpointNotFoundError  # noqa: E402
-from tensorferry.adapters.pytorch import DCPReader, DCPWriter, FSDPCheckpointer, load, save  # noqa: E402
+from tensorferry.adapters.pytorch import (DCPReader, DCPWriter, FSDPCheckpointer, load,  # noqa: E402
+                                          load_checkpoint, save, save_checkpoint)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -91,6 +92,81 @@ def test_load_plain_safetensors_and_map_location(tmp_path) -> None:
     assert torch.equal(load(tmp_path / "peer.safetensors", map_location="cpu")["x"], torch.arange(6.0))
     with pytest.raises(TypeError):
         load(tmp_path / "peer.safetensors", map_location=lambda s, _: s)
+
+
+ALL_DTYPES = DTYPES + [torch.uint16, torch.uint32, torch.uint64]
+
+
+def test_checkpoint_directories_of_every_dtype(tmp_path) -> None:
+    state = {"model": {str(d).split(".")[-1]: random_tensor(d, (5, 3), i) for i, d in enumerate(ALL_DTYPES)},
+             "scalar": torch.tensor(1.5, dtype=torch.bfloat16), "step": 3}
+    path = save_checkpoint(tmp_path / "c", state, {"note": "x"}, max_shard_bytes=64)
+    assert len(tensorferry.read_manifest(path)["files"]) > 1
+    assert tensorferry.read_manifest(path)["metadata"]["note"] == "x"
+    for back in (load_checkpoint(path), load(path)):  # the directory through the file verb too
+        assert back["step"] == 3 and same(state["scalar"], back["scalar"])
+        for name, t in state["model"].items():
+            assert same(t, back["model"][name]), name
+    # In place, into tensors of every dtype.
+    into = {f"model.{name}": torch.zeros_like(t) for name, t in state["model"].items()}
+    got = load_checkpoint(path, out=into)
+    for name, t in state["model"].items():
+        assert got[f"model.{name}"] is into[f"model.{name}"] and same(t, into[f"model.{name}"]), name
+    assert same(load_checkpoint(path, names=["model.bfloat16"])["model.bfloat16"], state["model"]["bfloat16"])
+    with pytest.raises(ValueError, match="contiguous"):
+        load_checkpoint(path, out={"model.float32": torch.zeros(3, 5).t()})
+
+
+def test_tied_weights_are_found_by_storage(tmp_path) -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    sd = model.state_dict()
+    assert sd["0.weight"] is not sd["1.weight"]  # a new tensor object per entry
+    sd["0.view"] = sd["0.weight"][1:]  # same storage, another view: not a tie
+    save(sd, tmp_path / "tied.safetensors")
+    save_checkpoint(tmp_path / "dir", sd)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "tied.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["0.view", "0.weight"]
+    assert sorted(tensorferry.read_manifest(tmp_path / "dir")["tensors"]) == ["0.view", "0.weight"]
+    for back in (load(tmp_path / "tied.safetensors"), load_checkpoint(tmp_path / "dir")):
+        assert back["0.weight"] is back["1.weight"] and torch.equal(back["0.weight"], sd["0.weight"])
+        assert torch.equal(back["0.view"], sd["0.weight"][1:])
+    save({"a": torch.zeros(0), "b": torch.zeros(0)}, tmp_path / "empty.safetensors")
+    empties = load(tmp_path / "empty.safetensors")
+    assert empties["a"] is not empties["b"]
+
+
+def test_numpy_arrays_in_a_state_dict(tmp_path) -> None:
+    rng = np.random.get_state()
+    obj = {"rng": rng, "torch_rng": torch.get_rng_state(), "mask": np.array([[True, False]]),
+           "half": np.arange(6, dtype=np.float16).reshape(2, 3)[:, ::2], "count": np.int64(7)}
+    save(obj, tmp_path / "rng.safetensors")
+    save_checkpoint(tmp_path / "rng", obj)
+    for back in (load(tmp_path / "rng.safetensors"), load(tmp_path / "rng")):
+        assert back["rng"][0] == "MT19937" and isinstance(back["rng"][1], np.ndarray)
+        np.testing.assert_array_equal(back["rng"][1], rng[1])
+        assert back["rng"][1].dtype == rng[1].dtype and back["rng"][2:] == rng[2:]
+        np.random.set_state(back["rng"])
+        assert torch.equal(back["torch_rng"], obj["torch_rng"])
+        np.testing.assert_array_equal(back["mask"], obj["mask"])
+        np.testing.assert_array_equal(back["half"], obj["half"])
+        assert back["half"].dtype == np.float16 and back["count"] == 7 and isinstance(back["count"], np.int64)
+    with pytest.raises(TypeError, match="without pickle"):
+        save({"s": np.array(["a"])}, tmp_path / "str.safetensors")
+
+
+def test_loading_a_directory_neither_warns_nor_hides_a_later_warning(tmp_path) -> None:
+    import warnings
+    (tmp_path / "plain").mkdir()
+    tensorferry.engine._warned_filesystems.discard(os.stat(tmp_path).st_dev)  # another test may have warned
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(CheckpointNotFoundError):
+            load(tmp_path / "plain")
+        with pytest.raises(IsADirectoryError):
+            tensorferry.open(tmp_path / "plain")
+    assert os.stat(tmp_path).st_dev not in tensorferry.engine._warned_filesystems
 
 
 # --- DCPWriter / DCPReader, one process ------------------------------------------------

@@ -343,3 +343,162 @@ def test_full_directory():
         assert info.value.errno == errno.ENOSPC
         assert torch.equal(big.weight, weight)
         assert os.listdir(small) == []
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    return optimizer.state_dict()["state"]
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for index, entries in a.items():
+        assert entries.keys() == b[index].keys()
+        for key, value in entries.items():
+            assert torch.equal(value, b[index][key]), (index, key)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torch_state_dict_helpers_neither_step_nor_change_anything(tmp_path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from tensorferry.adapters.pytorch import FSDPCheckpointer
+
+    plain, offloaded = mlp(), mlp()
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    wrapped = OffloadedOptimizer(torch.optim.AdamW(offloaded.parameters(), lr=1e-2), tmp_path,
+                                 resident_bytes=small_budget(plain))
+    checkpointer = FSDPCheckpointer(tmp_path / "ckpt", offloaded, wrapped)
+    train(plain, reference, 2)
+    train(offloaded, wrapped, 2)
+    wrapped.zero_grad()  # no gradients: torch's helpers step an optimizer whose state looks empty
+    checkpointer.save(2)
+    model_state, optim_state = get_state_dict(offloaded, wrapped)
+    set_state_dict(offloaded, wrapped, model_state_dict=model_state, optim_state_dict=optim_state)
+    assert all(float(entries["step"]) == 2 for entries in optimizer_state(wrapped).values())
+    assert_same_params(plain, offloaded)
+    assert_same_state(optimizer_state(reference), optimizer_state(wrapped))
+    train(plain, reference, 2)
+    train(offloaded, wrapped, 2)
+    wrapped.zero_grad()
+    checkpointer.save(4)
+    assert_same_params(plain, offloaded)
+    assert_same_state(optimizer_state(reference), optimizer_state(wrapped))
+
+    # The checkpoint of step 2 resumes as step 2: two more steps give step 4 exactly.
+    resumed = mlp(seed=5)
+    fresh = OffloadedOptimizer(torch.optim.AdamW(resumed.parameters(), lr=1e-2), tmp_path,
+                               resident_bytes=small_budget(plain))
+    assert FSDPCheckpointer(tmp_path / "ckpt", resumed, fresh).load(2) == 2
+    assert all(float(entries["step"]) == 2 for entries in optimizer_state(fresh).values())
+    train(resumed, fresh, 2)
+    assert_same_params(plain, resumed)
+    assert_same_state(optimizer_state(reference), optimizer_state(fresh))
+    # What torch's helpers look at: the state, as on a plain optimizer.
+    assert len(fresh.state) == len(reference.state)
+    assert list(fresh.state[resumed[0].weight]) == list(reference.state[plain[0].weight])
+    assert torch.equal(fresh.state[resumed[0].weight]["exp_avg"], reference.state[plain[0].weight]["exp_avg"])
+    for o in (wrapped, fresh):
+        o.close()
+
+
+def test_hooks_run_once_per_step_and_schedulers_see_the_step(tmp_path):
+    import warnings
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    model = mlp()
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    wrapped = OffloadedOptimizer(inner, tmp_path, resident_bytes=small_budget(model))
+    calls: list[tuple[str, torch.optim.Optimizer]] = []
+
+    def record(name):
+        return lambda optimizer, args, kwargs: calls.append((name, optimizer))
+
+    handles = [wrapped.register_step_pre_hook(record("pre")), wrapped.register_step_post_hook(record("post")),
+               inner.register_step_pre_hook(record("inner-pre")),
+               inner.register_step_post_hook(record("inner-post")),
+               register_optimizer_step_pre_hook(record("global-pre")),
+               register_optimizer_step_post_hook(record("global-post"))]
+    try:
+        # A parameter group added now is measured on a twin optimizer: no hooks for that.
+        wrapped.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]})
+        scheduler = torch.optim.lr_scheduler.StepLR(wrapped, 1, 0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+            for _ in range(2):
+                train(model, wrapped, 1)
+                scheduler.step()
+        assert len(list(wrapped._chunks(wrapped._params()))) > 1  # several chunks per step
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert [name for name, _ in calls] == ["global-pre", "pre", "inner-pre", "inner-post", "post", "global-post"] * 2
+    assert all(o is (inner if name.startswith("inner") else wrapped) for name, o in calls)
+    assert wrapped.param_groups[0]["lr"] == 1e-2 / 4
+    wrapped.close()
+
+
+def embedding_model(seed: int = 0) -> torch.nn.Module:
+    """An embedding (2000 x 64, 500 KiB) far larger than the rest, a vocabulary-sized matrix."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(2000, 64), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                               torch.nn.Linear(64, 2000))
+
+
+def train_embedding(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        tokens = torch.randint(0, 2000, (8, 5), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+ELEMENTWISE = {**OPTIMIZERS,
+               "adam-foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+               "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+               "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=1e-3),
+               "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9, centered=True)}
+
+
+@pytest.mark.parametrize("name", list(ELEMENTWISE))
+def test_large_parameters_step_in_slices(tmp_path, name):
+    plain, offloaded = embedding_model(), embedding_model()
+    reference = ELEMENTWISE[name](plain.parameters())
+    largest = 2000 * 64 * 4
+    budget = 3 * largest // 2  # a chunk holds half of one state tensor of the embedding
+    wrapped = OffloadedOptimizer(ELEMENTWISE[name](offloaded.parameters()), tmp_path, resident_bytes=budget)
+    assert len(wrapped._params()) > len(list(offloaded.parameters()))  # sliced
+    train_embedding(plain, reference, 3)
+    train_embedding(offloaded, wrapped, 3)
+    assert_same_params(plain, offloaded)
+    assert wrapped.peak_resident_bytes <= budget
+    saved = wrapped.state_dict()
+    assert_same_state(reference.state_dict()["state"], saved["state"])
+    assert torch.equal(wrapped.state[offloaded[0].weight][next(iter(reference.state[plain[0].weight]))],
+                       next(iter(reference.state[plain[0].weight].values())))
+
+    # Loaded into a fresh wrapper, the state is cut into slices again and training goes on alike.
+    resumed = embedding_model(seed=3)
+    resumed.load_state_dict(offloaded.state_dict())
+    fresh = OffloadedOptimizer(ELEMENTWISE[name](resumed.parameters()), tmp_path, resident_bytes=budget)
+    fresh.load_state_dict(saved)
+    train_embedding(plain, reference, 2)
+    train_embedding(resumed, fresh, 2)
+    assert_same_params(plain, resumed)
+    assert fresh.peak_resident_bytes <= budget or name == "adagrad"  # load itself holds the whole state
+    for o in (wrapped, fresh):
+        o.close()
+
+
+def test_budget_is_checked_when_the_optimizer_is_built(tmp_path):
+    model = embedding_model()
+    # AdamW with amsgrad keeps 3 tensors per element; 4 KiB chunks cannot hold one slice.
+    with pytest.raises(ValueError, match="too small"):
+        OffloadedOptimizer(torch.optim.AdamW(model.parameters(), amsgrad=True), tmp_path, resident_bytes=3 << 12)
+    assert list(tmp_path.iterdir()) == []
+    # A budget smaller than the embedding's state, but holding slices, trains from step 1 on.
+    wrapped = OffloadedOptimizer(torch.optim.AdamW(model.parameters(), amsgrad=True), tmp_path,
+                                 resident_bytes=3 * (200 << 10))
+    train_embedding(model, wrapped, 2)
+    assert wrapped.peak_resident_bytes <= 3 * (200 << 10)
+    wrapped.close()

@@ -14,7 +14,7 @@ from .checkpointer import FSDPCheckpointer
 from .data import GDSDataset, GDSWorkerWarning
 from .dcp import DCPReader, DCPWriter
 from .offload import OffloadedOptimizer, StreamedWeights, stream_weights
-from .serialization import load, save
+from .serialization import load, load_checkpoint, save, save_checkpoint
 
 __all__ = ["DCPReader", "DCPWriter", "FSDPCheckpointer", "GDSDataset", "GDSWorkerWarning", "OffloadedOptimizer",
-           "StreamedWeights", "load", "save", "stream_weights"]
+           "StreamedWeights", "load", "load_checkpoint", "save", "save_checkpoint", "stream_weights"]

@@ -7,8 +7,10 @@ staging, GDS) is not written yet.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import errno
+import inspect
 import math
 import os
 import shutil
@@ -124,6 +126,89 @@ class _Write:
     error: OSError | None = None
 
 
+class _StoredState(collections.abc.Mapping):
+    """One parameter's state, as ``optimizer.state[p]`` shows it: its names known without
+    I/O, its tensors read on first access (copies: changing them changes nothing stored;
+    a parameter stepped in slices shows its slices' state put together)."""
+
+    def __init__(self, owner: "OffloadedOptimizer", param: torch.Tensor) -> None:
+        self._owner, self._param = owner, param
+        self._names = owner._state_names(param)
+        self._values: dict[Any, Any] | None = None
+
+    def __getitem__(self, name: Any) -> Any:
+        if self._values is None:
+            self._values = self._owner._read_param_state(self._param)
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class _OffloadedStateView(collections.abc.Mapping):
+    """``OffloadedOptimizer.state``: every parameter with state, wherever it lies now.
+
+    Code that inspects an optimizer's state (torch's ``get_state_dict`` and
+    ``set_state_dict`` step an optimizer whose state looks empty) sees it as on a plain
+    optimizer; a parameter without state reads as ``{}``, as from torch's defaultdict.
+    """
+
+    def __init__(self, owner: "OffloadedOptimizer") -> None:
+        self._owner = owner
+
+    def __getitem__(self, p: Any) -> Any:
+        return _StoredState(self._owner, p) if self._owner._state_names(p) else {}
+
+    def __iter__(self) -> Iterator[Any]:
+        return (p for p in self._owner._unique_params() if self._owner._state_names(p))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+# Optimizers whose update of each element reads only that element's parameter, gradient
+# and state (and scalars): stepping a parameter in slices gives the same bits.
+_ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop)
+# Slices are whole multiples of this many elements, so that each slice starts aligned and
+# vectorised kernels treat every element as they would in the whole tensor.
+_SLICE_ELEMENTS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class _StateSize:
+    """Bytes of a parameter's state: ``per_element`` per element plus ``fixed``."""
+
+    per_element: float
+    fixed: int
+
+    def of(self, elements: int) -> int:
+        return _round_up(int(self.per_element * elements) + self.fixed, _PAGE)
+
+
+def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
+    """The optimizer class's own ``step``, without the hook runner torch wraps it in (which
+    runs the optimizer's and the global step hooks)."""
+    step = type(optimizer).step
+    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+
+
+def _probe_state_size(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> _StateSize:
+    """Steps an optimizer of the same class and group options on a small parameter of
+    ``dtype`` with a zero gradient, and measures the state it creates."""
+    probe = torch.zeros(_SLICE_ELEMENTS, dtype=dtype)
+    probe.grad = torch.zeros_like(probe)
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    twin = type(optimizer)([probe], **{k: v for k, v in group.items() if k != "params" and k in accepted})
+    _unhooked_step(twin)(twin)  # a measurement, not a step: no hooks
+    tensors = [v for v in twin.state[probe].values() if isinstance(v, torch.Tensor)]
+    shaped = sum(_nbytes(t) for t in tensors if t.shape == probe.shape)
+    others = sum(_nbytes(t) for t in tensors if t.shape != probe.shape)
+    return _StateSize(shaped / _SLICE_ELEMENTS, others + _ALIGN * len(tensors))
+
+
 class OffloadedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer so that its state lives on NVMe between steps (ZeRO-Infinity style).
 
@@ -133,12 +218,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     so the arithmetic, and therefore the result, is bit-identical to the unwrapped
     optimizer. While a chunk computes, the next ``prefetch`` chunks are read and the
     previous chunk is written. The state the optimizer creates on its first step is
-    offloaded the same way.
+    offloaded the same way. Step hooks (the wrapper's, the wrapped optimizer's, torch's
+    global ones) run once per step, and :attr:`state` shows every parameter's state as a
+    plain optimizer would, so LR schedulers and torch's ``get_state_dict`` /
+    ``set_state_dict`` (hence :class:`FSDPCheckpointer`) treat the wrapper as one.
 
     Args:
         optimizer: the torch optimizer to wrap (its parameters on the CPU). Use only the
-            wrapper from now on: between steps ``optimizer.state`` is empty, and a step
-            of the bare optimizer would start its state afresh.
+            wrapper from now on: between steps the wrapped ``optimizer.state`` is empty,
+            and a step of the bare optimizer would start its state afresh.
         store_dir: an existing directory on the drive; the state goes to a private
             subdirectory that :meth:`close` removes.
         resident_bytes: bound on the optimizer state held in memory at once, in flight
@@ -147,6 +235,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             state the optimizer creates beside its packed copy).
         prefetch: how many chunks to read ahead.
         engine: the :class:`tensorferry.Engine` to use; by default the store's own.
+        elementwise: whether the optimizer updates each element from that element alone
+            (Adam, AdamW, SGD, Adagrad and RMSprop are known to; say True for others,
+            Lion say). Such an optimizer steps a parameter whose state exceeds a chunk's
+            share of the budget in slices, with the same result, and the budget is
+            checked when the wrapper is built; others need the largest parameter's state
+            to fit a chunk.
 
     Example::
 
@@ -156,7 +250,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, store_dir: PathLike, *,
-                 resident_bytes: int = 1 << 30, prefetch: int = 1, engine: Engine | None = None) -> None:
+                 resident_bytes: int = 1 << 30, prefetch: int = 1, engine: Engine | None = None,
+                 elementwise: bool | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError(f"expected a torch optimizer to wrap, got {type(optimizer).__name__}")
         if resident_bytes <= 0:
@@ -164,14 +259,29 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if prefetch < 0:
             raise ValueError(f"prefetch must not be negative, got {prefetch}")
         _require_cpu((p for g in optimizer.param_groups for p in g["params"]), "OffloadedOptimizer")
-        # Not Optimizer.__init__: the wrapped optimizer owns the groups and the hooks; the
-        # subclass is so that LR schedulers and isinstance checks accept the wrapper.
+        # Not Optimizer.__init__: the wrapped optimizer owns the groups; the subclass is so
+        # that LR schedulers and isinstance checks accept the wrapper. Step hooks are the
+        # wrapper's own and run once per step (torch's hooked step, patched on the class);
+        # state-dict hooks are the wrapped optimizer's, whose state_dict the wrapper calls.
         self.optimizer = optimizer
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = collections.OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = collections.OrderedDict()
+        self._optimizer_state_dict_pre_hooks = optimizer._optimizer_state_dict_pre_hooks
+        self._optimizer_state_dict_post_hooks = optimizer._optimizer_state_dict_post_hooks
+        self._optimizer_load_state_dict_pre_hooks = optimizer._optimizer_load_state_dict_pre_hooks
+        self._optimizer_load_state_dict_post_hooks = optimizer._optimizer_load_state_dict_post_hooks
+        self._patch_step_function()
         self.defaults = optimizer.defaults
         self.resident_bytes = resident_bytes
         self.prefetch = prefetch
         self.store = OffloadStore(store_dir, engine, max_pool_bytes=0)
-        self._keys: dict[torch.Tensor, str] = {}  # parameter -> store key, given on first sight
+        self.elementwise = isinstance(optimizer, _ELEMENTWISE) if elementwise is None else elementwise
+        # What the optimizer steps: each parameter itself, or views of its slices
+        # (parameter -> [(view, start element)]), each with a store key given on first sight.
+        self._keys: dict[torch.Tensor, str] = {}
+        self._slices: dict[torch.Tensor, list[tuple[torch.Tensor, int]]] = {}
+        self._sizes: dict[tuple[int, torch.dtype], _StateSize] = {}  # (group, dtype) -> probed
+        self._expected: dict[str, int] = {}  # key -> probed state bytes, before it has state
         self._layouts: dict[str, _Layout] = {}  # keys whose state is in the store
         self._extras: dict[str, dict[Any, Any]] = {}  # non-tensor state entries, kept in memory
         # Learnt from the first parameters stepped, to size chunks of parameters that have
@@ -179,7 +289,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._estimate: tuple[float, int] | None = None
         self._resident = 0
         self.peak_resident_bytes = 0
-        self._offload_in_memory()
+        try:
+            self._offload_in_memory()
+            self._check_budget(self._params())
+        except BaseException:
+            self.store.close()
+            raise
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -187,14 +302,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> Any:  # type: ignore[override]
-        """The wrapped optimizer's state: empty between steps (it is in the store)."""
-        return self.optimizer.state
+        """Each parameter's state, as on a plain optimizer (read-only: the tensors of state
+        in the store are read on access, as copies)."""
+        return _OffloadedStateView(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group to the wrapped optimizer."""
         _require_cpu(param_group["params"] if not isinstance(param_group["params"], torch.Tensor)
                      else [param_group["params"]], "OffloadedOptimizer")
         self.optimizer.add_param_group(param_group)
+        self._check_budget(self._params())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's ``zero_grad``."""
@@ -223,18 +340,35 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         _require_cpu(params, "OffloadedOptimizer")
         groups = self.optimizer.param_groups
         members = [g["params"] for g in groups]
+        stepped = [[t for p in full for t in self._pieces(p)] for full in members]
+        inner = self.optimizer
+        # The wrapped optimizer's step without torch's hook runner, which would run its
+        # hooks (and the global ones) once per chunk: they run once, here and around us.
+        raw_step = _unhooked_step(inner)
+        for pre_hook in list(inner._optimizer_step_pre_hooks.values()):
+            pre_hook(inner, (inner,), {})
 
         def step_chunk(chunk: list[torch.Tensor]) -> None:
             ids = {id(p) for p in chunk}
             try:
-                for group, full in zip(groups, members):
-                    group["params"] = [p for p in full if id(p) in ids]
-                self.optimizer.step()
+                for group, pieces in zip(groups, stepped):
+                    group["params"] = [p for p in pieces if id(p) in ids]
+                raw_step(inner)
             finally:
                 for group, full in zip(groups, members):
                     group["params"] = full
 
-        self._pipeline(self._chunks(params), step_chunk, write_back=True)
+        for p, pieces in self._slices.items():
+            for view, start in pieces:
+                view.grad = None if p.grad is None else p.grad.reshape(-1)[start:start + view.numel()]
+        try:
+            self._pipeline(self._chunks(params), step_chunk, write_back=True)
+        finally:
+            for pieces in self._slices.values():
+                for view, _ in pieces:
+                    view.grad = None
+        for post_hook in list(inner._optimizer_step_post_hooks.values()):
+            post_hook(inner, (inner,), {})
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -247,14 +381,25 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     copies[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
                                  for k, v in self.optimizer.state[p].items()}
 
-        stored = [p for p in self._params() if self._keys.get(p) in self._layouts]
+        params = self._params()
+        stored = [p for p in params if self._keys.get(p) in self._layouts]
         self._pipeline(self._chunks(stored), collect, write_back=False)
-        self.optimizer.state.update(copies)
+        for p in params:  # state without tensors (SGD's momentum_buffer of None) is never stored
+            if p not in copies and self._extras.get(self._keys[p]):
+                copies[p] = dict(self._extras[self._keys[p]])
+        # Slices' state held in memory (a write failed) goes into their parameter's whole.
+        held_slices = {v: self.optimizer.state.pop(v) for pieces in self._slices.values()
+                       for v, _ in pieces if self.optimizer.state.get(v)}
+        copies.update(held_slices)
+        whole = {p: self._joined(p, copies) for p in self._unique_params()
+                 if any(piece in copies for piece in self._pieces(p))}
+        self.optimizer.state.update(whole)
         try:
             return self.optimizer.state_dict()
         finally:
-            for p in copies:
+            for p in whole:
                 del self.optimizer.state[p]
+            self.optimizer.state.update(held_slices)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a (wrapped or plain) optimizer state dict into the wrapped optimizer and offloads it."""
@@ -286,20 +431,120 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     # Internals.
 
-    def _params(self) -> list[torch.Tensor]:
-        """Every parameter once, in param-group order, each with its store key."""
+    def _unique_params(self) -> list[torch.Tensor]:
+        """Every parameter once, in param-group order."""
         seen: dict[int, torch.Tensor] = {}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 seen.setdefault(id(p), p)
-        for p in seen.values():
-            if p not in self._keys:
-                self._keys[p] = str(len(self._keys))
         return list(seen.values())
+
+    def _params(self) -> list[torch.Tensor]:
+        """What the optimizer steps, in param-group order: each parameter, or its slices.
+
+        A parameter seen for the first time gets its store keys; with an element-wise
+        optimizer, one whose state would exceed a chunk's share of the budget is cut
+        into slices that fit it.
+        """
+        for index, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                if p not in self._keys and p not in self._slices:
+                    self._place(index, group, p)
+        return [t for p in self._unique_params() for t in self._pieces(p)]
+
+    def _place(self, index: int, group: dict[str, Any], p: torch.Tensor) -> None:
+        if not self.elementwise:
+            self._keys[p] = str(len(self._keys))
+            return
+        size = self._sizes.get((index, p.dtype))
+        if size is None:
+            size = self._sizes[(index, p.dtype)] = _probe_state_size(self.optimizer, group, p.dtype)
+        elements = p.numel()
+        if size.of(elements) > self._chunk_budget() and p.is_contiguous() and elements > _SLICE_ELEMENTS:
+            fits = int((self._chunk_budget() - size.fixed - _PAGE) / max(size.per_element, 1e-9))
+            elements = max(_SLICE_ELEMENTS, fits // _SLICE_ELEMENTS * _SLICE_ELEMENTS)
+            self._slices[p] = []
+            for start in range(0, p.numel(), elements):
+                view = p.detach().reshape(-1)[start:start + elements]
+                self._slices[p].append((view, start))
+                self._keys[view] = str(len(self._keys))
+                self._expected[self._keys[view]] = size.of(view.numel())
+        else:
+            self._keys[p] = str(len(self._keys))
+            self._expected[self._keys[p]] = size.of(elements)
+
+    def _pieces(self, p: torch.Tensor) -> list[torch.Tensor]:
+        """What the optimizer steps for ``p``: ``p``, or views of its slices (made anew, with
+        their keys, if ``p`` no longer lies where they look)."""
+        pieces = self._slices.get(p)
+        if pieces is None:
+            return [p]
+        view, start = pieces[0]
+        if (view.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+                or view.storage_offset() != p.storage_offset() + start):
+            for i, (old, begin) in enumerate(pieces):
+                new = p.detach().reshape(-1)[begin:begin + old.numel()]
+                self._keys[new] = self._keys.pop(old)
+                if old in self.optimizer.state:
+                    self.optimizer.state[new] = self.optimizer.state.pop(old)
+                pieces[i] = (new, begin)
+        return [view for view, _ in pieces]
+
+    def _split_held(self) -> None:
+        """Hands the state the wrapped optimizer holds for a sliced parameter to its slices."""
+        for p, pieces in self._slices.items():
+            held = self.optimizer.state.pop(p, None)
+            if not held:
+                continue
+            for view, start in pieces:
+                self.optimizer.state[view] = {
+                    k: v.reshape(-1)[start:start + view.numel()]
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape else v for k, v in held.items()}
+
+    def _joined(self, p: torch.Tensor, states: dict[torch.Tensor, dict[Any, Any]]) -> dict[Any, Any]:
+        """``p``'s state from its pieces' states: slices of per-element tensors put together."""
+        if p not in self._slices:
+            return states[p]
+        pieces = self._pieces(p)
+        first = states[pieces[0]]
+        return {k: torch.cat([states[view][k] for view in pieces]).view(p.shape)
+                if isinstance(v, torch.Tensor) and v.shape == pieces[0].shape else v for k, v in first.items()}
+
+    def _state_names(self, p: torch.Tensor) -> list[Any]:
+        """The names of ``p``'s state entries (empty without state), found without I/O."""
+        piece = self._pieces(p)[0] if p in self._keys or p in self._slices else None
+        held = self.optimizer.state.get(piece) if piece is not None else None
+        if held:
+            return list(held)
+        key = self._keys.get(piece)
+        if key in self._layouts:
+            return [name for name, *_ in self._layouts[key].entries] + list(self._extras[key])
+        return list(self._extras.get(key, {}))
+
+    def _read_param_state(self, p: torch.Tensor) -> dict[Any, Any]:
+        """A copy of ``p``'s state, read now."""
+        states = {}
+        for piece in self._pieces(p):
+            held = self.optimizer.state.get(piece)
+            key = self._keys[piece]
+            if held:
+                states[piece] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in held.items()}
+            elif key in self._layouts:
+                region = aligned_empty(self._layouts[key].nbytes)
+                _check_io([self.store.swap_in(key, region)])
+                states[piece] = {**self._layouts[key].views(region), **self._extras[key]}
+            else:
+                states[piece] = dict(self._extras.get(key, {}))
+        return self._joined(p, states)
+
+    def _chunk_budget(self) -> int:
+        return self.resident_bytes // max(self.prefetch + 2, 3)
 
     def _offload_in_memory(self) -> None:
         """Writes out the state the wrapped optimizer holds in memory (on wrapping, after a load)."""
-        held = [p for p in self._params() if self.optimizer.state.get(p)]
+        params = self._params()
+        self._split_held()
+        held = [p for p in params if self.optimizer.state.get(p)]
         self._pipeline(self._chunks(held), lambda chunk: None, write_back=True)
 
     def _charge(self, nbytes: int) -> None:
@@ -316,6 +561,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             return _Layout.of({k: v for k, v in held.items() if isinstance(v, torch.Tensor)}).nbytes
         if p.grad is None:
             return 0  # optimizers neither step nor create state for parameters without gradients
+        if key in self._expected:
+            return self._expected[key]
         if self._estimate is None:
             return None
         per_byte, fixed = self._estimate
@@ -337,17 +584,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         Sizes known beforehand are checked against the budget before the first chunk, so
         a step never stops half done; a first step's estimates are not.
         """
-        budget = self.resident_bytes // max(self.prefetch + 2, 3)
+        self._check_budget(params)
+        return self._chunk_runs(params, self._chunk_budget())
+
+    def _check_budget(self, params: list[torch.Tensor]) -> None:
+        """Raises if the state of one of ``params``, where known (held, stored or probed),
+        exceeds a chunk's share of the budget."""
+        budget = self._chunk_budget()
         for p in params:
-            nbytes = self._state_bytes(p)
-            known = self._keys[p] in self._layouts or self.optimizer.state.get(p)
-            if known and nbytes > budget:
-                held = max(self.prefetch + 2, 3)
+            key = self._keys[p]
+            held = self.optimizer.state.get(p)
+            if key in self._layouts or held:
+                nbytes = self._state_bytes(p)
+            else:
+                nbytes = self._expected.get(key, 0)
+            if nbytes > budget:
+                chunks = max(self.prefetch + 2, 3)
+                whole = next((q for q, pieces in self._slices.items() if any(v is p for v, _ in pieces)), None)
+                what = (f"a parameter of shape {tuple(p.shape)}" if whole is None else
+                        f"a slice of {p.numel()} elements (the smallest) of a parameter of shape {tuple(whole.shape)}")
                 raise ValueError(
-                    f"resident_bytes={self.resident_bytes} is too small: the state of a parameter of "
-                    f"shape {tuple(p.shape)} takes {nbytes} bytes and a step holds up to {held} "
-                    f"chunks; give at least {nbytes * held} bytes")
-        return self._chunk_runs(params, budget)
+                    f"resident_bytes={self.resident_bytes} is too small: the state of {what} takes {nbytes} "
+                    f"bytes and a step holds up to {chunks} chunks; give at least {nbytes * chunks} bytes")
 
     def _chunk_runs(self, params: list[torch.Tensor], budget: int) -> Iterator[list[torch.Tensor]]:
         """The generator behind :meth:`_chunks`."""
@@ -515,6 +773,31 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self.store.delete(key)
 
 
+# Modules whose forward uses their children's weights without calling the children
+# (MultiheadAttention reads out_proj.weight; TransformerEncoderLayer's inference fast path
+# hands every weight of its subtree to one fused kernel): streamed as one unit.
+_WHOLE_UNITS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer)
+
+
+def _streaming_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose forward hooks read weights, in ``model.modules()`` order; raises,
+    naming the module, for one that runs without hooks."""
+    units: list[torch.nn.Module] = []
+    inside: set[int] = set()  # modules within a whole unit, loaded with it
+    for name, module in model.named_modules(remove_duplicate=True):
+        if id(module) in inside:
+            continue
+        if isinstance(module, torch.jit.ScriptModule):
+            raise TypeError(f"stream_weights cannot stream {name or 'the model'} "
+                            f"({type(module).__name__}): a TorchScript module runs no forward hooks")
+        if isinstance(module, _WHOLE_UNITS):
+            inside.update(id(m) for m in module.modules())
+            units.append(module)
+        elif next(module.parameters(recurse=False), None) is not None:
+            units.append(module)
+    return units
+
+
 class StreamedWeights:
     """The handle :func:`stream_weights` returns: hooks that read each layer's weights from NVMe.
 
@@ -532,22 +815,25 @@ class StreamedWeights:
         _require_cpu(model.parameters(), "stream_weights")
         self.resident_bytes = resident_bytes
         self.prefetch = prefetch
-        # A unit is a module with parameters of its own; a parameter tied into several
-        # units is read once and released when the last of them is done.
-        self._units = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+        # A unit is a module with parameters of its own, or one that uses its children's
+        # weights without calling them, with its whole subtree; a parameter tied into
+        # several units is read once and released when the last of them is done.
+        # Parameters are told apart by identity: `in` on a list of tensors compares values.
+        self._units = _streaming_units(model)
         self._unit_params: dict[torch.nn.Module, list[torch.nn.Parameter]] = {}
+        self._unit_ids: dict[torch.nn.Module, set[int]] = {}
         self._params: dict[torch.nn.Parameter, tuple[str, torch.dtype, torch.Size]] = {}
         for unit in self._units:
-            own = []
-            for p in unit.parameters(recurse=False):
+            own = list(unit.parameters(recurse=isinstance(unit, _WHOLE_UNITS)))
+            for p in own:
                 if p not in self._params:
                     self._params[p] = (str(len(self._params)), p.dtype, p.shape)
-                own.append(p)
             self._unit_params[unit] = own
-        largest = max((self._unit_bytes(u) for u in self._units), default=0)
+            self._unit_ids[unit] = {id(p) for p in own}
+        largest = self._nested_bytes(model, {})
         if largest > resident_bytes:
-            raise ValueError(f"resident_bytes={resident_bytes} is too small: one layer's weights take "
-                             f"{largest} bytes")
+            raise ValueError(f"resident_bytes={resident_bytes} is too small: one layer's weights, with those "
+                             f"of the layers around it (held while it runs), take {largest} bytes")
         total = sum(self._param_bytes(p) for p in self._params)
         free = shutil.disk_usage(store_dir).free if os.path.isdir(store_dir) else None
         self.store = OffloadStore(store_dir, engine, max_pool_bytes=0)
@@ -576,8 +862,14 @@ class StreamedWeights:
         _, dtype, shape = self._params[p]
         return _round_up(math.prod(shape) * dtype.itemsize, _PAGE)
 
-    def _unit_bytes(self, unit: torch.nn.Module) -> int:
-        return sum(self._param_bytes(p) for p in self._unit_params[unit])
+    def _nested_bytes(self, module: torch.nn.Module, held: dict[int, int]) -> int:
+        """The most weight bytes loaded at once while ``module`` or a module inside it runs,
+        ``held`` (parameter id -> bytes) being loaded already by the modules around it."""
+        if module in self._unit_params:
+            held = {**held, **{id(p): self._param_bytes(p) for p in self._unit_params[module]}}
+            if isinstance(module, _WHOLE_UNITS):
+                return sum(held.values())
+        return max([sum(held.values())] + [self._nested_bytes(child, held) for child in module.children()])
 
     def _write_all(self) -> None:
         """Writes every weight, a bounded amount in flight; replaces them by empty tensors only
@@ -661,7 +953,7 @@ class StreamedWeights:
         for p in list(self._pending):
             if self._resident + need <= self.resident_bytes:
                 break
-            if p not in self._unit_params[unit]:
+            if id(p) not in self._unit_ids[unit]:
                 _, future = self._pending.pop(p)
                 _check_io([future])
                 self._release(p)
@@ -733,16 +1025,18 @@ def stream_weights(model: torch.nn.Module, store_dir: PathLike, *, resident_byte
 
     Every module with parameters of its own gets a forward pre-hook that reads them
     (and starts reading the next ``prefetch`` layers, in the order of the last forward
-    pass) and a forward hook that releases them. Buffers stay in memory. Inference only:
-    a forward with gradients enabled raises.
+    pass) and a forward hook that releases them. A module that uses its children's
+    weights without calling them (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``)
+    is read as one unit with its children; a TorchScript module, which runs no hooks, is
+    refused. Buffers stay in memory. Inference only: a forward with gradients enabled raises.
 
     Args:
         model: the model, its parameters on the CPU. Its parameters become empty tensors
             outside their layer's forward.
         store_dir: an existing directory on the drive.
         resident_bytes: bound on parameter memory held at once, prefetched layers included;
-            must hold the largest layer (a layer whose children also have weights holds its
-            own while they run).
+            must hold the largest layer with the layers around it (a layer whose children
+            also have weights holds its own while they run), which is checked here.
         prefetch: how many layers to read ahead.
         engine: the :class:`tensorferry.Engine` to use; by default the store's own.
 

@@ -1,58 +1,80 @@
 """A drop-in for torch.save/torch.load of state dicts, without pickle.
 
-Tensors go into one safetensors file at drive speed; the structure around them
-(nested dicts with str or int keys, lists, tuples, numbers, strings, None) goes
-into the file's metadata as JSON. Any safetensors reader can open the file.
+Tensors go into one safetensors file (:func:`save`) or a checkpoint directory
+(:func:`save_checkpoint`) at drive speed; the structure around them (nested dicts
+with str or int keys, lists, tuples, numbers, strings, None, numpy arrays) goes into
+the metadata as JSON. Any safetensors reader can open the files.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Iterable, Mapping
 
+import numpy as np
 import torch
 
+from ...checkpoint import DEFAULT_SHARD_BYTES, read_manifest
+from ...checkpoint import load_checkpoint as _load_directory
+from ...checkpoint import save_checkpoint as _save_directory
+from ...dtypes import to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
-from ...shard import ShardReader, ShardWriter
-from .tensors import byte_source, from_array, safetensors_dtype
+from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter
+from .tensors import byte_source, from_array, host_array, safetensors_dtype
 
 STRUCTURE_KEY = "tensorferry.structure"
 _SCALARS = (bool, int, float, str, type(None))
 
 
-def save(obj: Any, path: str | os.PathLike, *, metadata: dict[str, str] | None = None,
-         engine: Engine | None = None) -> None:
-    """Saves a state dict (or any nesting of dicts, lists, tuples, tensors and scalars).
+def _storage_key(t: torch.Tensor) -> Any:
+    """What makes two tensors one: the same memory seen the same way. ``state_dict()``
+    returns a new tensor object per entry, so object identity misses tied weights."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return ("object", id(t))
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
 
-    The file replaces ``path`` atomically once it is complete and durable. A tensor
-    that appears several times (tied weights) is stored once.
-    """
-    path = os.fspath(path)
-    tensors: dict[str, torch.Tensor] = {}
-    seen: dict[int, str] = {}
 
-    def encode(value: Any, where: str) -> Any:
+class _Encoder:
+    """Flattens a nested object into named tensors (each stored once) and a JSON structure."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor | np.ndarray] = {}
+        self._seen: dict[Any, str] = {}
+
+    def _name(self, identity: Any, value: torch.Tensor | np.ndarray, where: str) -> str:
+        if identity not in self._seen:
+            key = where or "tensor"
+            while key in self.tensors:
+                key += "'"
+            self._seen[identity] = key
+            self.tensors[key] = value
+        return self._seen[identity]
+
+    def encode(self, value: Any, where: str = "") -> Any:
         if isinstance(value, torch.Tensor):
-            if id(value) not in seen:
-                key = where or "tensor"
-                while key in tensors:
-                    key += "'"
-                seen[id(value)] = key
-                tensors[key] = value
-            return {"tensor": seen[id(value)]}
+            return {"tensor": self._name(_storage_key(value), value, where)}
+        if isinstance(value, (np.ndarray, np.generic)):
+            array = np.asarray(value)
+            if array.dtype.kind not in "biuf":
+                raise TypeError(f"{where or 'the object'}: cannot save a numpy array of dtype {array.dtype} "
+                                "without pickle")
+            to_safetensors_dtype(array.dtype)  # raises for a dtype safetensors cannot name
+            array = array.astype(array.dtype.newbyteorder("="), order="C", copy=False)
+            kind = "ndarray" if isinstance(value, np.ndarray) else "npscalar"
+            return {kind: self._name(("object", id(value)), array, where)}
         if isinstance(value, dict):
             items = []
             for k, v in value.items():
                 if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise TypeError(f"{where or 'the object'}: key {k!r} is {type(k).__name__}; only str and int "
                                     "keys can be saved without pickle")
-                items.append([k, encode(v, f"{where}.{k}" if where else str(k))])
+                items.append([k, self.encode(v, f"{where}.{k}" if where else str(k))])
             return {"dict": items}
         if isinstance(value, (list, tuple)):
             kind = "list" if isinstance(value, list) else "tuple"
-            return {kind: [encode(v, f"{where}.{i}" if where else str(i)) for i, v in enumerate(value)]}
+            return {kind: [self.encode(v, f"{where}.{i}" if where else str(i)) for i, v in enumerate(value)]}
         if isinstance(value, float) and value != value:
             return {"float": "nan"}
         if isinstance(value, float) and value in (float("inf"), float("-inf")):
@@ -63,42 +85,30 @@ def save(obj: Any, path: str | os.PathLike, *, metadata: dict[str, str] | None =
             return {"dtype": str(value).removeprefix("torch.")}
         raise TypeError(f"{where or 'the object'}: cannot save a {type(value).__name__} without pickle")
 
-    structure = encode(obj, "")
-    meta = dict(metadata or {})
-    meta[STRUCTURE_KEY] = json.dumps(structure, separators=(",", ":"))
-    with ShardWriter(path, engine, metadata=meta, atomic=True) as writer:
-        for key, t in tensors.items():
-            writer.add(key, safetensors_dtype(t.dtype), tuple(t.shape), byte_source(t))
 
+def _decode(structure: Any, arrays: Mapping[str, np.ndarray], where: str, map_location: Any) -> Any:
+    """The object :class:`_Encoder` flattened, from the arrays the core read: each tensor
+    made once (tied entries come back as one tensor) and moved to ``map_location``; numpy
+    arrays as they were read."""
+    tensors: dict[str, torch.Tensor] = {}
 
-def load(path: str | os.PathLike, map_location: str | torch.device | None = None, *,
-         engine: Engine | None = None, verify: bool = True) -> Any:
-    """Loads what :func:`save` wrote (no pickle). A plain safetensors file loads as a
-    flat dict of tensors. ``map_location`` moves tensors to a device."""
-    if map_location is not None and not isinstance(map_location, (str, torch.device)):
-        raise TypeError("map_location must be a device or a device name")
-    with ShardReader(path, engine, verify=verify) as reader:
-        arrays = reader.read_many()
-        dtypes = {name: reader.info(name).dtype for name in reader.keys()}
-        structure_text = reader.metadata.get(STRUCTURE_KEY)
-    tensors = {name: from_array(a, dtypes[name]) for name, a in arrays.items()}
-    if map_location is not None and torch.device(map_location).type != "cpu":
-        tensors = {name: t.to(map_location) for name, t in tensors.items()}
-    if structure_text is None:
-        return tensors
-    try:
-        structure = json.loads(structure_text)
-    except ValueError:
-        raise CorruptCheckpointError(f"{path}: the saved structure is not valid JSON") from None
+    def array(name: Any) -> np.ndarray:
+        if name not in arrays:
+            raise CorruptCheckpointError(f"{where}: the structure names a missing tensor {name!r}")
+        return arrays[name]
 
     def decode(node: Any) -> Any:
         if not isinstance(node, dict) or len(node) != 1:
-            raise CorruptCheckpointError(f"{path}: unreadable structure node {node!r}")
+            raise CorruptCheckpointError(f"{where}: unreadable structure node {node!r}")
         (kind, value), = node.items()
         if kind == "tensor":
             if value not in tensors:
-                raise CorruptCheckpointError(f"{path}: the structure names a missing tensor {value!r}")
+                tensors[value] = _to_tensors({value: array(value)}, map_location)[value]
             return tensors[value]
+        if kind == "ndarray":
+            return array(value)
+        if kind == "npscalar":
+            return array(value)[()]
         if kind == "dict":
             return {k: decode(v) for k, v in value}
         if kind == "list":
@@ -112,8 +122,103 @@ def load(path: str | os.PathLike, map_location: str | torch.device | None = None
         if kind == "dtype":
             dtype = getattr(torch, str(value), None)
             if not isinstance(dtype, torch.dtype):
-                raise CorruptCheckpointError(f"{path}: unknown dtype {value!r}")
+                raise CorruptCheckpointError(f"{where}: unknown dtype {value!r}")
             return dtype
-        raise CorruptCheckpointError(f"{path}: unknown structure node {kind!r}")
+        raise CorruptCheckpointError(f"{where}: unknown structure node {kind!r}")
 
     return decode(structure)
+
+
+def _check_map_location(map_location: Any) -> None:
+    if map_location is not None and not isinstance(map_location, (str, torch.device)):
+        raise TypeError("map_location must be a device or a device name")
+
+
+def _to_tensors(arrays: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
+    """Arrays the core read as CPU tensors (bf16 and fp8 included), moved to ``map_location``."""
+    tensors = {name: a if isinstance(a, torch.Tensor) else from_array(a, to_safetensors_dtype(a.dtype))
+               for name, a in arrays.items()}  # tensors already: those read in place
+    if map_location is not None and torch.device(map_location).type != "cpu":
+        tensors = {name: t.to(map_location) for name, t in tensors.items()}
+    return tensors
+
+
+def save(obj: Any, path: str | os.PathLike, *, metadata: dict[str, str] | None = None,
+         engine: Engine | None = None) -> None:
+    """Saves a state dict (or any nesting of dicts, lists, tuples, tensors, numpy arrays and
+    scalars) as one safetensors file.
+
+    The file replaces ``path`` atomically once it is complete and durable. Tensors that
+    share memory (tied weights) are stored once and load back as one tensor.
+    """
+    path = os.fspath(path)
+    encoder = _Encoder()
+    structure = encoder.encode(obj)
+    meta = dict(metadata or {})
+    meta[STRUCTURE_KEY] = json.dumps(structure, separators=(",", ":"))
+    with ShardWriter(path, engine, metadata=meta, atomic=True) as writer:
+        for key, t in encoder.tensors.items():
+            if isinstance(t, np.ndarray):
+                writer.add(key, t)
+            else:
+                writer.add(key, safetensors_dtype(t.dtype), tuple(t.shape), byte_source(t))
+
+
+def load(path: str | os.PathLike, map_location: str | torch.device | None = None, *,
+         engine: Engine | None = None, verify: bool = True) -> Any:
+    """Loads what :func:`save` (a file) or :func:`save_checkpoint` (a directory) wrote, no
+    pickle. A plain safetensors file loads as a flat dict of tensors. ``map_location``
+    moves tensors to a device."""
+    _check_map_location(map_location)
+    if os.path.isdir(path):
+        return load_checkpoint(path, map_location, engine=engine, verify=verify)
+    with ShardReader(path, engine, verify=verify) as reader:
+        arrays = reader.read_many()
+        structure_text = reader.metadata.get(STRUCTURE_KEY)
+    if structure_text is None:
+        return _to_tensors(arrays, map_location)
+    try:
+        structure = json.loads(structure_text)
+    except ValueError:
+        raise CorruptCheckpointError(f"{path}: the saved structure is not valid JSON") from None
+    return _decode(structure, arrays, os.fspath(path), map_location)
+
+
+def save_checkpoint(directory: str | os.PathLike, obj: Any, metadata: Mapping[str, Any] | None = None, *,
+                    engine: Engine | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    buffer_size: int = DEFAULT_BUFFER_SIZE, overwrite: bool = False) -> str:
+    """Saves a state dict (anything :func:`save` takes) as a checkpoint directory, atomically
+    (:func:`tensorferry.save_checkpoint`: sharded, checksummed, a manifest); returns its path.
+
+    Every safetensors dtype goes through, bf16 and fp8 included; tied tensors are stored
+    once. ``metadata`` is any JSON-serialisable mapping, kept in the manifest.
+    """
+    encoder = _Encoder()
+    structure = encoder.encode(obj)
+    meta = dict(metadata or {})
+    meta[STRUCTURE_KEY] = structure
+    arrays = {name: t if isinstance(t, np.ndarray) else host_array(t) for name, t in encoder.tensors.items()}
+    return _save_directory(directory, arrays, meta, engine=engine, max_shard_bytes=max_shard_bytes,
+                           buffer_size=buffer_size, overwrite=overwrite)
+
+
+def load_checkpoint(directory: str | os.PathLike, map_location: str | torch.device | None = None, *,
+                    names: Iterable[str] | None = None, out: Mapping[str, torch.Tensor] | None = None,
+                    engine: Engine | None = None, verify: bool = True) -> Any:
+    """Loads a checkpoint directory as torch tensors.
+
+    What :func:`save_checkpoint` wrote comes back as it was saved; any other checkpoint
+    directory (or one read with ``names`` or ``out``) as a flat dict of tensors. Tensors
+    named in ``out`` (CPU tensors of the saved shape and dtype) are read in place.
+    """
+    _check_map_location(map_location)
+    destinations = {name: host_array(t, writable=True) for name, t in (out or {}).items()}
+    arrays = _load_directory(directory, names, out=destinations, engine=engine, verify=verify)
+    arrays = {name: out[name] if out and name in out else a for name, a in arrays.items()}
+    structure = read_manifest(directory)["metadata"].get(STRUCTURE_KEY)
+    if structure is None or names is not None or out:
+        return _to_tensors(arrays, map_location)
+    return _decode(structure, arrays, os.fspath(directory), map_location)
+
+
+__all__ = ["load", "load_checkpoint", "save", "save_checkpoint"]

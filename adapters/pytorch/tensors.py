@@ -62,10 +62,21 @@ def from_array(array: np.ndarray, dtype_name: str) -> torch.Tensor:
     return torch.from_numpy(raw).view(dtype).reshape(array.shape)
 
 
+def host_array(tensor: torch.Tensor, *, writable: bool = False) -> np.ndarray:
+    """The tensor as a numpy array of its safetensors dtype (ml_dtypes' for bf16 and fp8),
+    which the core reads and writes without knowing torch; with ``writable``, over the
+    tensor's own memory, for reads into it."""
+    if writable and (tensor.device.type != "cpu" or not tensor.is_contiguous()):
+        raise ValueError(f"can read in place only into a contiguous CPU tensor, got one on {tensor.device}"
+                         f"{'' if tensor.is_contiguous() else ' (not contiguous)'}")
+    raw = writable_bytes(tensor) if writable else host_bytes(tensor)
+    return raw.view(to_numpy_dtype(safetensors_dtype(tensor.dtype))).reshape(tensor.shape)
+
+
 def writable_bytes(tensor: torch.Tensor) -> Any:
     """The tensor's memory as a writable uint8 array, for reads straight into it."""
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-__all__ = ["FROM_SAFETENSORS", "TO_SAFETENSORS", "byte_source", "from_array", "host_bytes",
+__all__ = ["FROM_SAFETENSORS", "TO_SAFETENSORS", "byte_source", "from_array", "host_array", "host_bytes",
            "safetensors_dtype", "to_numpy_dtype", "writable_bytes"]
