@@ -38,7 +38,16 @@ def test_each_layout_is_recognised_and_read(tmp_path: Path) -> None:
     tensorferry.save_checkpoint(tmp_path / "ckpt", STATE, metadata={"lr": 0.1})
     single = tmp_path / "one.safetensors"
     safetensors.numpy.save_file(STATE, str(single), metadata={"format": "np"})
-    expected = {tmp_path / "ckpt": "tensorferry", single: "safetensors"}
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    safetensors.numpy.save_file({"w": STATE["w"]}, str(hf / "model-00001-of-00002.safetensors"),
+                                metadata={"format": "pt"})
+    safetensors.numpy.save_file({k: v for k, v in STATE.items() if k != "w"},
+                                str(hf / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": {
+        "w": "model-00001-of-00002.safetensors", **{k: "model-00002-of-00002.safetensors" for k in STATE if k != "w"}}}))
+    expected = {tmp_path / "ckpt": "tensorferry", single: "safetensors", hf: "huggingface",
+                hf / "model.safetensors.index.json": "huggingface"}
     for path, kind in expected.items():
         layout = layouts.detect(path)
         assert layout.kind == kind
@@ -53,6 +62,19 @@ def test_each_layout_is_recognised_and_read(tmp_path: Path) -> None:
             part = source.read(["b"], out={"w": np.empty((4, 6), np.float32)})
             assert set(part) == {"b", "w"} and same(part["w"], STATE["w"])
     assert layouts.describe(single)["metadata"] == {"format": "np"}
+    assert layouts.describe(hf)["metadata"] == {"total_size": 1, "format": "pt"}
+
+
+def test_an_index_naming_a_file_outside_its_folder_is_refused(tmp_path: Path) -> None:
+    import safetensors.numpy
+
+    safetensors.numpy.save_file({"w": STATE["w"]}, str(tmp_path / "outside.safetensors"))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../outside.safetensors"}}))
+    with pytest.raises(CorruptCheckpointError):
+        layouts.open_layout(hf)
+    assert cli("verify", hf, expect=1)["ok"] is False
 
 
 def test_nothing_there_or_nothing_known(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import os
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import CorruptCheckpointError
+from ..schema import member_path, parse_json, read_small_file
 from ..shard import ShardInfo, ShardReader
 from . import Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row, size_problems, verify_files
 from .safetensors import entries_of, read_header, trailing_bytes
@@ -56,17 +57,11 @@ class HuggingFaceFolder(Layout):
 
     def _index(self) -> tuple[dict[str, str], dict[str, Any]]:
         """The weight map (tensor name: file, each file checked to lie in the folder) and the index's metadata."""
-        from ..schema import member_path
-
         index_path = _index_of(self.path)
         if index_path is None:
             with read_header(os.path.join(self.directory, SINGLE)) as reader:
                 return dict.fromkeys(reader.tensors, SINGLE), {}
-        try:
-            with open(index_path, "rb") as f:
-                index = json.loads(f.read())
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{index_path} is not valid JSON ({exc})") from None
+        index = parse_json(read_small_file(index_path), "index", index_path)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CorruptCheckpointError(f"{index_path} has no weight_map of tensor names to files")
@@ -79,9 +74,7 @@ class HuggingFaceFolder(Layout):
         return sorted(set(weight_map.values()))
 
     def _reader(self, file: str, engine: Any = None, verify: bool = False) -> ShardReader:
-        from ..schema import member_path
-
-        return read_header(member_path(self.directory, file), engine, verify)
+        return read_header(os.fspath(member_path(self.directory, file)), engine, verify)
 
     def _survey(self) -> tuple[list[TensorEntry], list[dict[str, Any]], list[str], dict[str, str]]:
         """Every tensor the index names, found in its file: entries, files, problems, and

@@ -6,14 +6,13 @@ are listed through orbax-checkpoint, when it is installed, and not read."""
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 from typing import Any, Callable
 
 import numpy as np
 
-from ..checkpoint import open_shard, verify_shard
+from ..checkpoint import open_shard, read_manifest_file, verify_shard
 from ..errors import CorruptCheckpointError, TensorferryError
 from . import (OBJECT, Chunk, ChunkSource, Layout, TensorEntry, TensorSource, Verification, file_row, size_problems,
                tensor_entry)
@@ -53,12 +52,8 @@ class OrbaxStep(Layout):
         """Each shard file of a tensorferry item with the process index that lists it."""
         indexes = {}
         for path in sorted(glob.glob(os.path.join(glob.escape(item), INDEX_PATTERN))):
-            try:
-                with open(path, "rb") as f:
-                    index = json.loads(f.read())
-            except ValueError as exc:
-                raise CorruptCheckpointError(f"{path} is not valid JSON ({exc})") from None
-            if not isinstance(index, dict) or index.get("metadata", {}).get("format") != INDEX_FORMAT:
+            index = read_manifest_file(path)
+            if index["metadata"].get("format") != INDEX_FORMAT:
                 raise CorruptCheckpointError(f"{path} is not a tensorferry JAX index")
             for file in index["files"]:
                 indexes[file] = index
