@@ -28,6 +28,7 @@ from .buffers import PinnedPool, byte_view
 from .dtypes import to_numpy_dtype, to_safetensors_dtype
 from .engine import Engine, File, IOFuture, default_engine
 from .errors import CorruptCheckpointError
+from .schema import check_tensor_entry, parse_json
 
 ALIGNMENT = 4096
 _OWN_MAPPING = 1 << 20  # from this size on, aligned_empty maps memory of its own
@@ -556,10 +557,7 @@ class ShardReader:
         raw = bytearray(8 + length)
         self.engine.read(raw, self._file, 0)
         self.header_bytes = bytes(raw)
-        try:
-            header = json.loads(raw[8:].decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise self._corrupt(f"header is not valid JSON ({exc})") from None
+        header = parse_json(self.header_bytes[8:], "header", self.path)
         if not isinstance(header, dict):
             raise self._corrupt("header is not a JSON object")
         metadata = header.pop("__metadata__", None) or {}
@@ -578,36 +576,14 @@ class ShardReader:
         self.metadata: dict[str, str] = metadata
 
     def _validate(self, name: str, entry: Any, data_size: int) -> TensorInfo:
-        if not isinstance(entry, dict):
-            raise self._corrupt(f"entry {name!r} is not an object")
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if not isinstance(dtype, str):
-            raise self._corrupt(f"tensor {name!r} has no dtype")
-        try:
-            itemsize = to_numpy_dtype(dtype).itemsize
-        except CorruptCheckpointError as exc:
-            raise self._corrupt(f"tensor {name!r}: {exc}") from None
-        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                for d in shape)):
-            raise self._corrupt(f"tensor {name!r} has an invalid shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2
-                and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
-            raise self._corrupt(f"tensor {name!r} has invalid data_offsets {offsets!r}")
-        begin, end = offsets
-        if not 0 <= begin <= end <= data_size:
-            raise self._corrupt(f"tensor {name!r}: data_offsets {offsets} fall outside the "
+        dtype, shape, begin, end = check_tensor_entry(self.path, name, entry)
+        if end > data_size:
+            raise self._corrupt(f"tensor {name!r}: data_offsets {[begin, end]} fall outside the "
                                 f"{data_size}-byte data section")
-        expected = math.prod(shape) * itemsize  # Python ints: no overflow on absurd shapes
-        if expected != end - begin:
-            raise self._corrupt(f"tensor {name!r}: {dtype}{shape} needs {expected} bytes "
-                                f"but data_offsets span {end - begin}")
-        return TensorInfo(dtype, tuple(shape), begin, end)
+        return TensorInfo(dtype, shape, begin, end)
 
     def _attach_checksums(self, text: str) -> None:
-        try:
-            digests = json.loads(text)
-        except ValueError:
-            raise self._corrupt(f"{CHECKSUMS_KEY} is not valid JSON") from None
+        digests = parse_json(text, CHECKSUMS_KEY, self.path)
         if not isinstance(digests, dict) or set(digests) != set(self.tensors):
             raise self._corrupt(f"{CHECKSUMS_KEY} does not list exactly the file's tensors")
         for name, d in digests.items():

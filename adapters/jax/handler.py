@@ -27,7 +27,7 @@ from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint._src.futures import future as ocp_future
 from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
-from ...checkpoint import encode_manifest, open_shard, read_manifest, write_durably
+from ...checkpoint import encode_manifest, open_shard, read_manifest, read_manifest_file, write_durably
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
@@ -125,11 +125,7 @@ class _Checkpoint:
         self.leaves: dict[str, _Leaf] = {}
         self.structure = None
         for path in paths:
-            try:
-                with open(path, "rb") as f:
-                    index = json.loads(f.read())
-            except ValueError as exc:
-                raise CorruptCheckpointError(f"{path} is not valid JSON ({exc})") from None
+            index = read_manifest_file(path)
             meta = index.get("metadata", {})
             if meta.get("format") != INDEX_FORMAT:
                 raise CorruptCheckpointError(f"{path} is not a tensorferry JAX index")
