@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from typing import Any, Callable
@@ -99,6 +100,9 @@ class PinnedPool:
         self._lock = threading.Lock()
         self._register = register
         self._unregister: dict[int, Callable[[], None]] = {}  # base address: its unregistration
+        # Registration belongs to the process that asked for it: a forked child (a
+        # DataLoader worker) cannot use the parent's CUDA context, so it registers nothing.
+        self._register_pid = os.getpid()
 
     def register_with(self, register: HostRegister) -> None:
         """Registers the idle buffers, and every buffer made or given back from now on,
@@ -110,6 +114,7 @@ class PinnedPool:
             if self._register is not None:
                 raise ConfigError("this pool is already registered with another device runtime")
             self._register = register
+            self._register_pid = os.getpid()
             for buffers in self._free.values():
                 for base in buffers:
                     self._ensure_registered(base)
@@ -117,16 +122,16 @@ class PinnedPool:
     @property
     def registered(self) -> bool:
         """Whether the pool registers its buffers with a device runtime."""
-        return self._register is not None
+        return self._register is not None and self._register_pid == os.getpid()
 
     def _ensure_registered(self, base: np.ndarray) -> None:
         address = base.ctypes.data
-        if self._register is not None and address not in self._unregister:
+        if self.registered and address not in self._unregister:
             self._unregister[address] = self._register(address, base.nbytes)
 
     def _drop(self, base: np.ndarray) -> None:
         unregister = self._unregister.pop(base.ctypes.data, None)
-        if unregister is not None:
+        if unregister is not None and self._register_pid == os.getpid():
             unregister()  # before the memory can be freed
 
     @staticmethod

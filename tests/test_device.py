@@ -422,3 +422,49 @@ def test_engine_reads_and_writes_device_memory_through_kvikio(tmp_path) -> None:
             host = np.empty(8 << 20, np.uint8)
             engine.read(host, f, 4096)
         assert np.array_equal(host, data.cpu().numpy())
+
+
+@pytest.mark.cuda
+def test_jax_arrays_on_a_gpu_round_trip_through_orbax(tmp_path) -> None:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave torch its memory
+    jax = pytest.importorskip("jax")
+    ocp = pytest.importorskip("orbax.checkpoint")
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        pytest.skip(f"needs JAX with a GPU (devices: {jax.devices()})")
+    from tensorferry.adapters.jax import FerryCheckpointHandler, FerryRestore, FerrySave
+
+    import jax.numpy as jnp
+    state = {"w": jax.device_put(jnp.arange(1 << 20, dtype=jnp.bfloat16), gpus[0]),
+             "b": jax.device_put(jnp.ones((33, 7), jnp.float32), gpus[0]), "step": 5}
+    with ocp.CheckpointManager(tmp_path, item_handlers={"state": FerryCheckpointHandler()}) as manager:
+        manager.save(1, args=ocp.args.Composite(state=FerrySave(state)))
+        manager.wait_until_finished()
+        target = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+                                        if isinstance(a, jax.Array) else a, state)
+        restored = manager.restore(1, args=ocp.args.Composite(state=FerryRestore(target)))["state"]
+    assert restored["step"] == 5
+    for k in ("w", "b"):
+        assert restored[k].devices() == {gpus[0]} and bool((restored[k] == state[k]).all())
+
+
+def test_a_forked_child_does_not_register_with_the_parents_runtime() -> None:
+    registrations = Registrations()
+    pool = PinnedPool(register=registrations)
+    pool.release(pool.acquire(4096))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker, say: no CUDA context of its own
+        ok = not pool.registered
+        buffer = pool.acquire(1 << 16)
+        pool.release(buffer)
+        pool.clear()
+        ok = ok and len(registrations.live) == 1  # the parent's copy, untouched by the child
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
+    os.close(read)
+    os.close(write)
+    assert pool.registered and len(registrations.live) == 1
+    pool.clear()
