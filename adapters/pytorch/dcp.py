@@ -26,7 +26,7 @@ import io
 import math
 import os
 import pickle
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -43,8 +43,9 @@ from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_proces
 from ...engine import Engine
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
 from ...layouts.dcp import DCP_METADATA, ITEMS_KEY
-from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardReader
-from .tensors import FROM_SAFETENSORS, byte_source, safetensors_dtype, writable_bytes
+from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardReader, write_order
+from .staging import DeviceToHost, leased, stage_state_dict, staging_pool
+from .tensors import FROM_SAFETENSORS, safetensors_dtype, writable_bytes
 
 # The stream transform named by every tensor's storage entry (no "/": torch splits a
 # version off there). torch's readers know no such transform and raise
@@ -121,6 +122,26 @@ class DCPWriter(StorageWriter):
             raise ValueError("DCPWriter needs a path: DCPWriter(path) or dcp.save(..., checkpoint_id=path)")
         self._pending = None
 
+    # torch's AsyncStager protocol: ``dcp.async_save`` snapshots the state through this
+    # writer rather than its default stager, which copies into pageable memory.
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: Any) -> Any:
+        """The state's snapshot for ``dcp.async_save``: CUDA tensors copied into pinned
+        memory registered with CUDA, all copies in flight at once (the training stall
+        is these copies); CPU tensors cloned."""
+        return stage_state_dict(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once its copies are done."""
+
+    def close(self) -> None:
+        """Nothing to release: staging buffers go back to their pool when dropped."""
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
 
@@ -141,6 +162,13 @@ class DCPWriter(StorageWriter):
         sizes = {_item_key(item): _planned_bytes(item) for item in plan.items}
         by_key = {_item_key(item): item for item in plan.items}
         groups = split_by_size(sizes, max(1, sum(sizes.values()) // self.files_per_rank + 1), self.files_per_rank)
+        # Tensors are copied off the device (if on one) in the order the files write them,
+        # each file's in turn, several copies in flight (DeviceToHost).
+        tensor_keys = [key for group in groups for key in write_order(
+            (k, safetensors_dtype(by_key[k].tensor_data.properties.dtype)) for k in group
+            if by_key[k].type != WriteItemType.BYTE_IO)]
+        stager = DeviceToHost([_resolver(by_key[k], planner) for k in tensor_keys])
+        source_of = {k: stager.source(i) for i, k in enumerate(tensor_keys)}
 
         def write_file(number: int) -> list[WriteResult]:
             filename = f"{where.prefix}-{number:03d}.safetensors"
@@ -148,7 +176,7 @@ class DCPWriter(StorageWriter):
             with pending.writer(filename, self.engine, buffer_size=self.buffer_size // len(groups)) as writer:
                 for key in groups[number]:
                     item = by_key[key]
-                    _add_item(writer, key, item, planner)
+                    _add_item(writer, key, item, planner, source_of.get(key))
                     results.append(WriteResult(index=item.index, size_in_bytes=sizes[key],
                                                storage_data=StoredItem(filename, key)))
             return results
@@ -196,24 +224,30 @@ def _planned_bytes(item: WriteItem) -> int:
     return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
-def _add_item(writer: Any, key: str, item: WriteItem, planner: SavePlanner) -> None:
+def _add_item(writer: Any, key: str, item: WriteItem, planner: SavePlanner,
+              source: Callable[[], np.ndarray] | None) -> None:
     if item.type == WriteItemType.BYTE_IO:
         data = planner.resolve_data(item)
         payload = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
         writer.add(key, "U8", (len(payload),), payload)
         return
-    # Tensors are resolved only when their turn comes: resolving can allocate.
+    props = item.tensor_data.properties
+    writer.add(key, safetensors_dtype(props.dtype), tuple(item.tensor_data.chunk.sizes), source)
+
+
+def _resolver(item: WriteItem, planner: SavePlanner) -> Callable[[], torch.Tensor]:
+    """The item's tensor, resolved only when its turn comes (resolving can allocate)."""
     props = item.tensor_data.properties
     shape = tuple(item.tensor_data.chunk.sizes)
 
-    def tensor_bytes() -> np.ndarray:
+    def resolve() -> torch.Tensor:
         tensor = planner.resolve_data(item)
         if tuple(tensor.shape) != shape or tensor.dtype != props.dtype:
-            raise ValueError(f"{key}: planned {props.dtype}{list(shape)}, resolved {tensor.dtype}{list(tensor.shape)}")
-        source = byte_source(tensor)
-        return source() if callable(source) else source
+            raise ValueError(f"{_item_key(item)}: planned {props.dtype}{list(shape)}, "
+                             f"resolved {tensor.dtype}{list(tensor.shape)}")
+        return tensor
 
-    writer.add(key, safetensors_dtype(props.dtype), shape, tensor_bytes)
+    return resolve
 
 
 class DCPReader(StorageReader):
@@ -285,8 +319,11 @@ class DCPReader(StorageReader):
         try:
             started = [(item, _start_read(readers[name], self._place(item.storage_index)[1], item, planner))
                        for name, items in per_file.items() for item in items]
-            for item, read in started:
+            for item, read in started:  # each finished as it lands, later reads still in flight
                 read.finish(item, planner)
+            # Copies to a device read from pinned buffers that go back to the pool once dropped.
+            for device in {read.target.device for _, read in started if read.pinned is not None}:
+                torch.cuda.current_stream(device).synchronize()
         finally:
             for reader in readers.values():
                 reader.close()
@@ -309,13 +346,17 @@ class _Read:
     dtype: str  # the stored dtype
     target: torch.Tensor | None = None  # the destination (None for bytes)
     in_place: bool = False  # the box lands in the target's own memory
+    pinned: np.ndarray | None = None  # the pinned buffer a box for a CUDA target lands in
 
     def finish(self, item: ReadItem, planner: LoadPlanner) -> None:
         data = self.box.result()
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(data.tobytes()))
             return
-        if not self.in_place:
+        if self.pinned is not None:
+            source = torch.from_numpy(self.pinned).view(FROM_SAFETENSORS[self.dtype]).reshape(self.target.shape)
+            self.target.copy_(source, non_blocking=True)
+        elif not self.in_place:
             self.target.copy_(_tensor_over(data, self.dtype))
         planner.commit_tensor(item, self.target)
 
@@ -339,4 +380,9 @@ def _start_read(reader: ShardReader, key: str, item: ReadItem, planner: LoadPlan
         # Plain memory of the stored dtype: the box is read (or, if strided, copied) into it.
         return _Read(reader.read_box(key, item.storage_offsets, lengths, out=writable_bytes(target)),
                      info.dtype, target, in_place=True)
+    if target.device.type == "cuda" and safetensors_dtype(target.dtype) == info.dtype:
+        # Read into pinned memory, copied to the device as soon as it lands.
+        pinned = leased(staging_pool(), target.numel() * target.element_size())
+        return _Read(reader.read_box(key, item.storage_offsets, lengths, out=pinned), info.dtype, target,
+                     pinned=pinned)
     return _Read(reader.read_box(key, item.storage_offsets, lengths), info.dtype, target)
