@@ -27,7 +27,7 @@ from .engine import Engine, default_engine
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .schema import (MANIFEST_VERSION, check_index, member_path, parse_json, read_small_file, seal_manifest,
                      unseal_manifest, validate_manifest)
-from .shard import CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, ShardInfo, ShardReader, ShardWriter, digest, fsync_dir
+from .shard import CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest, fsync_dir
 
 MANIFEST = "tensorferry.json"
 FORMAT_VERSION = MANIFEST_VERSION
@@ -196,7 +196,8 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
                     metadata: Mapping[str, Any] | None = None, *, engine: Engine | None = None,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, buffer_size: int = DEFAULT_BUFFER_SIZE,
                     overwrite: bool = False) -> str:
-    """Saves named arrays as a checkpoint directory, atomically; returns its path.
+    """Saves named arrays (or :class:`~tensorferry.shard.Deferred` tensors, made when
+    written) as a checkpoint directory, atomically; returns its path.
 
     A state larger than ``max_shard_bytes`` is split over several shard files,
     written concurrently; together they stage small tensors through at most
@@ -206,7 +207,8 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
     """
     engine = engine or default_engine()
     json.dumps(dict(metadata or {}))  # fail before writing anything if it cannot be saved
-    groups = split_by_size({n: np.asarray(a).nbytes for n, a in arrays.items()}, max_shard_bytes)
+    groups = split_by_size({n: a.nbytes if isinstance(a, Deferred) else np.asarray(a).nbytes
+                            for n, a in arrays.items()}, max_shard_bytes)
     writers = min(MAX_CONCURRENT_SHARDS, len(groups))
     pending = PendingCheckpoint.begin(directory)
     try:

@@ -53,6 +53,20 @@ ENVELOPE_WASTE = 2
 MAX_BOX_RUNS = 256
 
 Source = Union[Any, Callable[[], Any]]
+
+
+class Deferred(NamedTuple):
+    """A tensor whose bytes are made when a writer gets to it (copied off a device, say):
+    what :meth:`ShardWriter.add` and :func:`tensorferry.save_checkpoint` take in place
+    of an array."""
+
+    dtype: str  # safetensors name
+    shape: tuple[int, ...]
+    source: Callable[[], Any]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * to_numpy_dtype(self.dtype).itemsize
 _pool = PinnedPool()
 
 
@@ -212,6 +226,8 @@ class ShardWriter:
         if name == "__metadata__":
             raise ValueError(f"{self.path}: the name '__metadata__' is the safetensors header's own")
         self._plan = None
+        if isinstance(array_or_dtype, Deferred):
+            array_or_dtype, shape, data = array_or_dtype
         if shape is None and data is None:
             array = np.asarray(array_or_dtype)
             # Byte order and layout are fixed in _Streamer._bytes_of, one tensor at a

@@ -199,6 +199,20 @@ class _Checkpoint:
         return assembled
 
 
+def _on_accelerator(array: Any) -> bool:
+    return isinstance(array, jax.Array) and any(d.platform != "cpu" for d in array.devices())
+
+
+def _to_host(arrays: list[tuple[str, Any]]) -> list[tuple[str, np.ndarray]]:
+    """The arrays in host memory. Shards on an accelerator all start their device-to-host
+    copies before any is waited for, so the copies overlap one another (one at a time,
+    each waited for, the link idles between them); CPU shards are zero-copy views."""
+    for _, array in arrays:
+        if _on_accelerator(array):
+            array.copy_to_host_async()
+    return [(key, np.asarray(array)) for key, array in arrays]
+
+
 def _index_path(directory: str, process: int) -> str:
     return os.path.join(directory, f"process-{process}.json")
 
@@ -210,8 +224,10 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
     Use it in ``ocp.CheckpointManager(item_handlers={"state": FerryCheckpointHandler()})``
     with ``FerrySave(state)`` / ``FerryRestore(abstract_state)``, or with
     ``ocp.Checkpointer`` / ``ocp.AsyncCheckpointer`` directly. Device data is copied
-    to host memory before ``async_save`` returns; the file writes run in Orbax's
-    commit thread.
+    to host memory before ``async_save`` returns, every shard's copy started before
+    any is waited for (a donated buffer could not be read later); the file writes run
+    in Orbax's commit thread. Restored arrays are put on their devices box by box as
+    the reads land, later reads still in flight.
 
     Args:
         engine: the :class:`tensorferry.Engine` to use (default: the shared one).
@@ -286,7 +302,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         json.dumps(metadata)  # fail now, not in the commit thread
         for i, copy in zip(to_copy, aligned_copies([arrays[i][1] for i in to_copy])):
             arrays[i] = (arrays[i][0], copy)
-        return metadata, [(key, np.asarray(array)) for key, array in arrays]
+        return metadata, _to_host([(key, array) for key, array in arrays])
 
     def _write(self, directory: str, metadata: dict[str, Any], arrays: list[tuple[str, np.ndarray]]) -> None:
         process = metadata["process"]
