@@ -25,10 +25,12 @@ import numpy as np
 from .dtypes import to_numpy_dtype
 from .engine import Engine, default_engine
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .shard import CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, ShardInfo, ShardReader, ShardWriter, digest, fsync_dir
+from .schema import (MANIFEST_VERSION, check_index, member_path, parse_json, read_small_file, seal_manifest,
+                     unseal_manifest, validate_manifest)
+from .shard import CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest, fsync_dir
 
 MANIFEST = "tensorferry.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = MANIFEST_VERSION
 TMP_MARKER = ".tmp-"
 DEFAULT_SHARD_BYTES = 512 << 20
 MAX_CONCURRENT_SHARDS = 4
@@ -135,12 +137,12 @@ def encode_manifest(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | N
                        "checksum_algorithm": CHECKSUM_ALGORITHM, "committed_at": time.time(),
                        "files": files, "metadata": dict(metadata or {})}, separators=(",", ":"))
     tensors = ",".join(shard.manifest_entries for shard in shards if shard.tensors)
-    return f'{head[:-1]},"tensors":{{{tensors}}}}}'.encode()
+    return seal_manifest(f'{head[:-1]},"tensors":{{{tensors}}}}}'.encode())
 
 
 def build_manifest(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The manifest for these shard files, as :func:`read_manifest` returns it."""
-    return json.loads(encode_manifest(shards, metadata))
+    return json.loads(unseal_manifest(encode_manifest(shards, metadata)))
 
 
 def write_durably(path: str, data: bytes) -> None:
@@ -158,21 +160,21 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointNotFoundError(f"{directory} is an unfinished checkpoint (temporary directory)", directory)
     path = os.path.join(directory, MANIFEST)
     try:
-        with open(path, "rb") as f:
-            manifest = json.loads(f.read())
+        return read_manifest_file(path)
     except FileNotFoundError:
         if os.path.isdir(directory):
             raise CheckpointNotFoundError(f"{directory} has no {MANIFEST}: not a complete checkpoint",
                                           directory) from None
         raise CheckpointNotFoundError(f"no checkpoint at {directory}", directory) from None
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != "tensorferry":
-        raise CorruptCheckpointError(f"{path} is not a tensorferry manifest")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise CorruptCheckpointError(f"{path} has format version {manifest['format_version']}; "
-                                     f"this tensorferry reads up to {FORMAT_VERSION}")
-    return manifest
+
+
+def read_manifest_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A manifest file (what :func:`encode_manifest` wrote) once its checksum and every
+    field are found sound; raises :class:`CorruptCheckpointError` otherwise, and
+    ``FileNotFoundError`` if there is none."""
+    data = read_small_file(path)
+    body = unseal_manifest(data, path)
+    return validate_manifest(parse_json(body, "manifest", path), path, sealed=body is not data)
 
 
 def split_by_size(sizes: Mapping[str, int], max_shard_bytes: int, max_shards: int | None = None) -> list[list[str]]:
@@ -194,7 +196,8 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
                     metadata: Mapping[str, Any] | None = None, *, engine: Engine | None = None,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, buffer_size: int = DEFAULT_BUFFER_SIZE,
                     overwrite: bool = False) -> str:
-    """Saves named arrays as a checkpoint directory, atomically; returns its path.
+    """Saves named arrays (or :class:`~tensorferry.shard.Deferred` tensors, made when
+    written) as a checkpoint directory, atomically; returns its path.
 
     A state larger than ``max_shard_bytes`` is split over several shard files,
     written concurrently; together they stage small tensors through at most
@@ -204,7 +207,8 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
     """
     engine = engine or default_engine()
     json.dumps(dict(metadata or {}))  # fail before writing anything if it cannot be saved
-    groups = split_by_size({n: np.asarray(a).nbytes for n, a in arrays.items()}, max_shard_bytes)
+    groups = split_by_size({n: a.nbytes if isinstance(a, Deferred) else np.asarray(a).nbytes
+                            for n, a in arrays.items()}, max_shard_bytes)
     writers = min(MAX_CONCURRENT_SHARDS, len(groups))
     pending = PendingCheckpoint.begin(directory)
     try:
@@ -252,7 +256,16 @@ def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = 
     by_file: dict[str, list[str]] = {}
     for n in dict.fromkeys([*wanted, *out]):
         by_file.setdefault(tensors[n]["file"], []).append(n)
-    readers = [open_shard(directory, manifest, f, engine=engine, verify=verify) for f in by_file]
+    readers: list[ShardReader] = []
+    try:
+        for filename, names_here in by_file.items():
+            readers.append(open_shard(directory, manifest, filename, engine=engine, verify=verify))
+            for n in names_here:
+                check_index(readers[-1].path, tensors, n, readers[-1].tensors.get(n))
+    except BaseException:
+        for r in readers:
+            r.close()
+        raise
 
     def read(reader: ShardReader) -> dict[str, np.ndarray]:
         names_here = by_file[os.path.basename(reader.path)]
@@ -283,7 +296,7 @@ def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, en
                verify: bool = True) -> ShardReader:
     """A reader for one of a checkpoint's files, checked against the manifest."""
     entry = manifest["files"].get(filename)
-    path = os.path.join(directory, filename)
+    path = os.fspath(member_path(directory, filename))
     if entry is None:
         raise CorruptCheckpointError(f"{directory}: {filename} is not listed in the manifest")
     if not os.path.exists(path):
@@ -292,7 +305,7 @@ def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, en
     if size != entry["size"]:
         raise CorruptCheckpointError(f"{path} has {size} bytes, the manifest says {entry['size']}: "
                                      "truncated or replaced")
-    reader = ShardReader(path, engine, verify=verify)
+    reader = ShardReader(path, engine, verify=verify, header_vouched=True)
     if verify and reader.checksum != entry["checksum"]:
         reader.close()
         raise CorruptCheckpointError(f"{path}: header checksum does not match the manifest")
@@ -387,6 +400,9 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
     """
     directory = os.fspath(directory)
     manifest = read_manifest(directory)
+    placed: dict[str, list[str]] = {}
+    for name, entry in manifest["tensors"].items():
+        placed.setdefault(entry["file"], []).append(name)
     problems = []
     for filename, entry in manifest["files"].items():
         done = 0
@@ -399,6 +415,12 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
 
         try:
             with open_shard(directory, manifest, filename, engine=engine) as reader:
+                for name in placed.get(filename, ()):
+                    check_index(reader.path, manifest["tensors"], name, reader.tensors.get(name))
+                unlisted = set(reader.tensors) - set(placed.get(filename, ()))
+                if unlisted:
+                    raise CorruptCheckpointError(f"{reader.path} holds {len(unlisted)} tensor(s) the manifest "
+                                                 f"does not list, such as {min(unlisted)!r}")
                 advance(reader.data_start)
                 verify_shard(reader, advance)
         except (CorruptCheckpointError, OSError) as exc:
@@ -410,4 +432,5 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
 
 __all__ = ["MANIFEST", "PendingCheckpoint", "build_manifest", "encode_manifest", "latest_checkpoint",
            "list_checkpoints", "load_checkpoint", "open_shard", "prune_checkpoints", "read_manifest",
+           "read_manifest_file",
            "save_checkpoint", "verify_checkpoint", "verify_shard", "digest", "write_durably"]

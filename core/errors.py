@@ -36,6 +36,11 @@ class ConfigError(TensorferryError, ValueError):
     """An invalid setting, named with the value that was refused."""
 
 
+class GDSUnavailableError(TensorferryError, RuntimeError):
+    """Device memory was given for I/O (or ``use_gds=True`` asked) where kvikio cannot
+    take it; the message names the extra to install or the setting that turned it off."""
+
+
 class CorruptCheckpointError(TensorferryError, ValueError):
     """A file or checkpoint that is truncated, inconsistent or fails its checksum."""
 
