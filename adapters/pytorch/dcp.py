@@ -7,6 +7,15 @@ commits the directory atomically (:class:`tensorferry.PendingCheckpoint`). The
 temporary directory's token reaches every rank inside DCP's own global plan, so
 the protocol rides on DCP's collectives. Loading reads only the byte ranges each
 rank's plan asks for, so checkpoints reshard.
+
+``.metadata`` holds torch's classes only (each item's place as torch's own
+``_StorageInfo``: file, offset, length), so torch unpickles it where tensorferry is
+not installed; the manifest lists every item's chunks (``dcp_items``), so the folder
+is read from the safetensors files and the manifest alone. torch's own readers
+(``FileSystemReader``, ``dcp.load(checkpoint_id=...)``, ``dcp_to_torch_save``) load
+each tensor with ``torch.load``, which raw bytes are not: the tensors' storage
+entries name a stream transform that torch does not know, :data:`NOT_TORCH_SAVE`, so
+that those readers stop with an error that says what the folder is and how to read it.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from torch.distributed.checkpoint import Metadata, StorageReader, StorageWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
                                                   SavePlanner, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.storage import WriteResult
@@ -31,11 +42,18 @@ from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_proces
                            split_by_size, write_durably)
 from ...engine import Engine
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
+from ...layouts.dcp import DCP_METADATA, ITEMS_KEY
 from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardReader, write_order
 from .staging import DeviceToHost, leased, stage_state_dict, staging_pool
 from .tensors import FROM_SAFETENSORS, safetensors_dtype, writable_bytes
 
-DCP_METADATA = ".metadata"
+# The stream transform named by every tensor's storage entry (no "/": torch splits a
+# version off there). torch's readers know no such transform and raise
+# "Unknown extension name='<this text>'".
+NOT_TORCH_SAVE = ("tensorferry-raw-bytes (this is a tensorferry checkpoint: its tensors are raw bytes in "
+                  "safetensors files, not torch.save streams; read it with dcp.load(state_dict, "
+                  "storage_reader=tensorferry.adapters.pytorch.DCPReader(path)), or convert it with "
+                  "'tensorferry convert PATH model.safetensors --to safetensors')")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +66,9 @@ class _RankFiles:
 
 @dataclasses.dataclass(frozen=True)
 class StoredItem:
-    """Where one DCP item lives: a shard file and the tensor's name inside it."""
+    """Where one DCP item lives: a shard file and the tensor's name inside it. What the
+    ranks hand the coordinator; kept in ``.metadata`` by DCPWriters before issue 20,
+    which this reader still reads."""
 
     file: str
     key: str
@@ -167,15 +187,31 @@ class DCPWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         pending = self._pending
-        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
-        files = sorted({r.storage_data.file for rank in results for r in rank})
-        infos = []
-        for name in files:
+        written = [r for rank in results for r in rank]
+        headers = {}
+        for name in sorted({r.storage_data.file for r in written}):
             with ShardReader(os.path.join(pending.tmp_path, name), self.engine, verify=False) as reader:
-                infos.append(reader.shard_info())
+                headers[name] = reader
+        items: dict[str, dict[str, Any]] = {"tensors": {}, "objects": {}}
+        metadata.storage_data = {}
+        for r in written:
+            where: StoredItem = r.storage_data
+            header = headers[where.file]
+            stored = header.tensors[where.key]
+            item = metadata.state_dict_metadata[r.index.fqn]
+            offset = header.data_start + stored.begin
+            if isinstance(item, BytesStorageMetadata):
+                items["objects"][r.index.fqn] = [where.file, where.key]
+                metadata.storage_data[r.index] = _StorageInfo(where.file, offset, stored.nbytes)
+                continue
+            entry = items["tensors"].setdefault(r.index.fqn, {
+                "dtype": safetensors_dtype(item.properties.dtype), "shape": list(item.size), "chunks": []})
+            entry["chunks"].append([where.file, where.key, [int(o) for o in r.index.offset], list(stored.shape)])
+            metadata.storage_data[r.index] = _StorageInfo(where.file, offset, stored.nbytes, (NOT_TORCH_SAVE,))
         write_durably(os.path.join(pending.tmp_path, DCP_METADATA), pickle.dumps(metadata))
-        pending.commit(infos, {"written_by": "tensorferry.adapters.pytorch.DCPWriter",
-                               "dcp_metadata": DCP_METADATA}, overwrite=self.overwrite)
+        pending.commit([h.shard_info() for h in headers.values()],
+                       {"written_by": "tensorferry.adapters.pytorch.DCPWriter", "dcp_metadata": DCP_METADATA,
+                        ITEMS_KEY: items}, overwrite=self.overwrite)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -250,9 +286,23 @@ class DCPReader(StorageReader):
             return pickle.load(f)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.storage_data = metadata.storage_data
         if not hasattr(self, "_manifest"):
             self._manifest = read_manifest(self.path)
+        items = self._manifest["metadata"].get(ITEMS_KEY)
+        if items is None:  # written before the manifest listed the items: .metadata says where
+            self._places = {_place_key(index): (s.file, s.key) for index, s in metadata.storage_data.items()}
+            return
+        self._places = {(fqn, None): (file, key) for fqn, (file, key) in items["objects"].items()}
+        for fqn, entry in items["tensors"].items():
+            self._places.update(((fqn, tuple(offsets)), (file, key)) for file, key, offsets, _ in entry["chunks"])
+
+    def _place(self, index: Any) -> tuple[str, str]:
+        """The shard file and tensor name of a DCP storage index."""
+        try:
+            return self._places[_place_key(index)]
+        except KeyError:
+            raise CorruptCheckpointError(f"{self.path}: the manifest does not say where {index.fqn!r} "
+                                         f"at {index.offset} is stored") from None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -263,11 +313,11 @@ class DCPReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
+            per_file.setdefault(self._place(item.storage_index)[0], []).append(item)
         readers = {name: open_shard(self.path, self._manifest, name, engine=self.engine, verify=self.verify)
                    for name in per_file}
         try:
-            started = [(item, _start_read(readers[name], self.storage_data[item.storage_index].key, item, planner))
+            started = [(item, _start_read(readers[name], self._place(item.storage_index)[1], item, planner))
                        for name, items in per_file.items() for item in items]
             for item, read in started:  # each finished as it lands, later reads still in flight
                 read.finish(item, planner)
@@ -282,6 +332,10 @@ class DCPReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return os.path.isfile(os.path.join(os.fspath(checkpoint_id), MANIFEST))
+
+
+def _place_key(index: Any) -> tuple[str, tuple[int, ...] | None]:
+    return index.fqn, None if index.offset is None else tuple(int(o) for o in index.offset)
 
 
 @dataclasses.dataclass
