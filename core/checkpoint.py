@@ -305,7 +305,7 @@ def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, en
     if size != entry["size"]:
         raise CorruptCheckpointError(f"{path} has {size} bytes, the manifest says {entry['size']}: "
                                      "truncated or replaced")
-    reader = ShardReader(path, engine, verify=verify)
+    reader = ShardReader(path, engine, verify=verify, header_vouched=True)
     if verify and reader.checksum != entry["checksum"]:
         reader.close()
         raise CorruptCheckpointError(f"{path}: header checksum does not match the manifest")

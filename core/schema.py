@@ -172,6 +172,53 @@ def check_tensor_entry(where: str, name: Any, entry: Any) -> tuple[str, tuple[in
     return dtype, tuple(shape), begin, end
 
 
+STRUCTURE_KEY = "tensorferry.structure"
+MAX_STRUCTURE_DEPTH = 200  # nodes within nodes; a state dict nests a few levels deep
+_LEAF_KINDS = ("tensor", "ndarray", "npscalar")
+
+
+def check_structure(structure: Any, where: str, tensor_names: Any) -> None:
+    """Raises :class:`CorruptCheckpointError` unless ``structure`` is a tree as
+    ``adapters.pytorch.save`` encodes it: nodes ``{"dict": [[str or int, node], ...]}``,
+    ``{"list" | "tuple": [node, ...]}``, ``{"tensor" | "ndarray" | "npscalar": name}``
+    (a name in ``tensor_names``), ``{"value": scalar}``, ``{"float": "nan" | "inf" | "-inf"}``
+    or ``{"dtype": str}``, at most ``MAX_STRUCTURE_DEPTH`` deep. Walked without
+    recursion, so that no depth of a damaged file reaches Python's recursion limit."""
+    stack = [(structure, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_STRUCTURE_DEPTH:
+            raise CorruptCheckpointError(f"{where}: the saved structure nests more than "
+                                         f"{MAX_STRUCTURE_DEPTH} levels deep")
+        if not isinstance(node, dict) or len(node) != 1:
+            raise CorruptCheckpointError(f"{where}: unreadable structure node {_shown(node)}")
+        (kind, value), = node.items()
+        if kind == "dict":
+            if not (type(value) is list and all(type(item) is list and len(item) == 2
+                                                and type(item[0]) in (str, int) for item in value)):
+                raise CorruptCheckpointError(f"{where}: a dict node holds {_shown(value)}, not [key, node] pairs "
+                                             "with str or int keys")
+            stack.extend((item[1], depth + 1) for item in value)
+        elif kind in ("list", "tuple"):
+            if type(value) is not list:
+                raise CorruptCheckpointError(f"{where}: a {kind} node holds {_shown(value)}, not a list")
+            stack.extend((item, depth + 1) for item in value)
+        elif kind in _LEAF_KINDS:
+            if not isinstance(value, str) or value not in tensor_names:
+                raise CorruptCheckpointError(f"{where}: the structure names a missing tensor {_shown(value)}")
+        elif kind == "value":
+            if value is not None and type(value) not in (bool, int, float, str):
+                raise CorruptCheckpointError(f"{where}: a value node holds {_shown(value)}, not a scalar")
+        elif kind == "float":
+            if value not in ("nan", "inf", "-inf"):
+                raise CorruptCheckpointError(f"{where}: a float node holds {_shown(value)}")
+        elif kind == "dtype":
+            if not isinstance(value, str):
+                raise CorruptCheckpointError(f"{where}: a dtype node holds {_shown(value)}")
+        else:
+            raise CorruptCheckpointError(f"{where}: unknown structure node {_shown(kind)}")
+
+
 def seal_manifest(body: bytes) -> bytes:
     """A manifest (a JSON object, compact) with its own checksum as its last member:
     ``"manifest_checksum"``, the xxh3-64 of every byte before ``,"manifest_checksum"``."""
@@ -222,8 +269,8 @@ def validate_manifest(manifest: Any, path: str | os.PathLike, *, sealed: bool) -
     metadata = manifest.setdefault("metadata", {})
     if not isinstance(metadata, dict):
         raise corrupt("metadata is not an object")
-    for section in ("files", "tensors"):
-        if not isinstance(manifest.get(section), dict):
+    for section in ("files", "tensors", "other_files"):
+        if not isinstance(manifest.get(section, {}), dict) or section not in manifest and section != "other_files":
             raise corrupt(f"{section} is missing or not an object")
     if len(manifest["tensors"]) > MAX_TENSORS:
         raise corrupt(f"lists {len(manifest['tensors'])} tensors, more than {MAX_TENSORS}")
@@ -237,7 +284,7 @@ def validate_manifest(manifest: Any, path: str | os.PathLike, *, sealed: bool) -
     files = manifest["files"]
     for name, entry in manifest["tensors"].items():
         check_tensor_entry(path, name, entry)
-        if entry.get("file") not in files:
+        if not isinstance(entry.get("file"), str) or entry["file"] not in files:
             raise corrupt(f"tensor {name!r} lies in {_shown(entry.get('file'))}, which the manifest "
                           "does not list among its files")
         if not isinstance(entry.get("checksum", ""), str):
@@ -259,5 +306,5 @@ def check_index(where: str, index: Mapping[str, Any], name: str, header: Any) ->
 
 
 __all__ = ["MAX_DIMS", "MAX_NAME_BYTES", "MAX_SMALL_FILE_BYTES", "check_index", "check_name",
-           "check_tensor_entry", "member_path", "parse_json", "read_small_file", "seal_manifest",
+           "check_structure", "check_tensor_entry", "STRUCTURE_KEY", "member_path", "parse_json", "read_small_file", "seal_manifest",
            "unseal_manifest", "validate_manifest"]

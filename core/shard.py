@@ -38,6 +38,11 @@ _OWN_MAPPING = 1 << 20  # from this size on, aligned_empty maps memory of its ow
 DEFAULT_BUFFER_SIZE = 64 << 20
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library refuses larger headers too
 CHECKSUMS_KEY = "tensorferry.checksums"
+# The xxh3-64 of the whole header (length prefix, JSON, padding) with these 16 digits
+# zeroed, so that it is written in place: a file carrying any "tensorferry." key must
+# carry it, or it is corrupt (a single file has no manifest to vouch for its header).
+HEADER_CHECKSUM_KEY = "tensorferry.header_checksum"
+_HEADER_CHECKSUM_MARK = f'"{HEADER_CHECKSUM_KEY}":"'.encode()
 CHECKSUM_ALGORITHM = "xxh3_64"
 _DIGEST_CHARS = 16
 # A box (ShardReader.read_box) that is not one contiguous byte range is read as one
@@ -200,8 +205,9 @@ class ShardWriter:
         self.engine = engine or default_engine()
         self.buffer_size = max(ALIGNMENT, _round_up(buffer_size, ALIGNMENT))
         self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
-        if CHECKSUMS_KEY in self.metadata:
-            raise ValueError(f"metadata key {CHECKSUMS_KEY!r} is reserved")
+        for reserved in (CHECKSUMS_KEY, HEADER_CHECKSUM_KEY):
+            if reserved in self.metadata:
+                raise ValueError(f"metadata key {reserved!r} is reserved")
         self._entries: dict[str, _Entry] = {}
         self._plan: _Plan | None = None
         self.info: ShardInfo | None = None
@@ -316,13 +322,17 @@ class _Header:
     def _json(self, checksums: Mapping[str, str]) -> bytes:
         metadata = dict(self.metadata)
         metadata[CHECKSUMS_KEY] = json.dumps({n: checksums[n] for n in self.names}, separators=(",", ":"))
+        metadata[HEADER_CHECKSUM_KEY] = "0" * _DIGEST_CHARS
         head = b'{"__metadata__":' + json.dumps(metadata, separators=(",", ":")).encode()
         return head + (b"," + self.tensors_json[1:] if self.names else b"}")
 
     def encode(self, checksums: Mapping[str, str]) -> bytes:
         """The header with its length prefix, padded with spaces up to the data."""
         body = self._json(checksums)
-        return struct.pack("<Q", self.size - 8) + body + b" " * (self.size - 8 - len(body))
+        header = bytearray(struct.pack("<Q", self.size - 8) + body + b" " * (self.size - 8 - len(body)))
+        at = header.rindex(_HEADER_CHECKSUM_MARK) + len(_HEADER_CHECKSUM_MARK)
+        header[at:at + _DIGEST_CHARS] = digest(header).encode()
+        return bytes(header)
 
 
 COPY_PIECE = 1 << 20  # copied, then hashed while in the cache
@@ -528,8 +538,11 @@ class ShardReader:
     """
 
     def __init__(self, path: str | os.PathLike, engine: Engine | None = None, *, verify: bool = True,
-                 chunk_size: int = 64 << 20) -> None:
+                 chunk_size: int = 64 << 20, header_vouched: bool = False) -> None:
         self.path = os.fspath(path)
+        # A checkpoint's shard (``header_vouched``) has its header checked against the
+        # manifest instead, which lets files written before header checksums be read.
+        self.header_vouched = header_vouched
         self.engine = engine or default_engine()
         self.verify = verify
         self.chunk_size = chunk_size
@@ -557,6 +570,7 @@ class ShardReader:
         raw = bytearray(8 + length)
         self.engine.read(raw, self._file, 0)
         self.header_bytes = bytes(raw)
+        sealed_with = self._check_header_checksum()  # before the JSON: damage there is named as such
         header = parse_json(self.header_bytes[8:], "header", self.path)
         if not isinstance(header, dict):
             raise self._corrupt("header is not a JSON object")
@@ -570,6 +584,11 @@ class ShardReader:
         for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
             if begin_b < end_a:
                 raise self._corrupt(f"tensors {a!r} and {b!r} overlap")
+        if metadata.pop(HEADER_CHECKSUM_KEY, None) != sealed_with:
+            raise self._corrupt(f"{HEADER_CHECKSUM_KEY} is not where the format puts it")
+        if sealed_with is None and not self.header_vouched and any(key.startswith("tensorferry.") for key in metadata):
+            raise self._corrupt(f"the header has tensorferry keys but no {HEADER_CHECKSUM_KEY}: it is damaged "
+                                "(or was written by an older tensorferry, before files carried one)")
         checksums = metadata.pop(CHECKSUMS_KEY, None)
         if checksums is not None:
             self._attach_checksums(checksums)
@@ -581,6 +600,19 @@ class ShardReader:
             raise self._corrupt(f"tensor {name!r}: data_offsets {[begin, end]} fall outside the "
                                 f"{data_size}-byte data section")
         return TensorInfo(dtype, shape, begin, end)
+
+    def _check_header_checksum(self) -> str | None:
+        """The header checksum the file carries (None if it has none), once it matches."""
+        raw = self.header_bytes
+        at = raw.find(_HEADER_CHECKSUM_MARK)
+        if at < 0:
+            return None
+        start = at + len(_HEADER_CHECKSUM_MARK)
+        stored = raw[start:start + _DIGEST_CHARS]
+        zeroed = raw[:start] + b"0" * _DIGEST_CHARS + raw[start + _DIGEST_CHARS:]
+        if digest(zeroed).encode() != stored:
+            raise self._corrupt("the header does not match its checksum: it is damaged")
+        return stored.decode()
 
     def _attach_checksums(self, text: str) -> None:
         digests = parse_json(text, CHECKSUMS_KEY, self.path)

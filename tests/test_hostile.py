@@ -183,3 +183,65 @@ def test_a_malformed_manifest_is_refused_by_load_and_verify_alike(checkpoint, ed
     except CorruptCheckpointError as exc:
         problems = [str(exc)]
     assert problems and message in " ".join(problems)
+
+
+torch = pytest.importorskip("torch")
+
+
+def _rewrite_header(path: str, edit) -> None:
+    """Edits a file's header JSON in place (same length), as damage would."""
+    with open(path, "r+b") as f:
+        (n,) = np.frombuffer(f.read(8), "<u8")
+        header = f.read(int(n))
+        changed = edit(header)
+        assert len(changed) == len(header)
+        f.seek(8)
+        f.write(changed)
+
+
+def test_a_single_file_header_is_covered_by_its_checksum(tmp_path) -> None:
+    from tensorferry.adapters.pytorch import load, save
+    path = str(tmp_path / "state.tf")
+    save({"w": torch.tensor([1.0, 2.0]), "step": 5}, path)
+    assert load(path)["step"] == 5
+    cases = [lambda h: h.replace(b'"F32"', b'"I32"'),  # the flipped byte of issue 25: wrong data, silently
+             lambda h: h.replace(b"tensorferry.structure", b"tensorferry.structurf"),
+             lambda h: h.replace(b"tensorferry.checksums", b"tensorferry_checksums"),
+             lambda h: h.replace(b"tensorferry.header_checksum", b"tensorferry_header_checksum"),
+             lambda h: h[:-1] + b"x"]  # the padding
+    with open(path, "rb") as f:
+        original = f.read()
+    for edit in cases:
+        _rewrite_header(path, edit)
+        with pytest.raises(CorruptCheckpointError, match="checksum"):
+            load(path)
+        with open(path, "wb") as f:
+            f.write(original)
+
+
+def test_a_plain_safetensors_file_still_loads(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from tensorferry.adapters.pytorch import load
+    save_file({"w": torch.arange(3.0)}, str(tmp_path / "plain.safetensors"))
+    assert torch.equal(load(tmp_path / "plain.safetensors")["w"], torch.arange(3.0))
+
+
+def test_structure_depth_is_bounded_on_save_and_load(tmp_path) -> None:
+    from tensorferry.adapters.pytorch import load, save
+    from tensorferry.schema import MAX_STRUCTURE_DEPTH
+
+    def nested(levels: int) -> dict:
+        obj: dict = {"leaf": torch.ones(1)}
+        for _ in range(levels - 2):
+            obj = {"x": obj}
+        return obj
+
+    path = str(tmp_path / "deep.tf")
+    save(nested(MAX_STRUCTURE_DEPTH), path)
+    out = load(path)
+    for _ in range(MAX_STRUCTURE_DEPTH - 2):
+        out = out["x"]
+    assert torch.equal(out["leaf"], torch.ones(1))
+    with pytest.raises(ValueError, match="nests more than"):
+        save(nested(MAX_STRUCTURE_DEPTH + 1), path)

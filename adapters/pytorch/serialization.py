@@ -22,11 +22,11 @@ from ...checkpoint import save_checkpoint as _save_directory
 from ...dtypes import to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
+from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse_json
 from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, write_order
 from .staging import DeviceToHost, read_to_device
 from .tensors import from_array, host_array, safetensors_dtype
 
-STRUCTURE_KEY = "tensorferry.structure"
 _SCALARS = (bool, int, float, str, type(None))
 
 
@@ -54,7 +54,9 @@ class _Encoder:
             self.tensors[key] = value
         return self._seen[identity]
 
-    def encode(self, value: Any, where: str = "") -> Any:
+    def encode(self, value: Any, where: str = "", depth: int = 1) -> Any:
+        if depth > MAX_STRUCTURE_DEPTH:  # what load would refuse as damaged
+            raise ValueError(f"{where}: the object nests more than {MAX_STRUCTURE_DEPTH} levels deep")
         if isinstance(value, torch.Tensor):
             return {"tensor": self._name(_storage_key(value), value, where)}
         if isinstance(value, (np.ndarray, np.generic)):
@@ -72,11 +74,12 @@ class _Encoder:
                 if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise TypeError(f"{where or 'the object'}: key {k!r} is {type(k).__name__}; only str and int "
                                     "keys can be saved without pickle")
-                items.append([k, self.encode(v, f"{where}.{k}" if where else str(k))])
+                items.append([k, self.encode(v, f"{where}.{k}" if where else str(k), depth + 1)])
             return {"dict": items}
         if isinstance(value, (list, tuple)):
             kind = "list" if isinstance(value, list) else "tuple"
-            return {kind: [self.encode(v, f"{where}.{i}" if where else str(i)) for i, v in enumerate(value)]}
+            return {kind: [self.encode(v, f"{where}.{i}" if where else str(i), depth + 1)
+                           for i, v in enumerate(value)]}
         if isinstance(value, float) and value != value:
             return {"float": "nan"}
         if isinstance(value, float) and value in (float("inf"), float("-inf")):
@@ -92,25 +95,22 @@ def _decode(structure: Any, arrays: Mapping[str, np.ndarray], where: str, map_lo
     """The object :class:`_Encoder` flattened, from the arrays the core read: each tensor
     made once (tied entries come back as one tensor) and moved to ``map_location``; numpy
     arrays as they were read."""
+    check_structure(structure, where, arrays)
     tensors: dict[str, torch.Tensor] = {}
 
-    def array(name: Any) -> np.ndarray:
-        if name not in arrays:
-            raise CorruptCheckpointError(f"{where}: the structure names a missing tensor {name!r}")
-        return arrays[name]
-
     def decode(node: Any) -> Any:
-        if not isinstance(node, dict) or len(node) != 1:
-            raise CorruptCheckpointError(f"{where}: unreadable structure node {node!r}")
         (kind, value), = node.items()
         if kind == "tensor":
             if value not in tensors:
-                tensors[value] = _to_tensors({value: array(value)}, map_location)[value]
+                tensors[value] = _to_tensors({value: arrays[value]}, map_location)[value]
             return tensors[value]
         if kind == "ndarray":
-            return array(value)
+            return arrays[value]
         if kind == "npscalar":
-            return array(value)[()]
+            if arrays[value].shape != ():
+                raise CorruptCheckpointError(f"{where}: the scalar {value!r} is stored with shape "
+                                             f"{arrays[value].shape}")
+            return arrays[value][()]
         if kind == "dict":
             return {k: decode(v) for k, v in value}
         if kind == "list":
@@ -121,12 +121,10 @@ def _decode(structure: Any, arrays: Mapping[str, np.ndarray], where: str, map_lo
             return float(value)
         if kind == "value":
             return value
-        if kind == "dtype":
-            dtype = getattr(torch, str(value), None)
-            if not isinstance(dtype, torch.dtype):
-                raise CorruptCheckpointError(f"{where}: unknown dtype {value!r}")
-            return dtype
-        raise CorruptCheckpointError(f"{where}: unknown structure node {kind!r}")
+        dtype = getattr(torch, value, None)  # the one kind left: check_structure knows them all
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptCheckpointError(f"{where}: unknown dtype {value!r}")
+        return dtype
 
     return decode(structure)
 
@@ -191,10 +189,9 @@ def load(path: str | os.PathLike, map_location: str | torch.device | None = None
         return load_checkpoint(path, map_location, engine=engine, verify=verify)
     with ShardReader(path, engine, verify=verify) as reader:
         structure_text = reader.metadata.get(STRUCTURE_KEY)
-        try:
-            structure = None if structure_text is None else json.loads(structure_text)
-        except ValueError:
-            raise CorruptCheckpointError(f"{path}: the saved structure is not valid JSON") from None
+        structure = None if structure_text is None else parse_json(structure_text, "saved structure", path)
+        if structure is not None:
+            check_structure(structure, os.fspath(path), reader.tensors)
         device = _cuda_device(map_location)
         if device is None:
             arrays = reader.read_many()
@@ -294,7 +291,10 @@ def _load_directory_to_device(directory: str | os.PathLike, names: Iterable[str]
     missing = [n for n in wanted if n not in tensors]
     if missing:
         raise KeyError(f"{directory} holds no tensor(s) {', '.join(map(repr, missing))}")
-    on_host = _host_names(manifest["metadata"].get(STRUCTURE_KEY)) - set(out)
+    structure = manifest["metadata"].get(STRUCTURE_KEY)
+    if structure is not None:
+        check_structure(structure, directory, tensors)
+    on_host = _host_names(structure) - set(out)
     arrays: dict[str, Any] = {}
     if any(n in on_host for n in wanted):
         arrays.update(_load_directory(directory, [n for n in wanted if n in on_host], engine=engine, verify=verify))
