@@ -69,22 +69,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def fsync_tree(path: str) -> None:
-    for name in bench.files_under(path) if os.path.isdir(path) else [path]:
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.unlink(path)
-
-
 def cold(path: str) -> None:
     bench.drop_cache(bench.files_under(path) if os.path.isdir(path) else [path])
 
@@ -155,24 +139,25 @@ class Run:
         state, n = self.state, self.nbytes
         ours = []
         self.log("tensorferry save")
+        file, directory = self.path("tf.safetensors"), self.path("tf_dir")
         ours.append(row("tensorferry save (one file)", n, self.repeat(
-            lambda: save(state, self.path("tf.safetensors")), after=lambda: remove(self.path("tf.safetensors")))))
+            lambda: save(state, file), after=lambda: bench.remove_path(file))))
         self.log("tensorferry save_checkpoint")
         ours.append(row("tensorferry save_checkpoint (directory)", n, self.repeat(
-            lambda: save_checkpoint(self.path("tf_dir"), state), after=lambda: remove(self.path("tf_dir")))))
+            lambda: save_checkpoint(directory, state), after=lambda: bench.remove_path(directory))))
         peers = []
         self.log("torch.save")
 
         def torch_save() -> None:
             torch.save({k: v.cpu() for k, v in state.items()}, self.path("torch.pt"))
-            fsync_tree(self.path("torch.pt"))
+            bench.fsync_tree(self.path("torch.pt"))
 
         peers.append(row("torch.save of the state moved to the CPU", n,
-                         self.repeat(torch_save, after=lambda: remove(self.path("torch.pt")))))
+                         self.repeat(torch_save, after=lambda: bench.remove_path(self.path("torch.pt")))))
         self.log("DCP FileSystemWriter")
         peers.append(row("DCP FileSystemWriter", n, self.repeat(
             lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(self.path("dcp"))),
-            after=lambda: remove(self.path("dcp")))))
+            after=lambda: bench.remove_path(self.path("dcp")))))
         return judge("save from GPU", ours, peers, self.fio.get("write"),
                      f">= {TARGET_OF_FIO} of fio's write, ahead of both peers")
 
@@ -204,8 +189,8 @@ class Run:
                 self.log("fastsafetensors")
                 peers.append(row("fastsafetensors", n, loaded(file, fast)))
         finally:
-            remove(file)
-            remove(directory)
+            bench.remove_path(file)
+            bench.remove_path(directory)
         return judge("load to GPU", ours, peers, self.fio.get("read"),
                      f">= {TARGET_OF_FIO} of fio's read, ahead of every peer")
 
@@ -236,7 +221,7 @@ class Run:
 
         def finish() -> None:
             futures[-1].result()
-            remove(self.path(f"async{len(futures) - 1}"))
+            bench.remove_path(self.path(f"async{len(futures) - 1}"))
 
         whole = row("dcp.async_save(..., storage_writer=DCPWriter) until it returns", self.nbytes,
                     self.repeat(async_save, after=finish))
@@ -293,7 +278,7 @@ class Run:
                     raise AssertionError("kvikio read back other bytes than it wrote")
         finally:
             engine.close()
-            remove(path)
+            bench.remove_path(path)
         return {"figure": "GDS vs pinned bounce", "gds_mode": mode, "rows": rows, "ceiling": self.fio,
                 "defaults": {"Engine.pread/pwrite of device buffers": f"kvikio ({mode})" if mode != "off"
                              else "refused (no kvikio)",
@@ -331,7 +316,7 @@ class Run:
                                 self.repeat(epoch, before=lambda: cold(folder))))
             data.close()
         finally:
-            remove(folder)
+            bench.remove_path(folder)
         return {"figure": "GDSDataset GPU paths", "rows": rows, "ceiling": self.fio.get("read")}
 
 
