@@ -292,7 +292,8 @@ def split_by_size(sizes: Mapping[str, int], max_shard_bytes: int, max_shards: in
 def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
                     metadata: Mapping[str, Any] | None = None, *, engine: Engine | None = None,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, buffer_size: int = DEFAULT_BUFFER_SIZE,
-                    overwrite: bool = False) -> str:
+                    overwrite: bool = False, shard_metadata: Mapping[str, str] | None = None,
+                    hf_index: bool = False) -> str:
     """Saves named arrays (or :class:`~tensorferry.shard.Deferred` tensors, made when
     written) as a checkpoint directory, atomically; returns its path.
 
@@ -301,6 +302,9 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
     ``2 * buffer_size`` bytes of page-locked memory. ``metadata`` is any
     JSON-serialisable mapping. On any failure (a full disk, say) the temporary
     directory is removed and an existing checkpoint is left as it was.
+    ``shard_metadata`` goes into every shard file's own header (``{"format": "pt"}``,
+    which transformers asks of safetensors files); ``hf_index`` also writes
+    ``model.safetensors.index.json``, so that Hugging Face loaders open the directory.
     """
     engine = engine or default_engine()
     json.dumps(dict(metadata or {}))  # fail before writing anything if it cannot be saved
@@ -312,7 +316,7 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
         planning = threading.Lock()
 
         def write(index: int) -> ShardInfo:
-            with pending.writer(f"shard-{index:05d}.safetensors", engine,
+            with pending.writer(f"shard-{index:05d}.safetensors", engine, metadata=shard_metadata,
                                 buffer_size=buffer_size // writers) as w:
                 with planning:
                     for name in groups[index]:
@@ -323,6 +327,9 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=writers) as pool:
             infos = list(pool.map(write, range(len(groups))))
+        if hf_index:
+            from .layouts.huggingface import INDEX, encode_index
+            write_durably(os.path.join(pending.tmp_path, INDEX), encode_index(infos))
         return pending.commit(infos, metadata, overwrite=overwrite)
     except BaseException:
         pending.abort()
@@ -338,9 +345,16 @@ def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = 
     torch CPU tensors, anything on the host with the buffer protocol or DLPack),
     whose shape and dtype must match; the returned dict then holds those objects.
     By default (``names`` None) only the tensors in ``out`` are loaded if ``out`` is
-    given, and all of them otherwise.
+    given, and all of them otherwise. A folder of another layout tensorferry reads (a
+    Hugging Face folder, torch's DCP, an Orbax step) is read through :mod:`tensorferry.layouts`.
     """
     directory = resolve_checkpoint(directory)
+    if not os.path.isfile(os.path.join(directory, MANIFEST)):
+        from .layouts import foreign_layout
+        foreign = foreign_layout(directory)  # a Hugging Face folder, say
+        if foreign is not None:
+            with foreign.open(engine=engine, verify=verify) as source:
+                return source.read(names, out)
     manifest = read_manifest(directory)
     tensors = manifest["tensors"]
     out = dict(out or {})

@@ -192,6 +192,69 @@ def test_kvikio_requests_report_errors_with_file_and_offset() -> None:
     assert refused.done() and isinstance(refused.exception(), TensorferryIOError)
 
 
+class RecordingKvikio:
+    """kvikio's surface as the engine uses it (CuFile by path and flags; pread/pwrite of
+    (buffer, size, file_offset) returning a future), moving bytes with os.pread/pwrite
+    between the file and the host memory behind a :class:`DeviceArray`. It proves the
+    engine's dispatch (which file, offset, size, handle reuse, closing), not a device path."""
+
+    def __init__(self) -> None:
+        self.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: True)
+        self.opened: list[tuple[str, str]] = []
+        self.closed = 0
+        outer = self
+
+        class CuFile:
+            def __init__(self, path: str, flags: str) -> None:
+                outer.opened.append((os.path.basename(path), flags))
+                self.fd = os.open(path, os.O_RDWR if "+" in flags else os.O_RDONLY)
+
+            def pwrite(self, buf, size, file_offset):
+                view = buf.array.reshape(-1).view(np.uint8)[:size]
+                return KvikioFuture(lambda: os.pwrite(self.fd, view, file_offset))
+
+            def pread(self, buf, size, file_offset):
+                view = buf.array.reshape(-1).view(np.uint8)[:size]
+                return KvikioFuture(lambda: os.preadv(self.fd, [view], file_offset))
+
+            def close(self) -> None:
+                os.close(self.fd)
+                outer.closed += 1
+
+        self.CuFile = CuFile
+
+
+def test_engine_dispatches_device_buffers_to_kvikio_handles(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    kvikio = RecordingKvikio()
+    monkeypatch.setattr(gds, "load_kvikio", lambda: kvikio)
+    (tmp_path / "keep.bin").write_bytes(b"k" * 100)
+    data = np.arange(8192, dtype=np.uint8)
+    with Engine() as engine:
+        assert engine.gds_mode == "compat"
+        assert engine.write(DeviceArray(data), tmp_path / "keep.bin", 4096) == 8192
+        assert engine.write(DeviceArray(data), tmp_path / "keep.bin", 0, nbytes=16) == 16
+        back = np.zeros(8192, np.uint8)
+        with tensorferry.open(tmp_path / "keep.bin", "r") as f:
+            assert engine.read(DeviceArray(back), f, 4096) == 8192
+        assert np.array_equal(back, data)
+        with pytest.raises(TensorferryIOError) as info:
+            engine.read(DeviceArray(np.zeros(1 << 16, np.uint8)), tmp_path / "keep.bin")
+        assert info.value.errno == errno.ENODATA and info.value.filename.endswith("keep.bin")
+        fd = os.open(tmp_path / "keep.bin", os.O_RDONLY)
+        try:
+            with pytest.raises(TypeError, match="by path"):
+                engine.read(DeviceArray(back), fd)
+        finally:
+            os.close(fd)
+        with pytest.raises(ValueError, match="buffer too small"):
+            engine.write(DeviceArray(data), tmp_path / "keep.bin", nbytes=8193)
+    assert kvikio.opened == [("keep.bin", "r+"), ("keep.bin", "r")], "one handle per file and direction"
+    assert kvikio.closed == 2, "the engine's close closes its handles"
+    content = (tmp_path / "keep.bin").read_bytes()
+    assert content[16:100] == b"k" * 84, "a path is opened for writing without truncation"
+    assert content[:16] == bytes(range(16)) and content[4096:] == data.tobytes()
+
+
 # --- the pinned pool, registered with CUDA -------------------------------------------------
 
 class Registrations:

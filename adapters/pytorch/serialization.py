@@ -16,17 +16,19 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
-from ...checkpoint import DEFAULT_SHARD_BYTES, MAX_CONCURRENT_SHARDS, open_shard, read_manifest
+from ...checkpoint import DEFAULT_SHARD_BYTES, MANIFEST, MAX_CONCURRENT_SHARDS, open_shard, read_manifest
 from ...checkpoint import load_checkpoint as _load_directory
 from ...checkpoint import save_checkpoint as _save_directory
 from ...dtypes import to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
+from ...layouts.huggingface import INDEX_SUFFIX
 from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse_json
 from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, write_order
 from .staging import DeviceToHost, read_to_device
 from .tensors import from_array, host_array, safetensors_dtype
 
+TORCH_FORMAT = {"format": "pt"}  # what safetensors.torch writes, and transformers 4.x requires
 _SCALARS = (bool, int, float, str, type(None))
 
 
@@ -149,12 +151,14 @@ def save(obj: Any, path: str | os.PathLike, *, metadata: dict[str, str] | None =
     scalars) as one safetensors file.
 
     The file replaces ``path`` atomically once it is complete and durable. Tensors that
-    share memory (tied weights) are stored once and load back as one tensor.
+    share memory (tied weights) are stored once and load back as one tensor. Its
+    metadata says ``{"format": "pt"}`` (unless ``metadata`` says otherwise), as
+    safetensors' torch module writes and transformers asks.
     """
     path = os.fspath(path)
     encoder = _Encoder()
     structure = encoder.encode(obj)
-    meta = dict(metadata or {})
+    meta = {**TORCH_FORMAT, **(metadata or {})}
     meta[STRUCTURE_KEY] = json.dumps(structure, separators=(",", ":"))
     with ShardWriter(path, engine, metadata=meta, atomic=True) as writer:
         for key, t in _writable(encoder.tensors).items():
@@ -181,11 +185,12 @@ def _writable(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, Any
 def load(path: str | os.PathLike, map_location: str | torch.device | None = None, *,
          engine: Engine | None = None, verify: bool = True) -> Any:
     """Loads what :func:`save` (a file) or :func:`save_checkpoint` (a directory) wrote, no
-    pickle. A plain safetensors file loads as a flat dict of tensors. ``map_location``
+    pickle. A plain safetensors file, or a folder of another layout (a Hugging Face
+    folder, or its ``model.safetensors.index.json``), loads as a flat dict of tensors. ``map_location``
     moves tensors to a device; to a CUDA device, each read is copied over as soon as it
     lands, while later reads are in flight (numpy arrays in the structure stay on the host)."""
     _check_map_location(map_location)
-    if os.path.isdir(path):
+    if os.path.isdir(path) or os.fspath(path).endswith(INDEX_SUFFIX):
         return load_checkpoint(path, map_location, engine=engine, verify=verify)
     with ShardReader(path, engine, verify=verify) as reader:
         structure_text = reader.metadata.get(STRUCTURE_KEY)
@@ -244,14 +249,16 @@ def save_checkpoint(directory: str | os.PathLike, obj: Any, metadata: Mapping[st
     (:func:`tensorferry.save_checkpoint`: sharded, checksummed, a manifest); returns its path.
 
     Every safetensors dtype goes through, bf16 and fp8 included; tied tensors are stored
-    once. ``metadata`` is any JSON-serialisable mapping, kept in the manifest.
+    once. ``metadata`` is any JSON-serialisable mapping, kept in the manifest. The
+    directory carries ``model.safetensors.index.json`` and its files ``{"format": "pt"}``,
+    so that transformers' ``from_pretrained`` opens it (with a ``config.json`` beside).
     """
     encoder = _Encoder()
     structure = encoder.encode(obj)
     meta = dict(metadata or {})
     meta[STRUCTURE_KEY] = structure
     return _save_directory(directory, _writable(encoder.tensors), meta, engine=engine, max_shard_bytes=max_shard_bytes,
-                           buffer_size=buffer_size, overwrite=overwrite)
+                           buffer_size=buffer_size, overwrite=overwrite, shard_metadata=TORCH_FORMAT, hf_index=True)
 
 
 def load_checkpoint(directory: str | os.PathLike, map_location: str | torch.device | None = None, *,
@@ -260,19 +267,20 @@ def load_checkpoint(directory: str | os.PathLike, map_location: str | torch.devi
     """Loads a checkpoint directory as torch tensors.
 
     What :func:`save_checkpoint` wrote comes back as it was saved; any other checkpoint
-    directory (or one read with ``names`` or ``out``) as a flat dict of tensors. Tensors
-    named in ``out`` (tensors of the saved shape and dtype, all on the CPU or all on one
-    CUDA device) are read in place.
+    directory (or one read with ``names`` or ``out``), a Hugging Face folder say, as a
+    flat dict of tensors. Tensors named in ``out`` (tensors of the saved shape and dtype,
+    all on the CPU or all on one CUDA device) are read in place.
     """
     _check_map_location(map_location)
     device = _cuda_device(map_location, out)
-    if device is not None:
+    ours = os.path.isfile(os.path.join(directory, MANIFEST))
+    if device is not None and ours:
         arrays = _load_directory_to_device(directory, names, out, device, engine, verify)
     else:
         destinations = {name: host_array(t, writable=True) for name, t in (out or {}).items()}
         arrays = _load_directory(directory, names, out=destinations, engine=engine, verify=verify)
         arrays = {name: out[name] if out and name in out else a for name, a in arrays.items()}
-    structure = read_manifest(directory)["metadata"].get(STRUCTURE_KEY)
+    structure = read_manifest(directory)["metadata"].get(STRUCTURE_KEY) if ours else None
     if structure is None or names is not None or out:
         return _to_tensors(arrays, map_location)
     return _decode(structure, arrays, os.fspath(directory), map_location)

@@ -168,6 +168,10 @@ def snapshot(tensors: Iterable[torch.Tensor], pool: PinnedPool | None = None) ->
     dropped); CPU tensors are cloned."""
     tensors = list(tensors)
     pool = pool if pool is not None else staging_pool()
+    # The pool keeps a whole snapshot's buffers for the next one: allocating and
+    # registering them anew would make every save's stall several times the copy's.
+    held = sum(pool.size_class(t.numel() * t.element_size()) for t in tensors if t.device.type == "cuda")
+    pool.max_cached_bytes = max(pool.max_cached_bytes, held + 2 * DEFAULT_WINDOW)
     started = []
     for t in tensors:
         t = t.detach()

@@ -346,6 +346,16 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
                 "metadata": {}, "files": [], "tensors": [], "total_bytes": None}
 
 
+def foreign_layout(path: str | os.PathLike) -> Layout | None:
+    """The layout of a checkpoint tensorferry reads but did not write as a checkpoint
+    directory (a Hugging Face folder, torch's DCP, Orbax), or None."""
+    path = os.fspath(path)
+    for layout in LAYOUTS:
+        if layout not in (TensorferryCheckpoint, SafetensorsFiles) and layout.recognise(path):
+            return layout(path)
+    return None
+
+
 def open_layout(path: str | os.PathLike, *, verify: bool = True, engine: Any = None) -> TensorSource:
     """A :class:`TensorSource` over whatever checkpoint ``path`` holds."""
     return detect(path).open(verify=verify, engine=engine)
@@ -353,4 +363,4 @@ def open_layout(path: str | os.PathLike, *, verify: bool = True, engine: Any = N
 
 __all__ = ["Chunk", "ChunkSource", "DCPFolder", "HuggingFaceFolder", "LAYOUTS", "Layout", "OBJECT", "OrbaxStep",
            "SafetensorsFile", "SafetensorsFiles", "ShardSource", "TensorEntry", "TensorSource", "TensorferryCheckpoint",
-           "UnknownLayoutError", "Verification", "describe", "detect", "open_layout", "register", "tensor_entry"]
+           "UnknownLayoutError", "Verification", "describe", "detect", "foreign_layout", "open_layout", "register", "tensor_entry"]

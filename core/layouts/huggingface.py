@@ -51,6 +51,8 @@ class HuggingFaceFolder(Layout):
     def recognise(cls, path: str) -> bool:
         if os.path.isfile(path):
             return path.endswith(INDEX_SUFFIX)
+        if not os.path.isdir(path):
+            return False
         names = os.listdir(path)
         return any(n.endswith(INDEX_SUFFIX) for n in names) or (
             SINGLE in names and sum(n.endswith(".safetensors") for n in names) == 1)
