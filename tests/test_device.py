@@ -301,6 +301,20 @@ def test_pool_registration_can_start_later_but_with_one_runtime_only() -> None:
     assert registrations.live == {}
 
 
+def test_leased_buffers_wait_for_copies_into_them_before_going_back() -> None:
+    class Copy:
+        done = False
+
+        def synchronize(self) -> None:
+            self.done = True
+
+    pool, copy = PinnedPool(), Copy()
+    host = staging.leased(pool, 4096, [copy])
+    del host
+    gc.collect()
+    assert copy.done and pool.cached_bytes == 4096
+
+
 def test_leased_buffers_return_to_the_pool_when_the_last_view_goes() -> None:
     pool = PinnedPool()
     host = staging.leased(pool, 10000)

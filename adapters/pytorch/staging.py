@@ -52,15 +52,23 @@ def staging_pool() -> PinnedPool:
     return _pool
 
 
-def leased(pool: PinnedPool, nbytes: int) -> np.ndarray:
+def leased(pool: PinnedPool, nbytes: int, copies: list[Any] | None = None) -> np.ndarray:
     """A uint8 array of ``nbytes`` from ``pool`` that goes back to it once the last array
     (or tensor) over its memory is gone: writes in flight keep their buffers alive, so
-    a buffer can never be reused under a write."""
+    a buffer can never be reused under a write. CUDA events put in ``copies`` (copies
+    into the buffer) are waited for before it goes back: a copy still landing in a
+    buffer nobody holds any more (a save that failed) must not land in its next user's."""
     buffer = pool.acquire(nbytes)
     array = np.frombuffer(memoryview(buffer), np.uint8)
     # Views of ``array`` keep ``array`` (whose base is the memoryview) alive, never the pool's buffer itself.
-    weakref.finalize(array.base, pool.release, buffer)
+    weakref.finalize(array.base, _give_back, pool, buffer, copies)
     return array
+
+
+def _give_back(pool: PinnedPool, buffer: np.ndarray, copies: list[Any] | None) -> None:
+    for event in copies or ():
+        event.synchronize()
+    pool.release(buffer)
 
 
 class DeviceToHost:
@@ -148,7 +156,8 @@ def copy_to_host_async(tensor: torch.Tensor, pool: PinnedPool) -> tuple[np.ndarr
     buffer and a function that waits for this copy alone."""
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    host = leased(pool, tensor.numel() * tensor.element_size())
+    copies: list[Any] = []
+    host = leased(pool, tensor.numel() * tensor.element_size(), copies)
     if host.nbytes == 0:
         return host, _nothing
     stream = side_stream(tensor.device)
@@ -158,6 +167,7 @@ def copy_to_host_async(tensor: torch.Tensor, pool: PinnedPool) -> tuple[np.ndarr
         tensor.record_stream(stream)  # the caching allocator keeps its memory until the copy is done
     done = torch.cuda.Event()
     done.record(stream)
+    copies.append(done)
     return host, done.synchronize
 
 
