@@ -18,7 +18,8 @@ Figures (each with its peers and the fio ceiling measured in the same run):
 
 Writes are timed until durable (every contender fsyncs; DCP's writer does itself);
 reads start from a dropped page cache and end when the data is in device memory
-(``torch.cuda.synchronize``). ``--device cpu`` runs the same steps with host tensors,
+(``torch.cuda.synchronize``). tensorferry's staging pool is filled (and registered with
+CUDA) before the first step, as a training run's second save finds it. ``--device cpu`` runs the same steps with host tensors,
 to try the script where there is no GPU; its figures mean nothing for a GPU.
 """
 
@@ -107,6 +108,17 @@ class Run:
         self.state = make_state(nbytes, count, device)
         self.nbytes = state_bytes(self.state)
         self.fio: dict[str, dict[str, Any]] = {}
+        self.warm_pool()
+
+    def warm_pool(self) -> None:
+        """Fills the staging pool with registered buffers of the state's size class, as a
+        training run's second save finds it (the first pays for mlock and
+        cudaHostRegister once; every later save and load reuses the buffers)."""
+        pool = staging.staging_pool()
+        size = max(t.numel() * t.element_size() for t in self.state.values())
+        held = [pool.acquire(size) for _ in range(max(1, min(8, (1 << 30) // pool.size_class(size))))]
+        for buffer in held:
+            pool.release(buffer)
 
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)

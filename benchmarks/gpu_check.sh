@@ -10,11 +10,16 @@
 # 3. runs the CUDA tests: pytest -m cuda (junit XML in OUTDIR);
 # 4. runs every benchmarks/bench_gpu*.py with --size SIZE --dir <this tree's disk> --out OUTDIR/<name>.json;
 # 5. merges everything into OUTDIR/gpu_check.json: device name, driver, GDS mode, the
-#    tests' counts, each figure with its peers and the fio ceiling of the same run.
+#    tests' counts, each figure with its peers and the fio ceiling of the same run; and
+#    the same as markdown, OUTDIR/gpu_check.md. Commit the record of a real run as
+#    benchmarks/results/gpu/<UTC stamp>-gpu_check.json (beside, not among, the result
+#    files benchmarks/report.py renders).
 #
 # Every step gets what is left of a 9.5-minute budget (GPU_CHECK_BUDGET seconds), so the
 # whole check ends within 10 minutes; a step that fails or runs out is recorded, and the
 # steps after it still run where they can. The log is OUTDIR/gpu_check.log.
+# GPU_CHECK_BENCH_ARGS adds arguments to every benchmark ("--device cpu" tries the whole
+# script on a machine without a GPU; its figures then mean nothing).
 set -uo pipefail
 
 OUT=${1:?usage: benchmarks/gpu_check.sh OUTDIR [SIZE]}
@@ -78,7 +83,9 @@ if step build 360 "$PY" -m pip install --no-build-isolation --no-deps .; then
         remaining=$((${#benches[@]} - i))
         share=$(($(left) - 15))
         reserve=$((share - share / remaining + 15))
-        step "$name" "$reserve" "$PY" "$bench" --size "$SIZE" --dir "$BENCH_DIR/$name" --out "$OUT/$name.json"
+        # shellcheck disable=SC2086 # GPU_CHECK_BENCH_ARGS is split on purpose
+        step "$name" "$reserve" "$PY" "$bench" --size "$SIZE" --dir "$BENCH_DIR/$name" --out "$OUT/$name.json" \
+            ${GPU_CHECK_BENCH_ARGS:-}
     done
     rm -rf "$BENCH_DIR"
 fi
@@ -131,7 +138,30 @@ with open(os.path.join(out, "gpu_check.json"), "w") as f:
     json.dump(record, f, indent=1)
 print(json.dumps({k: record.get(k) for k in ("device", "nvidia_smi", "cuda_tests", "steps", "seconds", "passed")},
                  indent=1))
+
+# The same record as markdown (OUTDIR/gpu_check.md), for docs and the README.
+device = record.get("device") or {}
+lines = [f"GPU check of {record['started']}: {device.get('name', '?')}, driver {device.get('driver', '?')}, "
+         f"GDS mode {device.get('gds_mode', '?')} (kvikio {device.get('kvikio')}), torch {device.get('torch')}, "
+         f"{record['seconds']} s in all. CUDA tests: {record['cuda_tests']}.", ""]
 for figure in record["figures"]:
-    print(f"- {figure['benchmark']}: {figure['figure']}: met={figure.get('met')} "
-          f"ratio={figure.get('ratio_to_ceiling', figure.get('stall_ratio'))} {figure.get('error', '')}")
+    lines.append(f"### {figure['figure']} ({figure['benchmark']})")
+    if "error" in figure:
+        lines += [f"failed: {figure['error']}", ""]
+        continue
+    if figure.get("target"):
+        met = figure.get("met")
+        lines.append(f"target: {figure['target']}: **{'met' if met else 'not met' if met is False else 'not judged'}**")
+    lines += ["", "| | GB/s | s |", "| --- | --- | --- |"]
+    ceiling = figure.get("ceiling") or {}
+    ceilings = [ceiling] if "gbps" in ceiling else list(ceiling.values())
+    for r in figure.get("tensorferry", []) + figure.get("peers", []) + figure.get("rows", []) + ceilings:
+        lines.append(f"| {r['name']} | {r['gbps']} | {r['seconds']} |")
+    for key in ("ratio_to_ceiling", "stall_ratio", "ahead_of_peers", "defaults"):
+        if key in figure:
+            lines.append(f"\n{key}: {figure[key]}")
+    lines.append("")
+with open(os.path.join(out, "gpu_check.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+print("\n".join(lines))
 EOF

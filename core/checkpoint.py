@@ -1,15 +1,19 @@
 """Checkpoint directories: shard files plus a manifest, committed atomically.
 
 Commit protocol: everything is written into a temporary sibling
-``<dir>.tmp-<token>/``; shard files are fsynced as they close; the manifest
-``tensorferry.json`` is written and fsynced last; the directory is renamed to
-``<dir>`` and the parent fsynced. A directory without a manifest, or with a
-``.tmp-`` name, is never loaded nor reported as latest.
+``<dir>.tmp-<token>/``, which the writer holds locked; shard files are fsynced as they
+close; the manifest ``tensorferry.json`` is written and fsynced last; the directory is
+renamed to ``<dir>`` (over an existing one: exchanged with it in one atomic step) and
+the parent fsynced. A directory without a manifest, or with a ``.tmp-`` name, is never
+loaded nor reported as latest, except the old checkpoint an interrupted overwrite left
+aside where no atomic exchange exists (:func:`recoverable_checkpoints`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import errno
 import json
 import os
 import re
@@ -17,21 +21,24 @@ import secrets
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
 from .dtypes import to_numpy_dtype
 from .engine import Engine, default_engine
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, CorruptCheckpointError,
+                     TensorferryIOError)
 from .schema import (MANIFEST_VERSION, check_index, member_path, parse_json, read_small_file, seal_manifest,
                      unseal_manifest, validate_manifest)
-from .shard import CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest, fsync_dir
+from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
+                    fsync_after_commit, fsync_dir)
+from .temporaries import TMP_MARKER, hold, release, remove_stale_temporaries
 
 MANIFEST = "tensorferry.json"
 FORMAT_VERSION = MANIFEST_VERSION
-TMP_MARKER = ".tmp-"
 DEFAULT_SHARD_BYTES = 512 << 20
 MAX_CONCURRENT_SHARDS = 4
 
@@ -66,13 +73,19 @@ class PendingCheckpoint:
 
     directory: str
     token: str
+    _lock: int | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def begin(cls, directory: str | os.PathLike, token: str | None = None) -> "PendingCheckpoint":
-        """Creates the temporary directory (the parent must exist)."""
+        """Creates the temporary directory (the parent must exist), held locked until
+        :meth:`commit` or :meth:`abort`; removes what killed saves to the same path left
+        (temporaries no live writer holds)."""
         directory = os.path.abspath(os.fspath(directory))
         pending = cls(directory, token or secrets.token_hex(6))
+        parent, name = os.path.split(directory)
+        remove_stale_temporaries(parent, name, keep=recoverable_checkpoints(parent).values())
         os.makedirs(pending.tmp_path)
+        pending._lock = hold(pending.tmp_path)
         return pending
 
     @property
@@ -100,21 +113,97 @@ class PendingCheckpoint:
                 raise CorruptCheckpointError(f"{path}: missing or of the wrong size before commit")
         write_durably(os.path.join(self.tmp_path, MANIFEST), manifest)
         fsync_dir(self.tmp_path)
-        old = None
-        if os.path.lexists(self.directory):
-            if not overwrite:
-                raise FileExistsError(f"{self.directory} exists; pass overwrite=True to replace it")
-            old = f"{self.directory}{TMP_MARKER}old-{secrets.token_hex(4)}"
+        if not overwrite and resolve_checkpoint(self.directory) != self.directory:
+            raise FileExistsError(f"{self.directory} exists (moved aside by an interrupted overwrite); "
+                                  "pass overwrite=True to replace it")
+        if not os.path.lexists(self.directory):
+            os.rename(self.tmp_path, self.directory)
+            self._committed()
+        elif not overwrite:
+            raise FileExistsError(f"{self.directory} exists; pass overwrite=True to replace it")
+        elif exchange(self.tmp_path, self.directory):
+            # One atomic step: the path holds the new checkpoint, the temporary name the
+            # old one, which goes once the exchange is durable.
+            self._committed()
+            shutil.rmtree(self.tmp_path, ignore_errors=True)
+        else:
+            # No atomic exchange here: between the two renames the old checkpoint lives
+            # under a name that list_checkpoints and the loaders find (recoverable_checkpoints).
+            old = f"{self.directory}{OLD_MARKER}{self.token}"
             os.rename(self.directory, old)
-        os.rename(self.tmp_path, self.directory)
-        fsync_dir(os.path.dirname(self.directory))
-        if old is not None:
+            os.rename(self.tmp_path, self.directory)
+            self._committed()
             shutil.rmtree(old, ignore_errors=True)
+        release(self._lock)
+        self._lock = None
+        remove_stale_temporaries(*os.path.split(self.directory))  # an old one moved aside is one now
         return self.directory
+
+    def _committed(self) -> None:
+        fsync_after_commit(self.directory)
 
     def abort(self) -> None:
         """Removes the temporary directory and everything in it."""
         shutil.rmtree(self.tmp_path, ignore_errors=True)
+        release(self._lock)
+        self._lock = None
+
+
+OLD_MARKER = f"{TMP_MARKER}old-"
+_RENAME_EXCHANGE = 2
+_libc = None
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swaps two existing paths in one atomic step (``renameat2(RENAME_EXCHANGE)``);
+    False where the kernel or filesystem cannot, raises ``OSError`` for other failures."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(_libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}", a)
+
+
+def recoverable_checkpoints(root: str | os.PathLike) -> dict[str, str]:
+    """Old checkpoints an overwrite moved aside (``<name>.tmp-old-<token>``, complete)
+    whose own name holds nothing, by that name: an overwrite without an atomic exchange
+    was interrupted between its two renames, and this is the checkpoint."""
+    root = os.fspath(root)
+    found: dict[str, str] = {}
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return found
+    for entry in entries:
+        name, marker, _ = entry.name.rpartition(OLD_MARKER)
+        if not marker or not name or os.path.lexists(os.path.join(root, name)):
+            continue
+        if os.path.isfile(os.path.join(entry.path, MANIFEST)):
+            found[name] = entry.path
+    return found
+
+
+def _recoverable(path: str) -> bool:
+    path = os.path.abspath(path.rstrip(os.sep))
+    return path in {os.path.abspath(p) for p in recoverable_checkpoints(os.path.dirname(path)).values()}
+
+
+def resolve_checkpoint(directory: str | os.PathLike) -> str:
+    """``directory``, or where its checkpoint lives while an interrupted overwrite left
+    it aside (:func:`recoverable_checkpoints`)."""
+    directory = os.fspath(directory)
+    if os.path.lexists(directory):
+        return directory
+    parent, name = os.path.split(os.path.abspath(directory))
+    return recoverable_checkpoints(parent).get(name, directory)
 
 
 def encode_manifest(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None = None) -> bytes:
@@ -146,19 +235,27 @@ def build_manifest(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | No
 
 
 def write_durably(path: str, data: bytes) -> None:
-    """Writes a small file (a manifest, an index) and makes its contents durable."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Writes a small file (a manifest, an index) and makes its contents durable;
+    a failure raises :class:`TensorferryIOError` naming the file."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise TensorferryIOError(exc.errno or errno.EIO, f"writing {len(data)} bytes durably failed: "
+                                 f"{exc.strerror or exc}", path) from exc
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a complete checkpoint; raises if ``directory`` is not one."""
     directory = os.fspath(directory)
-    if TMP_MARKER in os.path.basename(directory.rstrip(os.sep)):
+    resolved = resolve_checkpoint(directory)
+    if TMP_MARKER in os.path.basename(resolved.rstrip(os.sep)) and not _recoverable(resolved):
         raise CheckpointNotFoundError(f"{directory} is an unfinished checkpoint (temporary directory)", directory)
-    path = os.path.join(directory, MANIFEST)
+    path = os.path.join(resolved, MANIFEST)
     try:
         return read_manifest_file(path)
     except FileNotFoundError:
@@ -251,7 +348,7 @@ def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = 
     given, and all of them otherwise. A folder of another layout tensorferry reads (a
     Hugging Face folder, torch's DCP, an Orbax step) is read through :mod:`tensorferry.layouts`.
     """
-    directory = os.fspath(directory)
+    directory = resolve_checkpoint(directory)
     if not os.path.isfile(os.path.join(directory, MANIFEST)):
         from .layouts import foreign_layout
         foreign = foreign_layout(directory)  # a Hugging Face folder, say
@@ -339,14 +436,16 @@ def list_checkpoints(root: str | os.PathLike) -> list[str]:
     if not os.path.isdir(root):
         return []
     found = []
-    for entry in os.scandir(root):
-        if not entry.is_dir() or TMP_MARKER in entry.name:
-            continue
+    candidates = [(e.name, e.path) for e in os.scandir(root) if e.is_dir() and TMP_MARKER not in e.name]
+    for name, path in [*candidates, *recoverable_checkpoints(root).items()]:
         try:
-            manifest = read_manifest(entry.path)
-        except (CheckpointNotFoundError, CorruptCheckpointError):
+            manifest = read_manifest(path)
+        except CheckpointNotFoundError:
+            continue  # an unfinished save, or a directory of something else
+        except (CorruptCheckpointError, OSError) as exc:
+            warnings.warn(f"skipping {path}: {exc}", CheckpointSkippedWarning, stacklevel=2)
             continue
-        found.append((entry.name, entry.path, manifest.get("committed_at", 0.0)))
+        found.append((name, path, manifest.get("committed_at", 0.0)))
     steps = [_STEP.search(name) for name, _, _ in found]
     if all(steps):
         keyed = [(int(m.group(1)), t, p) for m, (_, p, t) in zip(steps, found)]
@@ -364,17 +463,18 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
 def prune_checkpoints(root: str | os.PathLike, keep_last: int, *, remove_unfinished: bool = False) -> list[str]:
     """Deletes all but the newest ``keep_last`` complete checkpoints; returns what was removed.
 
-    With ``remove_unfinished``, leftover temporary directories of interrupted saves
-    go too (only when no save is running under ``root``).
+    With ``remove_unfinished``, what interrupted saves left under ``root`` goes too:
+    temporary directories and files that no running save holds (an old checkpoint an
+    interrupted overwrite moved aside counts as a checkpoint, not a leftover).
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     checkpoints = list_checkpoints(root)
     doomed = checkpoints[:-keep_last]
-    if remove_unfinished:
-        doomed += [e.path for e in os.scandir(os.fspath(root)) if e.is_dir() and TMP_MARKER in e.name]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
+    if remove_unfinished:
+        doomed += remove_stale_temporaries(root, keep=recoverable_checkpoints(root).values())
     return doomed
 
 
@@ -412,7 +512,7 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
     called with counts of bytes checked, which add up to the size of every file the
     manifest lists (a missing or bad file counts as checked).
     """
-    directory = os.fspath(directory)
+    directory = resolve_checkpoint(directory)
     manifest = read_manifest(directory)
     placed: dict[str, list[str]] = {}
     for name, entry in manifest["tensors"].items():
@@ -446,5 +546,5 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
 
 __all__ = ["MANIFEST", "PendingCheckpoint", "build_manifest", "encode_manifest", "latest_checkpoint",
            "list_checkpoints", "load_checkpoint", "open_shard", "prune_checkpoints", "read_manifest",
-           "read_manifest_file",
+           "read_manifest_file", "recoverable_checkpoints", "resolve_checkpoint",
            "save_checkpoint", "verify_checkpoint", "verify_shard", "digest", "write_durably"]

@@ -18,6 +18,7 @@ import concurrent.futures
 import os
 import secrets
 import struct
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
@@ -27,8 +28,9 @@ from . import _native
 from .buffers import PinnedPool, byte_view
 from .dtypes import to_numpy_dtype, to_safetensors_dtype
 from .engine import Engine, File, IOFuture, default_engine
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, DurabilityWarning, TensorferryIOError
 from .schema import check_tensor_entry, parse_json
+from .temporaries import hold, release, remove_stale_temporaries
 
 ALIGNMENT = 4096
 _OWN_MAPPING = 1 << 20  # from this size on, aligned_empty maps memory of its own
@@ -258,8 +260,13 @@ class ShardWriter:
         if self._plan is None:
             self.plan()
         entries, layout, offset, header = self._plan
+        lock = None
+        if self._write_path != self.path:  # whatever killed saves to this path left goes first
+            remove_stale_temporaries(*os.path.split(os.path.abspath(self.path)))
         file = File(self._write_path, "w")
         try:
+            if self._write_path != self.path:
+                lock = hold(self._write_path)
             file.reserve(header.size + offset)
             # A small file needs no more staging than its own size (one slot of it).
             staging = min(self.buffer_size, 2 * _round_up(max(offset, 1), ALIGNMENT))
@@ -271,11 +278,13 @@ class ShardWriter:
             file.close()
             if self._write_path != self.path:
                 os.replace(self._write_path, self.path)
-                fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+                fsync_after_commit(self.path)
         except BaseException:
             file.close()
             _remove_quietly(self._write_path)
             raise
+        finally:
+            release(lock)
         tensors = {e.name: TensorInfo(e.dtype, e.shape, *layout[e.name], checksums[e.name]) for e in entries}
         self.info = ShardInfo(self.path, size, digest(header_bytes), tensors)
         return self.info
@@ -471,8 +480,22 @@ def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        raise TensorferryIOError(exc.errno, "fsync of the directory failed", path) from exc
     finally:
         os.close(fd)
+
+
+def fsync_after_commit(committed: str) -> None:
+    """Makes the rename that committed ``committed`` durable. A failure then is a
+    :class:`DurabilityWarning`, not an error: the file or checkpoint is in place and
+    complete, only its survival of a power cut is in doubt."""
+    parent = os.path.dirname(os.path.abspath(committed))
+    try:
+        fsync_dir(parent)
+    except OSError as exc:
+        warnings.warn(f"{committed} is committed, but {exc}: the rename may not survive a power cut",
+                      DurabilityWarning, stacklevel=3)
 
 
 def _remove_quietly(path: str) -> None:

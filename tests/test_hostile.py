@@ -245,3 +245,128 @@ def test_structure_depth_is_bounded_on_save_and_load(tmp_path) -> None:
     assert torch.equal(out["leaf"], torch.ones(1))
     with pytest.raises(ValueError, match="nests more than"):
         save(nested(MAX_STRUCTURE_DEPTH + 1), path)
+
+
+# --- the overwrite protocol, killed at each of its steps -----------------------------
+
+_KILL_AT_STEP = r"""
+import os, shutil, sys
+import numpy as np
+import tensorferry
+from tensorferry import checkpoint
+
+root, step, atomic = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "exchange"
+done = 0
+
+def dies_after(fn):
+    def step_then_maybe_die(*args, **kwargs):
+        global done
+        result = fn(*args, **kwargs)
+        done += 1
+        if done == step:
+            os._exit(9)
+        return result
+    return step_then_maybe_die
+
+if not atomic:
+    checkpoint.exchange = lambda a, b: False  # as on a filesystem without RENAME_EXCHANGE
+for name in ("write_durably", "fsync_dir", "exchange", "fsync_after_commit"):
+    setattr(checkpoint, name, dies_after(getattr(checkpoint, name)))
+os.rename = dies_after(os.rename)
+shutil.rmtree = dies_after(shutil.rmtree)
+tensorferry.save_checkpoint(os.path.join(root, "step_1"), {"x": np.full(1000, 2.0)}, overwrite=True)
+"""
+
+
+@pytest.mark.parametrize("protocol", ["exchange", "two renames"])
+def test_an_overwrite_killed_at_any_step_leaves_a_complete_checkpoint(tmp_path, protocol) -> None:
+    import subprocess
+    import sys
+    root = str(tmp_path)
+    for step in range(1, 12):
+        shutil_rm = [os.path.join(root, n) for n in os.listdir(root)]
+        for path in shutil_rm:
+            __import__("shutil").rmtree(path)
+        tensorferry.save_checkpoint(os.path.join(root, "step_1"), {"x": np.full(1000, 1.0)})
+        run = subprocess.run([sys.executable, "-c", _KILL_AT_STEP, root, str(step), protocol],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode in (0, 9), run.stderr
+        latest = tensorferry.latest_checkpoint(root)
+        assert latest is not None, f"killed after step {step}: no checkpoint found"
+        value = tensorferry.load_checkpoint(os.path.join(root, "step_1"))["x"]
+        assert value.shape == (1000,) and len(set(value.tolist())) == 1 and value[0] in (1.0, 2.0)
+        assert tensorferry.verify_checkpoint(latest) == []
+        tensorferry.prune_checkpoints(root, keep_last=1, remove_unfinished=True)
+        again = tensorferry.load_checkpoint(tensorferry.latest_checkpoint(root))["x"]
+        assert np.array_equal(again, value), f"killed after step {step}: pruning lost the checkpoint"
+        tensorferry.save_checkpoint(os.path.join(root, "step_1"), {"x": np.full(1000, 3.0)}, overwrite=True)
+        assert os.listdir(root) == ["step_1"], f"killed after step {step}: leftovers {os.listdir(root)}"
+        if run.returncode == 0:
+            assert step > 3, "the protocol has at least four steps"
+            return
+    pytest.fail("the save was killed at every step tried: more steps than expected")
+
+
+def test_a_damaged_sibling_is_skipped_with_a_warning(tmp_path) -> None:
+    from tensorferry.errors import CheckpointSkippedWarning
+    for step in (1, 2):
+        tensorferry.save_checkpoint(tmp_path / f"step_{step}", {"x": np.arange(3)})
+    with open(tmp_path / "step_2" / tensorferry.checkpoint.MANIFEST, "r+b") as f:
+        f.write(b"[")
+    with pytest.warns(CheckpointSkippedWarning, match="step_2"):
+        assert tensorferry.latest_checkpoint(tmp_path) == str(tmp_path / "step_1")
+
+
+def test_stale_temporaries_go_and_live_ones_stay(tmp_path) -> None:
+    from tensorferry.adapters.pytorch import save
+    from tensorferry.temporaries import hold, release
+    target = tmp_path / "model.tf"
+    stale = tmp_path / "model.tf.tmp-dead"
+    stale.write_bytes(b"x" * 4096)  # what a killed save leaves: nobody holds it
+    live = tmp_path / "model.tf.tmp-live"
+    live.write_bytes(b"y")
+    lock = hold(str(live))  # as a save in progress holds its temporary
+    other = tmp_path / "other.tf.tmp-dead"
+    other.write_bytes(b"z")
+    try:
+        save({"w": torch.ones(2)}, target)
+        assert not stale.exists() and live.exists() and other.exists()
+        stale_dir = tmp_path / "step_5.tmp-0123"
+        stale_dir.mkdir()
+        (stale_dir / "shard-00000.safetensors").write_bytes(b"partial")
+        tensorferry.save_checkpoint(tmp_path / "step_6", {"x": np.arange(3)})
+        assert stale_dir.exists()  # another target's: left to prune
+        tensorferry.save_checkpoint(tmp_path / "step_5", {"x": np.arange(3)})
+        assert not stale_dir.exists()
+        removed = tensorferry.prune_checkpoints(tmp_path, keep_last=2, remove_unfinished=True)
+        assert removed == [str(other)] and live.exists()
+    finally:
+        release(lock)
+    assert tensorferry.prune_checkpoints(tmp_path, keep_last=2, remove_unfinished=True) == [str(live)]
+
+
+def test_a_failed_parent_fsync_after_commit_warns(tmp_path, monkeypatch) -> None:
+    from tensorferry import shard
+    from tensorferry.errors import DurabilityWarning, TensorferryIOError
+
+    def failing_fsync(path: str) -> None:
+        raise TensorferryIOError(5, "fsync of the directory failed", path)
+
+    monkeypatch.setattr(shard, "fsync_dir", failing_fsync)
+    with pytest.warns(DurabilityWarning, match="committed"):
+        path = tensorferry.save_checkpoint(tmp_path / "c", {"x": np.arange(3)})
+    assert tensorferry.verify_checkpoint(path) == []
+    with pytest.raises(TensorferryIOError) as info:
+        failing_fsync(str(tmp_path))
+    assert info.value.filename == str(tmp_path)
+
+
+def test_exchange_swaps_two_directories_in_one_step(tmp_path) -> None:
+    from tensorferry.checkpoint import exchange
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "from_a").write_bytes(b"")
+    (tmp_path / "b").mkdir()
+    assert exchange(str(tmp_path / "a"), str(tmp_path / "b")), "ext4 and tmpfs have RENAME_EXCHANGE"
+    assert os.listdir(tmp_path / "b") == ["from_a"] and os.listdir(tmp_path / "a") == []
+    with pytest.raises(FileNotFoundError):
+        exchange(str(tmp_path / "a"), str(tmp_path / "missing"))
