@@ -15,12 +15,14 @@ import functools
 import json
 import math
 import concurrent.futures
+import contextlib
+import gc
 import os
 import secrets
 import struct
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence, Union
 
 import numpy as np
 
@@ -70,6 +72,22 @@ class Deferred(NamedTuple):
     def nbytes(self) -> int:
         return math.prod(self.shape) * to_numpy_dtype(self.dtype).itemsize
 _pool = PinnedPool()
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pauses Python's cyclic garbage collector (as a ``with`` block or a decorator,
+    ``@gc_paused()``) while thousands of small, acyclic objects are made: the parsed
+    headers, manifests and plans of a checkpoint of many tensors. Their allocation
+    triggers full collections that walk every object of the process, torch's
+    included: 0.13 of the 0.14 s that unpickling DCP's metadata of 4096 tensors took."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _xxh3():
@@ -513,6 +531,90 @@ def _copy_items(source: np.ndarray, dest: np.ndarray) -> np.ndarray:
     return dest
 
 
+class _StagedReads:
+    """Tensors read into destinations whose memory O_DIRECT cannot fill (a torch
+    tensor's, 64 bytes past a page): the file is read in runs of up to ``PIECE`` bytes
+    into a ring of ``SLOTS`` pooled, page-aligned buffers, one engine request per
+    piece however many tensors it holds; as each piece lands every tensor in it is
+    hashed from the buffer and copied out while both are in the cache, and the slot
+    takes the next piece.
+
+    Measured (2 GiB, 4096 tensors of 512 KiB into torch tensors, DCPReader): one
+    request per tensor, each bounced by the engine and then hashed from memory again,
+    cost 0.38-0.43 CPU-s/GB."""
+
+    PIECE = 8 << 20
+    SLOTS = 4
+    STEP = COPY_PIECE  # hashed then copied in steps that stay in the cache
+
+    def __init__(self, reader: "ShardReader", targets: list[tuple[str, np.ndarray]]) -> None:
+        self.reader = reader
+        self.targets = sorted(targets, key=lambda nt: reader.tensors[nt[0]].begin)
+
+    def _pieces(self) -> Iterable[tuple[int, int, list[tuple[str, np.ndarray, int, int, int]]]]:
+        """``(file start, file end, parts)``, the start rounded down to a page; each part
+        ``(name, destination, its first byte in the tensor, in the piece, length)``."""
+        reader, data_start = self.reader, self.reader.data_start
+        start = end = None
+        parts: list[tuple[str, np.ndarray, int, int, int]] = []
+        for name, view in self.targets:
+            t = reader.tensors[name]
+            done = 0
+            while done < t.nbytes:
+                at = data_start + t.begin + done
+                if start is not None and (at - end > ALIGNMENT or at + 1 - start > self.PIECE):
+                    yield start, end, parts
+                    start, parts = None, []
+                if start is None:
+                    start = at - at % ALIGNMENT
+                take = min(t.nbytes - done, self.PIECE - (at - start))
+                parts.append((name, view, done, at - start, take))
+                end = at + take
+                done += take
+        if parts:
+            yield start, end, parts
+
+    def run(self) -> None:
+        reader = self.reader
+        slots = [_pool.acquire(self.PIECE) for _ in range(self.SLOTS)]
+        in_flight: list[tuple[IOFuture, np.ndarray, list]] = []
+        hashers: dict[str, Any] = {}
+        try:
+            for number, (start, end, parts) in enumerate(self._pieces()):
+                if len(in_flight) == self.SLOTS:
+                    self._land(*in_flight.pop(0), hashers)
+                slot = slots[number % self.SLOTS]
+                in_flight.append((reader.engine.pread(slot, reader._file, start, end - start), slot, parts))
+            while in_flight:
+                self._land(*in_flight.pop(0), hashers)
+        finally:
+            for future, _, _ in in_flight:
+                future.wait()  # the slots go back to the pool only once idle
+            for slot in slots:
+                _pool.release(slot)
+
+    def _land(self, future: IOFuture, slot: np.ndarray, parts: list, hashers: dict[str, Any]) -> None:
+        future.result()
+        reader = self.reader
+        for name, view, first, at, length in parts:
+            expected = reader.tensors[name].checksum if reader.verify else None
+            if expected is not None and first == 0 and length == view.nbytes and length <= self.STEP:
+                # Most tensors: one digest of the buffer, then the copy reads it from the cache.
+                source = slot[at:at + length]
+                if digest(source) != expected:
+                    raise reader._mismatch(name)
+                view[:] = source
+                continue
+            hasher = None if expected is None else hashers.setdefault(name, new_hasher())
+            for step in range(0, length, self.STEP):
+                source = slot[at + step:at + min(length, step + self.STEP)]
+                if hasher is not None:
+                    hasher.update(source)
+                view[first + step:first + step + source.nbytes] = source
+            if hasher is not None and first + length == view.nbytes and hashers.pop(name).hexdigest() != expected:
+                raise reader._mismatch(name)
+
+
 def aligned_empty(nbytes: int, phase: int = 0, *, populate: bool = False) -> np.ndarray:
     """A uint8 array whose address is congruent to ``phase`` modulo 4096, so that a read
     from a file offset with that phase needs no staging copy for O_DIRECT.
@@ -704,15 +806,21 @@ class ShardReader:
         infos = {n: self.info(n) for n in [*names, *out]}
         results: dict[str, np.ndarray] = {}
         pending: list[tuple[IOFuture, list[tuple[str, np.ndarray]]]] = []
+        staged: list[tuple[str, np.ndarray]] = []
         for name, target in out.items():
             t = infos[name]
             view = byte_view(target, writable=True)
             if view.nbytes != t.nbytes:
                 raise ValueError(f"{self.path}: destination for {name!r} has {view.nbytes} bytes, "
                                  f"the tensor {t.nbytes}")
-            pending.append((self.engine.pread(view, self._file, self.data_start + t.begin, t.nbytes),
-                            [(name, view)]))
             results[name] = target
+            if self._direct_into(view, self.data_start + t.begin):
+                pending.append((self.engine.pread(view, self._file, self.data_start + t.begin, t.nbytes),
+                                [(name, view)]))
+            else:
+                staged.append((name, view))
+        if staged:
+            _StagedReads(self, staged).run()
         for chunk in self._chunks([n for n in names if n not in out]):
             begin, end = infos[chunk[0]].begin, max(infos[n].end for n in chunk)
             # Faulted in now, while the chunks before it are being read.
@@ -735,6 +843,15 @@ class ShardReader:
                 for n, v in views:
                     self.check_checksum(n, v)
         return results
+
+    def _direct_into(self, view: np.ndarray, offset: int) -> bool:
+        """Whether reading file bytes from ``offset`` into ``view`` goes to the drive
+        straight into ``view``: only then is the memory's phase that of the file offset
+        (as O_DIRECT needs); otherwise every block would be bounced by the engine, one
+        request per tensor, and hashed from memory a second time."""
+        if not self._file.direct or view.nbytes < ALIGNMENT:
+            return True  # buffered, or too small to matter: the plain read
+        return (view.ctypes.data - offset) % self._file._native.mem_align == 0
 
     def _chunks(self, names: list[str]) -> list[list[str]]:
         """Groups tensors that lie next to each other into reads of about ``chunk_size``."""
@@ -855,7 +972,10 @@ class ShardReader:
         bytes) does not match its checksum; files without checksums always pass."""
         expected = self.info(name).checksum
         if expected is not None and digest(data) != expected:
-            raise self._corrupt(f"checksum mismatch in tensor {name!r}: the data is corrupt")
+            raise self._mismatch(name)
+
+    def _mismatch(self, name: str) -> CorruptCheckpointError:
+        return self._corrupt(f"checksum mismatch in tensor {name!r}: the data is corrupt")
 
     def close(self) -> None:
         self._file.close()

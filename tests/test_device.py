@@ -437,6 +437,17 @@ def test_cuda_state_round_trips(tmp_path, as_directory: bool) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_load_without_checksums_takes_gds_where_it_runs(tmp_path) -> None:
+    state = {k: v for k, v in cuda_state().items() if isinstance(v, torch.Tensor) and v.is_cuda}
+    state["strided"] = state["strided"].contiguous()
+    save(state, tmp_path / "s.safetensors")
+    with Engine() as engine:  # GDS where gds_mode is "gds", the pinned bounce otherwise
+        loaded = load(tmp_path / "s.safetensors", map_location="cuda", verify=False, engine=engine)
+    assert_same(state, loaded)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_cuda_loads_in_place_and_checksums_catch_corruption(tmp_path) -> None:
     state = {k: v for k, v in cuda_state().items() if isinstance(v, torch.Tensor) and v.is_cuda}
     save_checkpoint(tmp_path / "ckpt", state)

@@ -43,7 +43,7 @@ from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_proces
 from ...engine import Engine
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
 from ...layouts.dcp import DCP_METADATA, ITEMS_KEY
-from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardReader, write_order
+from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardReader, gc_paused, write_order
 from .staging import DeviceToHost, leased, stage_state_dict, staging_pool
 from .tensors import FROM_SAFETENSORS, safetensors_dtype, writable_bytes
 
@@ -156,6 +156,7 @@ class DCPWriter(StorageWriter):
         return [dataclasses.replace(plan, storage_data=_RankFiles(self._pending.token, f"rank{rank:05d}"))
                 for rank, plan in enumerate(plans)]
 
+    @gc_paused()
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         where: _RankFiles = plan.storage_data
         pending = PendingCheckpoint(self.path, where.token)
@@ -185,6 +186,7 @@ class DCPWriter(StorageWriter):
             per_file = list(pool.map(write_file, range(len(groups))))
         return _done([r for results in per_file for r in results])
 
+    @gc_paused()
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         pending = self._pending
         written = [r for rank in results for r in rank]
@@ -272,6 +274,7 @@ class DCPReader(StorageReader):
         if self.path is None:
             raise ValueError("DCPReader needs a path: DCPReader(path) or dcp.load(..., checkpoint_id=path)")
 
+    @gc_paused()
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         dcp_metadata = os.path.join(self.path, DCP_METADATA)
         if not os.path.exists(os.path.join(self.path, MANIFEST)) and os.path.exists(dcp_metadata):
@@ -285,6 +288,7 @@ class DCPReader(StorageReader):
         with open(dcp_metadata, "rb") as f:
             return pickle.load(f)
 
+    @gc_paused()
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not hasattr(self, "_manifest"):
             self._manifest = read_manifest(self.path)
@@ -310,6 +314,7 @@ class DCPReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    @gc_paused()
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
@@ -317,8 +322,23 @@ class DCPReader(StorageReader):
         readers = {name: open_shard(self.path, self._manifest, name, engine=self.engine, verify=self.verify)
                    for name in per_file}
         try:
-            started = [(item, _start_read(readers[name], self._place(item.storage_index)[1], item, planner))
-                       for name, items in per_file.items() for item in items]
+            started: list[tuple[ReadItem, _Read]] = []
+            whole: dict[str, dict[str, tuple[ReadItem, torch.Tensor]]] = {}  # file: key: (item, target)
+            for name, items in per_file.items():
+                reader = readers[name]
+                for item in items:
+                    key = self._place(item.storage_index)[1]
+                    target = None if item.type == LoadItemType.BYTE_IO else _resolve(reader, key, item, planner)
+                    if target is not None and key not in whole.get(name, {}) and _whole_in_place(reader, key, item, target):
+                        whole.setdefault(name, {})[key] = (item, target)
+                    else:
+                        started.append((item, _start_read(reader, key, item, planner, target)))
+            for name, entries in whole.items():
+                # A stored chunk read whole into CPU memory of its dtype (the usual restore):
+                # the file's chunks together, in few large requests (ShardReader.read_many).
+                readers[name].read_many([], {key: writable_bytes(target) for key, (_, target) in entries.items()})
+                for item, target in entries.values():
+                    planner.commit_tensor(item, target)
             for item, read in started:  # each finished as it lands, later reads still in flight
                 read.finish(item, planner)
             # Copies to a device read from pinned buffers that go back to the pool once dropped.
@@ -367,15 +387,29 @@ def _tensor_over(array: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(array.view(f"i{array.itemsize}")).view(FROM_SAFETENSORS[dtype])
 
 
-def _start_read(reader: ShardReader, key: str, item: ReadItem, planner: LoadPlanner) -> _Read:
-    info = reader.info(key)
-    if item.type == LoadItemType.BYTE_IO:
-        return _Read(reader.read_box(key, [0] * len(info.shape), info.shape), info.dtype)
+def _resolve(reader: ShardReader, key: str, item: ReadItem, planner: LoadPlanner) -> torch.Tensor:
+    """The tensor the planner gives for a tensor item, checked against the item's box."""
     lengths = tuple(item.lengths)
     target = planner.resolve_tensor(item).detach()
     if tuple(target.shape) != lengths:
         raise CorruptCheckpointError(f"{reader.path}: {key} holds {list(lengths)} for "
                                      f"{item.dest_index.fqn}, the destination is {list(target.shape)}")
+    return target
+
+
+def _whole_in_place(reader: ShardReader, key: str, item: ReadItem, target: torch.Tensor) -> bool:
+    """Whether the item is its whole stored chunk, going into plain CPU memory of its dtype."""
+    info = reader.info(key)
+    return (target.device.type == "cpu" and target.is_contiguous() and tuple(target.shape) == info.shape
+            and safetensors_dtype(target.dtype) == info.dtype and not any(item.storage_offsets))
+
+
+def _start_read(reader: ShardReader, key: str, item: ReadItem, planner: LoadPlanner,
+                target: torch.Tensor | None) -> _Read:
+    info = reader.info(key)
+    if item.type == LoadItemType.BYTE_IO:
+        return _Read(reader.read_box(key, [0] * len(info.shape), info.shape), info.dtype)
+    lengths = tuple(item.lengths)
     if target.device.type == "cpu" and target.is_contiguous() and safetensors_dtype(target.dtype) == info.dtype:
         # Plain memory of the stored dtype: the box is read (or, if strided, copied) into it.
         return _Read(reader.read_box(key, item.storage_offsets, lengths, out=writable_bytes(target)),
