@@ -4,7 +4,6 @@ tensorferry from the safetensors files and the manifest."""
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import subprocess
