@@ -63,6 +63,11 @@ def test_torchs_readers_say_it_is_a_tensorferry_checkpoint(ours: Path, tmp_path:
     _load(loaded, storage_reader=DCPReader(ours))
     assert all(torch.equal(loaded["model"][k], v) for k, v in STATE["model"].items())
     assert (loaded["step"], loaded["note"]) == (3, "text")
+    info = layouts.describe(ours)  # listed from the manifest, .metadata not unpickled
+    assert info["format"] == "torch-dcp" and info["complete"]
+    rows = {t["name"]: (t["dtype"], t["shape"]) for t in info["tensors"]}
+    assert rows == {"model.w": ("F32", [33, 7]), "model.b": ("I64", [5]), "model.h": ("BF16", [4, 4]),
+                    "step": ("object", None), "note": ("object", None)}
 
 
 READ_WITHOUT_TENSORFERRY = """
