@@ -73,6 +73,12 @@ COMMANDS = [
      "what the checksums add to a save: interleaved pairs with and without"),
     ("pytorch", "python benchmarks/bench_pytorch.py --dir DIR --size 2G --repeat 3 --results benchmarks/results",
      "`save`/`load`, `FSDPCheckpointer`, `DCPWriter` (1 and 2 ranks) against `torch.save`, DCP, safetensors"),
+    ("peers", "python benchmarks/bench_peers.py --dir DIR --size 2G --repeat 3 --results benchmarks/results",
+     "every load and save path against torch.save/load, safetensors, DCP, the Run:ai model streamer, "
+     "fastsafetensors, tensorizer, DeepSpeed's `aio_handle` and FastPersist, where installed"),
+    ("hf", "python benchmarks/bench_hf.py --dir DIR --size 1G --shards 4 --repeat 3 --results benchmarks/results",
+     "`adapters.pytorch.load` of a Hugging Face folder against safetensors' `load_file` of its shards, every byte "
+     "touched"),
     ("jax", "python benchmarks/bench_jax.py --dir DIR --size 2G --repeat 3 --results benchmarks/results",
      "`FerryCheckpointHandler` (sync and async) against Orbax's `StandardCheckpointHandler`"),
     ("data_torch", "python benchmarks/bench_data_torch.py --dir DIR --size 2G --repeat 3 --results benchmarks/results",
@@ -144,17 +150,33 @@ def _ratio(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 
 
+def _is_peer(contender: str) -> bool:
+    return contender != "fio" and not contender.startswith("tensorferry")
+
+
+def best_peers(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per operation, the highest median GB/s of any peer (neither fio nor ours)."""
+    best: dict[str, float] = {}
+    for r in rows:
+        if _is_peer(r["contender"]):
+            best[r["op"]] = max(best.get(r["op"], 0.0), r["gbps"])
+    return best
+
+
 def measurement_tables(document: dict[str, Any]) -> list[str]:
     lines = []
+    peers = document["benchmark"] == "peers"  # its tables also compare each row with the best peer
     for label, rows in summarize(document).items():
         if label:
             lines += [f"**{_described(label, document['settings'])}**", ""]
-        lines += ["| contender | op | GB/s, median (best) | x fio, median | CPU-s/GB | rounds |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        best = best_peers(rows) if peers else {}
+        lines += ["| contender | op | GB/s, median (best) | x fio, median | " + ("x best peer | " if peers else "")
+                  + "CPU-s/GB | rounds |", "| --- | --- | --- | --- | " + ("--- | " if peers else "") + "--- | --- |"]
         for r in rows:
             ratio = "1.00" if r["contender"] == "fio" else _ratio(r["fio_ratio"])
+            to_peer = f"{r['gbps'] / best[r['op']]:.2f} | " if r["op"] in best else ("| " if peers else "")
             lines.append(f"| {r['contender']} | {r['op']} | {r['gbps']:.2f} ({r['best_gbps']:.2f}) | {ratio} "
-                         f"| {r['cpu_s_per_gb']:.2f} | {r['rounds']} |")
+                         f"| {to_peer}{r['cpu_s_per_gb']:.2f} | {r['rounds']} |")
         growth = [f"{r['contender']} {r['peak_rss_growth'] / 2**20:.0f} MiB" for r in rows
                   if r["peak_rss_growth"] is not None]
         if growth:
@@ -214,6 +236,8 @@ def render_results(latest: dict[str, dict[str, Any]], plot: str | None, out_dir:
                   f"```bash\n{_command(document)}\n```", "",
                   f"Machine: {_machine(document)}.", ""]
         lines += measurement_tables(document) if document.get("measurements") else row_tables(document)
+        lines += [f"Skipped {peer}: {why.rstrip('.')}." for peer, why in document.get("skipped", {}).items()]
+        lines += [""] if document.get("skipped") else []
     return lines
 
 

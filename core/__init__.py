@@ -13,7 +13,7 @@ from .shard import ShardInfo, ShardReader, ShardWriter, TensorInfo
 from .data import FileSource
 from .offload import OffloadStore
 from .errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, EngineClosedError,
-                     TensorferryError, TensorferryIOError)
+                     GDSUnavailableError, TensorferryError, TensorferryIOError)
 
 __version__ = "0.1.0"
 
@@ -24,5 +24,5 @@ __all__ = [
     "io_uring_probe", "open", "parse_size",
     "PendingCheckpoint", "ShardInfo", "ShardReader", "ShardWriter", "TensorInfo", "default_engine",
     "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prune_checkpoints", "read_manifest",
-    "save_checkpoint", "verify_checkpoint", "FileSource", "OffloadStore",
+    "save_checkpoint", "verify_checkpoint", "FileSource", "OffloadStore", "GDSUnavailableError",
 ]

@@ -540,6 +540,21 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def fsync_tree(path: str) -> None:
+    """fsyncs a file, or every file below a directory: how a benchmark makes a peer's
+    write durable when the peer does not."""
+    for name in files_under(path) if os.path.isdir(path) else [path]:
+        _fsync_path(name)
+
+
+def remove_path(path: str) -> None:
+    """Removes a file or a directory tree, if it exists."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.unlink(path)
+
+
 def torch_available() -> bool:
     """Whether torch (and with it DCP) can be imported, without importing it."""
     import importlib.util

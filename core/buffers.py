@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -73,18 +74,65 @@ def byte_view(buffer: Any, *, writable: bool) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
+HostRegister = Callable[[int, int], Callable[[], None]]
+"""Registers ``(address, nbytes)`` of host memory with a device runtime (``cudaHostRegister``)
+and returns the function that unregisters it."""
+
+
 class PinnedPool:
     """A bounded cache of pinned buffers, reused by size class (powers of two).
 
     ``acquire(n)`` returns a buffer of at least ``n`` bytes; ``release(buf)`` gives it
     back. Released buffers are kept while the cache holds under ``max_cached_bytes``.
+
+    With ``register`` (or after :meth:`register_with`), every buffer of the pool is
+    also registered with the device runtime (the PyTorch adapter passes
+    ``cudaHostRegister`` through ``torch.cuda.cudart()``), so that copies between it
+    and device memory are asynchronous DMA rather than staged by the driver. A buffer
+    is unregistered when the pool drops it (on a release past the cap, or ``clear``);
+    one acquired and never released stays registered, so give buffers back.
     """
 
-    def __init__(self, max_cached_bytes: int = 256 << 20) -> None:
+    def __init__(self, max_cached_bytes: int = 256 << 20, *, register: HostRegister | None = None) -> None:
         self.max_cached_bytes = max_cached_bytes
         self._free: dict[int, list[np.ndarray]] = {}
         self._cached = 0
         self._lock = threading.Lock()
+        self._register = register
+        self._unregister: dict[int, Callable[[], None]] = {}  # base address: its unregistration
+        # Registration belongs to the process that asked for it: a forked child (a
+        # DataLoader worker) cannot use the parent's CUDA context, so it registers nothing.
+        self._register_pid = os.getpid()
+
+    def register_with(self, register: HostRegister) -> None:
+        """Registers the idle buffers, and every buffer made or given back from now on,
+        through ``register``. Calling it again with the same function does nothing; a
+        pool registers with one runtime only."""
+        with self._lock:
+            if self._register is register:
+                return
+            if self._register is not None:
+                raise ConfigError("this pool is already registered with another device runtime")
+            self._register = register
+            self._register_pid = os.getpid()
+            for buffers in self._free.values():
+                for base in buffers:
+                    self._ensure_registered(base)
+
+    @property
+    def registered(self) -> bool:
+        """Whether the pool registers its buffers with a device runtime."""
+        return self._register is not None and self._register_pid == os.getpid()
+
+    def _ensure_registered(self, base: np.ndarray) -> None:
+        address = base.ctypes.data
+        if self.registered and address not in self._unregister:
+            self._unregister[address] = self._register(address, base.nbytes)
+
+    def _drop(self, base: np.ndarray) -> None:
+        unregister = self._unregister.pop(base.ctypes.data, None)
+        if unregister is not None and self._register_pid == os.getpid():
+            unregister()  # before the memory can be freed
 
     @staticmethod
     def size_class(nbytes: int) -> int:
@@ -100,7 +148,10 @@ class PinnedPool:
                 base = free.pop()
                 self._cached -= size
                 return base[:nbytes]
-        return alloc_pinned(size)[:nbytes]
+        base = alloc_pinned(size)
+        with self._lock:
+            self._ensure_registered(base)
+        return base[:nbytes]
 
     def release(self, buffer: np.ndarray) -> None:
         """Returns a buffer from :meth:`acquire` to the pool (dropped if the pool is full)."""
@@ -108,8 +159,11 @@ class PinnedPool:
         size = base.nbytes
         with self._lock:
             if self._cached + size <= self.max_cached_bytes:
+                self._ensure_registered(base)
                 self._free.setdefault(size, []).append(base)
                 self._cached += size
+            else:
+                self._drop(base)
 
     @property
     def cached_bytes(self) -> int:
@@ -119,5 +173,8 @@ class PinnedPool:
     def clear(self) -> None:
         """Frees every idle buffer."""
         with self._lock:
+            for buffers in self._free.values():
+                for base in buffers:
+                    self._drop(base)
             self._free.clear()
             self._cached = 0

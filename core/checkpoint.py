@@ -1,15 +1,19 @@
 """Checkpoint directories: shard files plus a manifest, committed atomically.
 
 Commit protocol: everything is written into a temporary sibling
-``<dir>.tmp-<token>/``; shard files are fsynced as they close; the manifest
-``tensorferry.json`` is written and fsynced last; the directory is renamed to
-``<dir>`` and the parent fsynced. A directory without a manifest, or with a
-``.tmp-`` name, is never loaded nor reported as latest.
+``<dir>.tmp-<token>/``, which the writer holds locked; shard files are fsynced as they
+close; the manifest ``tensorferry.json`` is written and fsynced last; the directory is
+renamed to ``<dir>`` (over an existing one: exchanged with it in one atomic step) and
+the parent fsynced. A directory without a manifest, or with a ``.tmp-`` name, is never
+loaded nor reported as latest, except the old checkpoint an interrupted overwrite left
+aside where no atomic exchange exists (:func:`recoverable_checkpoints`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import errno
 import json
 import os
 import re
@@ -17,19 +21,24 @@ import secrets
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
 from .dtypes import to_numpy_dtype
 from .engine import Engine, default_engine
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .shard import CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, ShardInfo, ShardReader, ShardWriter, digest, fsync_dir
+from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, CorruptCheckpointError,
+                     TensorferryIOError)
+from .schema import (MANIFEST_VERSION, check_index, member_path, parse_json, read_small_file, seal_manifest,
+                     unseal_manifest, validate_manifest)
+from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
+                    fsync_after_commit, fsync_dir)
+from .temporaries import TMP_MARKER, hold, release, remove_stale_temporaries
 
 MANIFEST = "tensorferry.json"
-FORMAT_VERSION = 1
-TMP_MARKER = ".tmp-"
+FORMAT_VERSION = MANIFEST_VERSION
 DEFAULT_SHARD_BYTES = 512 << 20
 MAX_CONCURRENT_SHARDS = 4
 
@@ -64,13 +73,19 @@ class PendingCheckpoint:
 
     directory: str
     token: str
+    _lock: int | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def begin(cls, directory: str | os.PathLike, token: str | None = None) -> "PendingCheckpoint":
-        """Creates the temporary directory (the parent must exist)."""
+        """Creates the temporary directory (the parent must exist), held locked until
+        :meth:`commit` or :meth:`abort`; removes what killed saves to the same path left
+        (temporaries no live writer holds)."""
         directory = os.path.abspath(os.fspath(directory))
         pending = cls(directory, token or secrets.token_hex(6))
+        parent, name = os.path.split(directory)
+        remove_stale_temporaries(parent, name, keep=recoverable_checkpoints(parent).values())
         os.makedirs(pending.tmp_path)
+        pending._lock = hold(pending.tmp_path)
         return pending
 
     @property
@@ -98,21 +113,97 @@ class PendingCheckpoint:
                 raise CorruptCheckpointError(f"{path}: missing or of the wrong size before commit")
         write_durably(os.path.join(self.tmp_path, MANIFEST), manifest)
         fsync_dir(self.tmp_path)
-        old = None
-        if os.path.lexists(self.directory):
-            if not overwrite:
-                raise FileExistsError(f"{self.directory} exists; pass overwrite=True to replace it")
-            old = f"{self.directory}{TMP_MARKER}old-{secrets.token_hex(4)}"
+        if not overwrite and resolve_checkpoint(self.directory) != self.directory:
+            raise FileExistsError(f"{self.directory} exists (moved aside by an interrupted overwrite); "
+                                  "pass overwrite=True to replace it")
+        if not os.path.lexists(self.directory):
+            os.rename(self.tmp_path, self.directory)
+            self._committed()
+        elif not overwrite:
+            raise FileExistsError(f"{self.directory} exists; pass overwrite=True to replace it")
+        elif exchange(self.tmp_path, self.directory):
+            # One atomic step: the path holds the new checkpoint, the temporary name the
+            # old one, which goes once the exchange is durable.
+            self._committed()
+            shutil.rmtree(self.tmp_path, ignore_errors=True)
+        else:
+            # No atomic exchange here: between the two renames the old checkpoint lives
+            # under a name that list_checkpoints and the loaders find (recoverable_checkpoints).
+            old = f"{self.directory}{OLD_MARKER}{self.token}"
             os.rename(self.directory, old)
-        os.rename(self.tmp_path, self.directory)
-        fsync_dir(os.path.dirname(self.directory))
-        if old is not None:
+            os.rename(self.tmp_path, self.directory)
+            self._committed()
             shutil.rmtree(old, ignore_errors=True)
+        release(self._lock)
+        self._lock = None
+        remove_stale_temporaries(*os.path.split(self.directory))  # an old one moved aside is one now
         return self.directory
+
+    def _committed(self) -> None:
+        fsync_after_commit(self.directory)
 
     def abort(self) -> None:
         """Removes the temporary directory and everything in it."""
         shutil.rmtree(self.tmp_path, ignore_errors=True)
+        release(self._lock)
+        self._lock = None
+
+
+OLD_MARKER = f"{TMP_MARKER}old-"
+_RENAME_EXCHANGE = 2
+_libc = None
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swaps two existing paths in one atomic step (``renameat2(RENAME_EXCHANGE)``);
+    False where the kernel or filesystem cannot, raises ``OSError`` for other failures."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(_libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}", a)
+
+
+def recoverable_checkpoints(root: str | os.PathLike) -> dict[str, str]:
+    """Old checkpoints an overwrite moved aside (``<name>.tmp-old-<token>``, complete)
+    whose own name holds nothing, by that name: an overwrite without an atomic exchange
+    was interrupted between its two renames, and this is the checkpoint."""
+    root = os.fspath(root)
+    found: dict[str, str] = {}
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return found
+    for entry in entries:
+        name, marker, _ = entry.name.rpartition(OLD_MARKER)
+        if not marker or not name or os.path.lexists(os.path.join(root, name)):
+            continue
+        if os.path.isfile(os.path.join(entry.path, MANIFEST)):
+            found[name] = entry.path
+    return found
+
+
+def _recoverable(path: str) -> bool:
+    path = os.path.abspath(path.rstrip(os.sep))
+    return path in {os.path.abspath(p) for p in recoverable_checkpoints(os.path.dirname(path)).values()}
+
+
+def resolve_checkpoint(directory: str | os.PathLike) -> str:
+    """``directory``, or where its checkpoint lives while an interrupted overwrite left
+    it aside (:func:`recoverable_checkpoints`)."""
+    directory = os.fspath(directory)
+    if os.path.lexists(directory):
+        return directory
+    parent, name = os.path.split(os.path.abspath(directory))
+    return recoverable_checkpoints(parent).get(name, directory)
 
 
 def encode_manifest(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None = None) -> bytes:
@@ -135,44 +226,52 @@ def encode_manifest(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | N
                        "checksum_algorithm": CHECKSUM_ALGORITHM, "committed_at": time.time(),
                        "files": files, "metadata": dict(metadata or {})}, separators=(",", ":"))
     tensors = ",".join(shard.manifest_entries for shard in shards if shard.tensors)
-    return f'{head[:-1]},"tensors":{{{tensors}}}}}'.encode()
+    return seal_manifest(f'{head[:-1]},"tensors":{{{tensors}}}}}'.encode())
 
 
 def build_manifest(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The manifest for these shard files, as :func:`read_manifest` returns it."""
-    return json.loads(encode_manifest(shards, metadata))
+    return json.loads(unseal_manifest(encode_manifest(shards, metadata)))
 
 
 def write_durably(path: str, data: bytes) -> None:
-    """Writes a small file (a manifest, an index) and makes its contents durable."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Writes a small file (a manifest, an index) and makes its contents durable;
+    a failure raises :class:`TensorferryIOError` naming the file."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise TensorferryIOError(exc.errno or errno.EIO, f"writing {len(data)} bytes durably failed: "
+                                 f"{exc.strerror or exc}", path) from exc
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a complete checkpoint; raises if ``directory`` is not one."""
     directory = os.fspath(directory)
-    if TMP_MARKER in os.path.basename(directory.rstrip(os.sep)):
+    resolved = resolve_checkpoint(directory)
+    if TMP_MARKER in os.path.basename(resolved.rstrip(os.sep)) and not _recoverable(resolved):
         raise CheckpointNotFoundError(f"{directory} is an unfinished checkpoint (temporary directory)", directory)
-    path = os.path.join(directory, MANIFEST)
+    path = os.path.join(resolved, MANIFEST)
     try:
-        with open(path, "rb") as f:
-            manifest = json.loads(f.read())
+        return read_manifest_file(path)
     except FileNotFoundError:
         if os.path.isdir(directory):
             raise CheckpointNotFoundError(f"{directory} has no {MANIFEST}: not a complete checkpoint",
                                           directory) from None
         raise CheckpointNotFoundError(f"no checkpoint at {directory}", directory) from None
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != "tensorferry":
-        raise CorruptCheckpointError(f"{path} is not a tensorferry manifest")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise CorruptCheckpointError(f"{path} has format version {manifest['format_version']}; "
-                                     f"this tensorferry reads up to {FORMAT_VERSION}")
-    return manifest
+
+
+def read_manifest_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A manifest file (what :func:`encode_manifest` wrote) once its checksum and every
+    field are found sound; raises :class:`CorruptCheckpointError` otherwise, and
+    ``FileNotFoundError`` if there is none."""
+    data = read_small_file(path)
+    body = unseal_manifest(data, path)
+    return validate_manifest(parse_json(body, "manifest", path), path, sealed=body is not data)
 
 
 def split_by_size(sizes: Mapping[str, int], max_shard_bytes: int, max_shards: int | None = None) -> list[list[str]]:
@@ -193,25 +292,31 @@ def split_by_size(sizes: Mapping[str, int], max_shard_bytes: int, max_shards: in
 def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
                     metadata: Mapping[str, Any] | None = None, *, engine: Engine | None = None,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, buffer_size: int = DEFAULT_BUFFER_SIZE,
-                    overwrite: bool = False) -> str:
-    """Saves named arrays as a checkpoint directory, atomically; returns its path.
+                    overwrite: bool = False, shard_metadata: Mapping[str, str] | None = None,
+                    hf_index: bool = False) -> str:
+    """Saves named arrays (or :class:`~tensorferry.shard.Deferred` tensors, made when
+    written) as a checkpoint directory, atomically; returns its path.
 
     A state larger than ``max_shard_bytes`` is split over several shard files,
     written concurrently; together they stage small tensors through at most
     ``2 * buffer_size`` bytes of page-locked memory. ``metadata`` is any
     JSON-serialisable mapping. On any failure (a full disk, say) the temporary
     directory is removed and an existing checkpoint is left as it was.
+    ``shard_metadata`` goes into every shard file's own header (``{"format": "pt"}``,
+    which transformers asks of safetensors files); ``hf_index`` also writes
+    ``model.safetensors.index.json``, so that Hugging Face loaders open the directory.
     """
     engine = engine or default_engine()
     json.dumps(dict(metadata or {}))  # fail before writing anything if it cannot be saved
-    groups = split_by_size({n: np.asarray(a).nbytes for n, a in arrays.items()}, max_shard_bytes)
+    groups = split_by_size({n: a.nbytes if isinstance(a, Deferred) else np.asarray(a).nbytes
+                            for n, a in arrays.items()}, max_shard_bytes)
     writers = min(MAX_CONCURRENT_SHARDS, len(groups))
     pending = PendingCheckpoint.begin(directory)
     try:
         planning = threading.Lock()
 
         def write(index: int) -> ShardInfo:
-            with pending.writer(f"shard-{index:05d}.safetensors", engine,
+            with pending.writer(f"shard-{index:05d}.safetensors", engine, metadata=shard_metadata,
                                 buffer_size=buffer_size // writers) as w:
                 with planning:
                     for name in groups[index]:
@@ -222,6 +327,9 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=writers) as pool:
             infos = list(pool.map(write, range(len(groups))))
+        if hf_index:
+            from .layouts.huggingface import INDEX, encode_index
+            write_durably(os.path.join(pending.tmp_path, INDEX), encode_index(infos))
         return pending.commit(infos, metadata, overwrite=overwrite)
     except BaseException:
         pending.abort()
@@ -237,9 +345,16 @@ def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = 
     torch CPU tensors, anything on the host with the buffer protocol or DLPack),
     whose shape and dtype must match; the returned dict then holds those objects.
     By default (``names`` None) only the tensors in ``out`` are loaded if ``out`` is
-    given, and all of them otherwise.
+    given, and all of them otherwise. A folder of another layout tensorferry reads (a
+    Hugging Face folder, torch's DCP, an Orbax step) is read through :mod:`tensorferry.layouts`.
     """
-    directory = os.fspath(directory)
+    directory = resolve_checkpoint(directory)
+    if not os.path.isfile(os.path.join(directory, MANIFEST)):
+        from .layouts import foreign_layout
+        foreign = foreign_layout(directory)  # a Hugging Face folder, say
+        if foreign is not None:
+            with foreign.open(engine=engine, verify=verify) as source:
+                return source.read(names, out)
     manifest = read_manifest(directory)
     tensors = manifest["tensors"]
     out = dict(out or {})
@@ -252,7 +367,16 @@ def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = 
     by_file: dict[str, list[str]] = {}
     for n in dict.fromkeys([*wanted, *out]):
         by_file.setdefault(tensors[n]["file"], []).append(n)
-    readers = [open_shard(directory, manifest, f, engine=engine, verify=verify) for f in by_file]
+    readers: list[ShardReader] = []
+    try:
+        for filename, names_here in by_file.items():
+            readers.append(open_shard(directory, manifest, filename, engine=engine, verify=verify))
+            for n in names_here:
+                check_index(readers[-1].path, tensors, n, readers[-1].tensors.get(n))
+    except BaseException:
+        for r in readers:
+            r.close()
+        raise
 
     def read(reader: ShardReader) -> dict[str, np.ndarray]:
         names_here = by_file[os.path.basename(reader.path)]
@@ -283,7 +407,7 @@ def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, en
                verify: bool = True) -> ShardReader:
     """A reader for one of a checkpoint's files, checked against the manifest."""
     entry = manifest["files"].get(filename)
-    path = os.path.join(directory, filename)
+    path = os.fspath(member_path(directory, filename))
     if entry is None:
         raise CorruptCheckpointError(f"{directory}: {filename} is not listed in the manifest")
     if not os.path.exists(path):
@@ -292,7 +416,7 @@ def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, en
     if size != entry["size"]:
         raise CorruptCheckpointError(f"{path} has {size} bytes, the manifest says {entry['size']}: "
                                      "truncated or replaced")
-    reader = ShardReader(path, engine, verify=verify)
+    reader = ShardReader(path, engine, verify=verify, header_vouched=True)
     if verify and reader.checksum != entry["checksum"]:
         reader.close()
         raise CorruptCheckpointError(f"{path}: header checksum does not match the manifest")
@@ -312,14 +436,16 @@ def list_checkpoints(root: str | os.PathLike) -> list[str]:
     if not os.path.isdir(root):
         return []
     found = []
-    for entry in os.scandir(root):
-        if not entry.is_dir() or TMP_MARKER in entry.name:
-            continue
+    candidates = [(e.name, e.path) for e in os.scandir(root) if e.is_dir() and TMP_MARKER not in e.name]
+    for name, path in [*candidates, *recoverable_checkpoints(root).items()]:
         try:
-            manifest = read_manifest(entry.path)
-        except (CheckpointNotFoundError, CorruptCheckpointError):
+            manifest = read_manifest(path)
+        except CheckpointNotFoundError:
+            continue  # an unfinished save, or a directory of something else
+        except (CorruptCheckpointError, OSError) as exc:
+            warnings.warn(f"skipping {path}: {exc}", CheckpointSkippedWarning, stacklevel=2)
             continue
-        found.append((entry.name, entry.path, manifest.get("committed_at", 0.0)))
+        found.append((name, path, manifest.get("committed_at", 0.0)))
     steps = [_STEP.search(name) for name, _, _ in found]
     if all(steps):
         keyed = [(int(m.group(1)), t, p) for m, (_, p, t) in zip(steps, found)]
@@ -337,17 +463,18 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
 def prune_checkpoints(root: str | os.PathLike, keep_last: int, *, remove_unfinished: bool = False) -> list[str]:
     """Deletes all but the newest ``keep_last`` complete checkpoints; returns what was removed.
 
-    With ``remove_unfinished``, leftover temporary directories of interrupted saves
-    go too (only when no save is running under ``root``).
+    With ``remove_unfinished``, what interrupted saves left under ``root`` goes too:
+    temporary directories and files that no running save holds (an old checkpoint an
+    interrupted overwrite moved aside counts as a checkpoint, not a leftover).
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     checkpoints = list_checkpoints(root)
     doomed = checkpoints[:-keep_last]
-    if remove_unfinished:
-        doomed += [e.path for e in os.scandir(os.fspath(root)) if e.is_dir() and TMP_MARKER in e.name]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
+    if remove_unfinished:
+        doomed += remove_stale_temporaries(root, keep=recoverable_checkpoints(root).values())
     return doomed
 
 
@@ -385,8 +512,11 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
     called with counts of bytes checked, which add up to the size of every file the
     manifest lists (a missing or bad file counts as checked).
     """
-    directory = os.fspath(directory)
+    directory = resolve_checkpoint(directory)
     manifest = read_manifest(directory)
+    placed: dict[str, list[str]] = {}
+    for name, entry in manifest["tensors"].items():
+        placed.setdefault(entry["file"], []).append(name)
     problems = []
     for filename, entry in manifest["files"].items():
         done = 0
@@ -399,6 +529,12 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
 
         try:
             with open_shard(directory, manifest, filename, engine=engine) as reader:
+                for name in placed.get(filename, ()):
+                    check_index(reader.path, manifest["tensors"], name, reader.tensors.get(name))
+                unlisted = set(reader.tensors) - set(placed.get(filename, ()))
+                if unlisted:
+                    raise CorruptCheckpointError(f"{reader.path} holds {len(unlisted)} tensor(s) the manifest "
+                                                 f"does not list, such as {min(unlisted)!r}")
                 advance(reader.data_start)
                 verify_shard(reader, advance)
         except (CorruptCheckpointError, OSError) as exc:
@@ -410,4 +546,5 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
 
 __all__ = ["MANIFEST", "PendingCheckpoint", "build_manifest", "encode_manifest", "latest_checkpoint",
            "list_checkpoints", "load_checkpoint", "open_shard", "prune_checkpoints", "read_manifest",
+           "read_manifest_file", "recoverable_checkpoints", "resolve_checkpoint",
            "save_checkpoint", "verify_checkpoint", "verify_shard", "digest", "write_durably"]

@@ -1,5 +1,8 @@
 """The tensorferry command: bench, tune, inspect, verify, convert and interval.
 
+inspect, verify and convert hold no format logic: they go through the layout registry
+(:mod:`tensorferry.layouts`), which recognises the checkpoint and reads it.
+
 Every subcommand takes --help, --json (one JSON document on stdout instead of
 text) and --quiet (no progress bars or notes). Progress bars (tqdm) go to stderr,
 and only when it is a terminal.
@@ -13,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
+import functools
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -28,19 +30,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import __version__, bench
-from .checkpoint import (DEFAULT_SHARD_BYTES, MANIFEST, PendingCheckpoint, open_shard, read_manifest,
-                         split_by_size, verify_checkpoint, verify_shard)
+from . import __version__, bench, layouts
+from .checkpoint import DEFAULT_SHARD_BYTES, MANIFEST, PendingCheckpoint, split_by_size
 from .config import parse_size
-from .errors import ConfigError, CorruptCheckpointError, TensorferryError
-from .shard import ShardReader, ShardWriter
+from .errors import ConfigError, TensorferryError
+from .layouts.safetensors import to_file_metadata
+from .shard import ShardWriter, write_order
 
 EXIT_OK, EXIT_FINDING, EXIT_ERROR = 0, 1, 2
-# A tensorferry checkpoint's user metadata (any JSON) rides in this key of a
-# consolidated safetensors file's string-to-string metadata, so it survives a round trip.
-METADATA_KEY = "tensorferry.metadata"
-DCP_METADATA = ".metadata"
-ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA", "orbax.checkpoint", "manifest.ocdbt", "_sharding")
 
 
 class CLIError(Exception):
@@ -302,211 +299,17 @@ def _plot_tune(plt: Any, result: bench.TuneResult, directory: str, path: str) ->
     plt.close(fig)
 
 
-# ---------------------------------------------------------------- checkpoint formats
-
-def checkpoint_kind(path: str) -> str:
-    """What ``path`` holds: "tensorferry", "safetensors" (a file), "safetensors-dir" (shard files
-    without a manifest), "torch-dcp" or "orbax"; raises CLIError for anything else."""
-    if os.path.isfile(path):
-        return "safetensors"
-    if not os.path.exists(path):
-        raise CLIError(f"{path}: no such file or directory")
-    if not os.path.isdir(path):
-        raise CLIError(f"{path}: neither a file nor a directory")
-    names = set(os.listdir(path))
-    if MANIFEST in names:
-        return "tensorferry"
-    if DCP_METADATA in names or any(n.endswith(".distcp") for n in names):
-        return "torch-dcp"
-    subdirs = [os.path.join(path, n) for n in names if os.path.isdir(os.path.join(path, n))]
-    if names & set(ORBAX_MARKERS) or any(os.path.exists(os.path.join(d, m)) for d in subdirs for m in ORBAX_MARKERS):
-        return "orbax"
-    if any(n.endswith(".safetensors") for n in names):
-        return "safetensors-dir"
-    raise CLIError(f"{path}: not a checkpoint (no {MANIFEST}, no DCP {DCP_METADATA}, no Orbax metadata, "
-                   "no safetensors files)")
-
-
-def _tensor_row(name: str, dtype: str, shape: Sequence[int] | None, nbytes: int | None, **more: Any) -> dict[str, Any]:
-    return {"name": name, "dtype": dtype, "shape": None if shape is None else list(shape), "nbytes": nbytes, **more}
-
-
-def _read_safetensors(path: str) -> dict[str, Any]:
-    """The tensors, metadata and consistency of one safetensors file (its header only is read)."""
-    try:
-        reader = ShardReader(path, verify=False)
-    except CorruptCheckpointError as exc:
-        if path.endswith(".safetensors"):  # meant to be one, so a damaged one: a finding
-            raise CLIError(str(exc), EXIT_FINDING) from None
-        raise CLIError(f"{path}: not a checkpoint tensorferry can read (not a tensorferry or DCP directory, "
-                       f"not a safetensors file: {exc})") from None
-    with reader:
-        ordered = sorted(reader.tensors.items(), key=lambda kv: kv[1].begin)
-        tensors = [_tensor_row(n, t.dtype, t.shape, t.nbytes) for n, t in ordered]
-        end = reader.data_start + max((t.end for t in reader.tensors.values()), default=0)
-        problems = []
-        if reader.size > end:
-            problems.append(f"{os.path.basename(path)}: {reader.size - end} bytes after the last tensor")
-        return {"tensors": tensors, "metadata": reader.metadata, "size": reader.size,
-                "checksummed": bool(reader.tensors) and all(t.checksum for t in reader.tensors.values()),
-                "problems": problems}
-
-
-def describe(path: str) -> dict[str, Any]:
-    """What a checkpoint holds and whether it is complete, in one shape for every format."""
-    kind = checkpoint_kind(path)
-    try:
-        return {"tensorferry": _describe_tensorferry, "safetensors": _describe_safetensors,
-                "safetensors-dir": _describe_safetensors_dir, "torch-dcp": _describe_dcp,
-                "orbax": _describe_orbax}[kind](path)
-    except CLIError as exc:
-        if exc.status != EXIT_FINDING:
-            raise
-        # Unreadable (a corrupt manifest or header): still a description, of a broken checkpoint.
-        return {"path": path, "format": kind, "complete": False, "problems": [str(exc)], "metadata": {},
-                "files": [], "tensors": [], "total_bytes": None}
-
-
-def _describe_tensorferry(path: str) -> dict[str, Any]:
-    try:
-        manifest = read_manifest(path)
-    except TensorferryError as exc:
-        raise CLIError(str(exc), EXIT_FINDING) from None
-    files, problems = [], []
-    for name, entry in manifest["files"].items():
-        file_path = os.path.join(path, name)
-        size = os.path.getsize(file_path) if os.path.isfile(file_path) else None
-        if size is None:
-            problems.append(f"{name}: missing")
-        elif size != entry["size"]:
-            problems.append(f"{name}: {size} bytes, the manifest says {entry['size']}")
-        files.append({"name": name, "size": size, "expected_size": entry["size"], "checksum": entry["checksum"]})
-    tensors = []
-    for name, entry in manifest["tensors"].items():
-        begin, end = entry["data_offsets"]
-        more = {k: v for k, v in entry.items() if k not in ("dtype", "shape", "data_offsets")}
-        tensors.append(_tensor_row(name, entry["dtype"], entry["shape"], end - begin, **more))
-    committed = manifest.get("committed_at")
-    return {"path": path, "format": "tensorferry", "format_version": manifest.get("format_version"),
-            "committed_at": None if committed is None else
-            datetime.datetime.fromtimestamp(committed, datetime.timezone.utc).isoformat(timespec="seconds"),
-            "checksum_algorithm": manifest.get("checksum_algorithm"),
-            "complete": not problems, "problems": problems, "metadata": manifest.get("metadata", {}),
-            "files": files, "other_files": sorted(set(os.listdir(path)) - set(manifest["files"]) - {MANIFEST}),
-            "tensors": tensors, "total_bytes": sum(t["nbytes"] for t in tensors)}
-
-
-def _describe_safetensors(path: str) -> dict[str, Any]:
-    info = _read_safetensors(path)
-    return {"path": path, "format": "safetensors", "complete": not info["problems"], "problems": info["problems"],
-            "metadata": info["metadata"], "checksummed": info["checksummed"],
-            "files": [{"name": os.path.basename(path), "size": info["size"], "expected_size": None}],
-            "tensors": info["tensors"], "total_bytes": sum(t["nbytes"] for t in info["tensors"])}
-
-
-def _describe_safetensors_dir(path: str) -> dict[str, Any]:
-    problems = [f"no {MANIFEST}: not a complete tensorferry checkpoint (an unfinished save, or files "
-                "from elsewhere)"]
-    files, tensors = [], []
-    for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
-        file_path = os.path.join(path, name)
-        files.append({"name": name, "size": os.path.getsize(file_path), "expected_size": None})
-        try:
-            info = _read_safetensors(file_path)
-        except CLIError as exc:
-            problems.append(str(exc))
-            continue
-        problems += info["problems"]
-        tensors += [{**t, "file": name} for t in info["tensors"]]
-    return {"path": path, "format": "safetensors-dir", "complete": False, "problems": problems, "metadata": {},
-            "files": files, "tensors": tensors, "total_bytes": sum(t["nbytes"] for t in tensors)}
-
-
-def _describe_dcp(path: str) -> dict[str, Any]:
-    names = sorted(os.listdir(path))
-    if DCP_METADATA not in names:
-        files = [{"name": n, "size": os.path.getsize(os.path.join(path, n)), "expected_size": None}
-                 for n in names if n.endswith(".distcp")]
-        return {"path": path, "format": "torch-dcp", "complete": False,
-                "problems": [f"no {DCP_METADATA}: DCP writes it last, so this save did not finish"],
-                "metadata": {}, "files": files, "tensors": [], "total_bytes": None}
-    try:
-        import torch.distributed.checkpoint as dcp
-    except ImportError:
-        raise CLIError("reading a torch DCP checkpoint needs torch: pip install 'tensorferry[torch]'") from None
-    try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-    except Exception as exc:  # DCP unpickles the file: any error means it is unreadable
-        raise CLIError(f"{os.path.join(path, DCP_METADATA)} cannot be read: {exc}", EXIT_FINDING) from None
-    extents: dict[str, int] = {}
-    files_of: dict[str, set[str]] = {}
-    for index, info in metadata.storage_data.items():
-        extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
-        files_of.setdefault(index.fqn, set()).add(info.relative_path)
-    tensors = []
-    for fqn, item in metadata.state_dict_metadata.items():
-        files = sorted(files_of.get(fqn, ()))
-        if hasattr(item, "chunks"):  # a tensor, possibly in pieces from several ranks
-            dtype = item.properties.dtype
-            tensors.append(_tensor_row(fqn, str(dtype).removeprefix("torch."), item.size,
-                                       math.prod(item.size) * dtype.itemsize, shards=len(item.chunks), files=files))
-        else:  # any other object, pickled as bytes
-            tensors.append(_tensor_row(fqn, "object", None, None, shards=1, files=files))
-    files, problems = [], []
-    for name in sorted(extents):
-        file_path = os.path.join(path, name)
-        size = os.path.getsize(file_path) if os.path.isfile(file_path) else None
-        if size is None:
-            problems.append(f"{name}: missing")
-        elif size < extents[name]:
-            problems.append(f"{name}: {size} bytes, the metadata needs at least {extents[name]}")
-        files.append({"name": name, "size": size, "expected_size": extents[name]})
-    ranks = sorted({int(m.group(1)) for m in (re.match(r"__(\d+)_\d+\.distcp$", n) for n in extents) if m})
-    return {"path": path, "format": "torch-dcp", "complete": not problems, "problems": problems,
-            "metadata": {}, "ranks": ranks or None, "files": files, "tensors": tensors,
-            "total_bytes": sum(t["nbytes"] or 0 for t in tensors)}
-
-
-def _describe_orbax(path: str) -> dict[str, Any]:
-    try:
-        import jax
-        import orbax.checkpoint as ocp
-    except ImportError:
-        raise CLIError(f"{path} looks like an Orbax checkpoint: unsupported: install orbax-checkpoint "
-                       "(pip install 'tensorferry[jax]') to inspect it") from None
-    items = [d for d in [path] + sorted(os.path.join(path, n) for n in os.listdir(path))
-             if os.path.isdir(d) and os.path.exists(os.path.join(d, "_METADATA"))]
-    tensors = []
-    for item in items:
-        metadata = ocp.PyTreeCheckpointer().metadata(item)
-        # Newer Orbax wraps the tree in a StepMetadata; older returns the tree itself.
-        tree = metadata.item_metadata if hasattr(metadata, "item_metadata") else metadata
-        prefix = "" if item == path else os.path.basename(item) + "/"
-        for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            shape = tuple(getattr(leaf, "shape", None) or ())
-            dtype = getattr(leaf, "dtype", None)
-            tensors.append(_tensor_row(prefix + jax.tree_util.keystr(keys), str(dtype), shape,
-                                       None if dtype is None else math.prod(shape) * np.dtype(dtype).itemsize))
-    files = [{"name": os.path.relpath(f, path), "size": os.path.getsize(f), "expected_size": None}
-             for f in sorted(bench.files_under(path))]
-    unfinished = "orbax-checkpoint-tmp" in os.path.basename(os.path.normpath(path))
-    problems = ["a temporary directory: this save did not finish"] if unfinished else []
-    return {"path": path, "format": "orbax", "complete": not problems, "problems": problems, "metadata": {},
-            "files": files, "tensors": tensors, "total_bytes": sum(t["nbytes"] or 0 for t in tensors)}
-
-
 # ---------------------------------------------------------------- inspect
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """What a checkpoint holds and whether it is complete."""
-    info = describe(args.checkpoint)
+    info = layouts.describe(args.checkpoint)
     emit(args, info, _inspect_text(info, args.limit))
     return EXIT_OK if info["complete"] else EXIT_FINDING
 
 
-_KIND_NAMES = {"tensorferry": "tensorferry checkpoint", "safetensors": "safetensors file",
-               "safetensors-dir": "directory of safetensors files", "torch-dcp": "torch DCP checkpoint",
-               "orbax": "Orbax checkpoint"}
+def _title(kind: str) -> str:
+    return next((layout.title for layout in layouts.LAYOUTS if layout.kind == kind), kind)
 
 
 def _file_status(kind: str, file: dict[str, Any]) -> str:
@@ -520,7 +323,7 @@ def _file_status(kind: str, file: dict[str, Any]) -> str:
 
 
 def _inspect_text(info: dict[str, Any], limit: int) -> str:
-    head = f"{info['path']}: {_KIND_NAMES[info['format']]}"
+    head = f"{info['path']}: {_title(info['format'])}"
     if info.get("format_version") is not None:
         head += f", format {info['format_version']}"
     if info.get("committed_at"):
@@ -528,7 +331,8 @@ def _inspect_text(info: dict[str, Any], limit: int) -> str:
     lines = [head]
     if info["complete"]:
         lines.append("complete: yes" + {"tensorferry": " (every file the manifest lists is there with its size)",
-                                        "torch-dcp": " (every file .metadata names is there and long enough)"}
+                                        "torch-dcp": " (every file .metadata names is there and long enough)",
+                                        "huggingface": " (every tensor the index names is in its file)"}
                      .get(info["format"], ""))
     else:
         lines += ["complete: NO"] + [f"  {p}" for p in info["problems"]]
@@ -567,93 +371,44 @@ def _inspect_text(info: dict[str, Any], limit: int) -> str:
         lines.append(f"  ... and {len(tensors) - len(shown)} more (--limit 0 lists all)")
     return "\n".join(lines)
 
-
 # ---------------------------------------------------------------- verify
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Re-hashes a checkpoint against its manifest (or checksums); names every bad file."""
+    """Re-hashes a checkpoint against its checksums (or checks what its layout allows); names every bad file."""
     path = args.checkpoint
-    kind = checkpoint_kind(path)
-    if kind == "orbax":
-        raise CLIError(f"{path} looks like an Orbax checkpoint: unsupported: verifying Orbax checkpoints "
-                       "is not implemented")
-    if kind == "safetensors-dir":
-        names, total, problems, checked = [], None, [f"no {MANIFEST}: not a complete tensorferry checkpoint"], ""
-    else:
-        verify = {"tensorferry": _verify_tensorferry, "safetensors": _verify_safetensors, "torch-dcp": _verify_dcp}
-        names, total, problems, checked = verify[kind](path, args)
+    layout = layouts.detect(path)
+    total = sum(f["size"] or 0 for f in layouts.describe(path)["files"])
+    with progress_bar(args, total) as bar:
+        found = layout.verify(bar.update)
+    names, problems = found.files, found.problems
     bad = [n for n in names if any(p.startswith(n + ": ") for p in problems)]
-    data = {"path": path, "format": kind, "ok": not problems, "checked": checked, "files": len(names),
-            "bytes": total, "bad_files": bad, "problems": problems}
+    data = {"path": path, "format": layout.kind, "ok": not problems, "checked": found.checked, "files": len(names),
+            "bytes": found.nbytes, "bad_files": bad, "problems": problems}
     if problems:
         count = f": {len(bad)} of {plural(len(names), 'file')} bad" if bad else ""
         text = [f"{path}: FAILED{count}"] + [f"  {p}" for p in problems]
         print(f"tensorferry verify: {path}: " + (f"bad file(s): {', '.join(bad)}" if bad else problems[0]),
               file=sys.stderr)
     else:
-        size = "" if total is None else f", {human_bytes(total)}"
-        text = [f"{path}: OK: {plural(len(names), 'file')}{size}; {checked}"]
+        size = "" if found.nbytes is None else f", {human_bytes(found.nbytes)}"
+        text = [f"{path}: OK: {plural(len(names), 'file')}{size}; {found.checked}"]
     emit(args, data, "\n".join(text))
     return EXIT_FINDING if problems else EXIT_OK
 
 
-Verified = tuple[list[str], int | None, list[str], str]  # file names, bytes, problems, what was checked
-
-
-def _verify_tensorferry(path: str, args: argparse.Namespace) -> Verified:
-    try:
-        manifest = read_manifest(path)
-    except TensorferryError as exc:
-        return [MANIFEST], None, [f"{MANIFEST}: {exc}"], ""
-    total = sum(entry["size"] for entry in manifest["files"].values())
-    with progress_bar(args, total) as bar:
-        problems = verify_checkpoint(path, progress=bar.update)
-    return list(manifest["files"]), total, problems, "every checksum matches"
-
-
-def _verify_safetensors(path: str, args: argparse.Namespace) -> Verified:
-    name = os.path.basename(path)
-    try:
-        info = _read_safetensors(path)
-    except CLIError as exc:
-        if exc.status != EXIT_FINDING:
-            raise
-        return [name], None, [f"{name}: {exc}"], ""
-    problems = list(info["problems"])
-    if not info["checksummed"]:
-        return [name], info["size"], problems, "header and sizes consistent (the file carries no checksums)"
-    with ShardReader(path) as reader, progress_bar(args, info["size"]) as bar:
-        try:
-            verify_shard(reader, bar.update)
-        except (CorruptCheckpointError, OSError) as exc:
-            problems.append(f"{name}: {exc}")
-    return [name], info["size"], problems, "every checksum matches"
-
-
-def _verify_dcp(path: str, args: argparse.Namespace) -> Verified:
-    info = describe(path)
-    return ([f["name"] for f in info["files"]], None, info["problems"],
-            "every file present and long enough (DCP keeps no checksums)")
-
-
 # ---------------------------------------------------------------- convert
 
+# Tensors are read ahead in batches of about this many bytes: files read in parallel and
+# few calls into a source (one dcp.load per batch), memory bounded all the same.
+CONVERT_BATCH_BYTES = 16 << 20
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
-    """A tensorferry or DCP checkpoint to one safetensors file, or a safetensors file to a checkpoint."""
+    """Any checkpoint layout tensorferry reads to one safetensors file or to a tensorferry checkpoint."""
     src, dst = args.src, args.dst
-    kind = checkpoint_kind(src)
-    through_dcp = kind == "torch-dcp" or (kind == "tensorferry" and os.path.exists(os.path.join(src, DCP_METADATA)))
-    if through_dcp and args.to == "safetensors":
-        kind = "tensorferry"  # converted below, through DCP's own planner
-    if kind == "orbax":
-        raise CLIError(f"{src} looks like an Orbax checkpoint: converting from Orbax is not yet supported")
-    if kind == "safetensors-dir":
-        raise CLIError(f"{src} has no {MANIFEST}: not a complete tensorferry checkpoint")
-    wanted_source = {"safetensors": "tensorferry", "tensorferry": "safetensors"}[args.to]
-    if kind != wanted_source:
-        raise CLIError(f"{src} is already a {kind} {'file' if kind == 'safetensors' else 'checkpoint'}; "
-                       f"--to {args.to} converts from a {wanted_source} "
-                       f"{'file' if wanted_source == 'safetensors' else 'checkpoint'}")
+    layout = layouts.detect(src)
+    if layout.kind == args.to:
+        raise CLIError(f"{src} is already a {layout.title}; --to {args.to} converts from any other layout")
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
         raise CLIError(f"{parent}: no such directory")
@@ -669,13 +424,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if args.to == "tensorferry" and not os.path.isfile(os.path.join(dst, MANIFEST)):
             raise CLIError(f"{dst} exists and is not a tensorferry checkpoint: not replacing it")
     start = time.perf_counter()
-    if args.to == "safetensors" and through_dcp:
-        count, nbytes = _dcp_to_safetensors(args, src, dst)
-    elif args.to == "safetensors":
-        count, nbytes = _to_safetensors(args, src, dst)
-    else:
-        count, nbytes = _to_tensorferry(args, src, dst)
+    with layout.open(verify=not args.no_verify) as source:
+        nbytes = sum(t.nbytes for t in source.tensors.values())
+        with progress_bar(args, nbytes) as bar:
+            if args.to == "safetensors":
+                _to_safetensors(source, dst, bar)
+            else:
+                _to_tensorferry(source, dst, bar, args.shard_size, args.overwrite)
+    if source.skipped:
+        note(args, f"left out {plural(source.skipped, 'item')} that tensorferry does not read as a tensor "
+                   "(DCP's pickled objects, scalars, items of other Orbax handlers)")
     seconds = time.perf_counter() - start
+    count = len(source.tensors)
     data = {"source": src, "destination": dst, "to": args.to, "tensors": count, "bytes": nbytes,
             "seconds": round(seconds, 3), "gbps": round(nbytes / seconds / 1e9, 3)}
     emit(args, data, f"wrote {dst}: {count} tensors, {human_bytes(nbytes)} in {seconds:.1f} s "
@@ -683,115 +443,59 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _lazy(reader: ShardReader, name: str, bar: Any) -> Callable[[], Any]:
-    """A source that reads one tensor when the writer gets to it, so only a few are in memory at once."""
-    def read() -> Any:
-        array = reader.read(name)
+def _read_ahead(source: layouts.TensorSource, names: Sequence[str], bar: Any) -> dict[str, Callable[[], Any]]:
+    """A lazy data source per tensor for a ShardWriter, which calls them in its write
+    order: each call hands out one tensor of a batch read at once."""
+    order = write_order([(n, source.tensors[n].dtype) for n in names])
+    batches: list[list[str]] = [[]]
+    batch_bytes = 0
+    for name in order:
+        size = source.tensors[name].nbytes
+        if batches[-1] and batch_bytes + size > CONVERT_BATCH_BYTES:
+            batches.append([])
+            batch_bytes = 0
+        batches[-1].append(name)
+        batch_bytes += size
+    batch_of = {name: batch for batch in batches for name in batch}
+    ready: dict[str, Any] = {}
+
+    def fetch(name: str) -> Any:
+        if name not in ready:
+            ready.update(source.read(batch_of[name]))
+        array = ready.pop(name)
         bar.update(array.nbytes)
         return array
 
-    return read
+    return {name: functools.partial(fetch, name) for name in names}
 
 
-def _to_safetensors(args: argparse.Namespace, src: str, dst: str) -> tuple[int, int]:
-    """Streams every tensor of a checkpoint into one safetensors file, written under a
-    temporary name and renamed into place once durable."""
+def _to_safetensors(source: layouts.TensorSource, dst: str, bar: Any) -> None:
+    """Streams every tensor into one safetensors file, written under a temporary name and
+    renamed into place once durable; the source's metadata keys stay where they were."""
+    lazy = _read_ahead(source, list(source.tensors), bar)
+    with ShardWriter(dst, metadata=to_file_metadata(source.metadata), atomic=True) as writer:
+        for name, t in source.tensors.items():
+            writer.add(name, t.dtype, t.shape, data=lazy[name])
+
+
+def _to_tensorferry(source: layouts.TensorSource, dst: str, bar: Any, shard_size: int, overwrite: bool) -> None:
+    """Streams the tensors into a checkpoint directory, one shard file at a time, split
+    like :func:`tensorferry.save_checkpoint` splits, committed atomically."""
+    groups = split_by_size({n: t.nbytes for n, t in source.tensors.items()}, shard_size)
+    pending = PendingCheckpoint.begin(dst)
     try:
-        manifest = read_manifest(src)
-    except TensorferryError as exc:
-        raise CLIError(str(exc)) from None
-    tensors = manifest["tensors"]
-    nbytes = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in tensors.values())
-    readers: dict[str, ShardReader] = {}
-    try:
-        for filename in manifest["files"]:
-            readers[filename] = open_shard(src, manifest, filename, verify=not args.no_verify)
-        user_metadata = manifest.get("metadata") or {}
-        metadata = {METADATA_KEY: json.dumps(user_metadata)} if user_metadata else None
-        with progress_bar(args, nbytes) as bar, ShardWriter(dst, metadata=metadata, atomic=True) as writer:
-            for name, entry in tensors.items():
-                writer.add(name, entry["dtype"], entry["shape"], data=_lazy(readers[entry["file"]], name, bar))
-    finally:
-        for reader in readers.values():
-            reader.close()
-    return len(tensors), nbytes
-
-
-def _dcp_to_safetensors(args: argparse.Namespace, src: str, dst: str) -> tuple[int, int]:
-    """Consolidates a DCP checkpoint (tensorferry's DCPWriter or torch's FileSystemWriter)
-    into one safetensors file: each tensor is assembled from its shards by DCP's own
-    planner, written, and dropped before the next is loaded. Non-tensor items
-    (pickled objects) are left out."""
-    try:
-        import torch
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    except ImportError:
-        raise CLIError("converting a DCP checkpoint needs PyTorch: pip install 'tensorferry[torch]'") from None
-    from .adapters.pytorch.dcp import DCPReader
-    from .adapters.pytorch.tensors import host_bytes, safetensors_dtype
-
-    ours = os.path.exists(os.path.join(src, MANIFEST))
-
-    def reader() -> Any:
-        return DCPReader(src, verify=not args.no_verify) if ours else dcp.FileSystemReader(src)
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            metadata = reader().read_metadata()
-        except Exception as exc:
-            raise CLIError(f"{src}: cannot read the DCP metadata ({exc})") from None
-        tensors = {fqn: md for fqn, md in metadata.state_dict_metadata.items()
-                   if isinstance(md, TensorStorageMetadata)}
-        nbytes = sum(math.prod(md.size) * md.properties.dtype.itemsize for md in tensors.values())
-        def load_one(fqn: str, md: Any, bar: Any) -> Callable[[], Any]:
-            def load() -> Any:
-                tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-                dcp.load({fqn: tensor}, storage_reader=reader(), no_dist=True)
-                bar.update(tensor.numel() * tensor.element_size())
-                return host_bytes(tensor)
-            return load
-
-        with progress_bar(args, nbytes) as bar, ShardWriter(dst, atomic=True) as writer:
-            for fqn, md in tensors.items():
-                writer.add(fqn, safetensors_dtype(md.properties.dtype), tuple(md.size), load_one(fqn, md, bar))
-    skipped = len(metadata.state_dict_metadata) - len(tensors)
-    if skipped:
-        note(args, f"left out {plural(skipped, 'non-tensor item')} (DCP stores them pickled)")
-    return len(tensors), nbytes
-
-
-def _to_tensorferry(args: argparse.Namespace, src: str, dst: str) -> tuple[int, int]:
-    """Streams a safetensors file into a checkpoint directory, one shard file at a time,
-    split like :func:`tensorferry.save_checkpoint` splits, committed atomically."""
-    info = _read_safetensors(src)
-    if info["problems"]:
-        raise CLIError("; ".join(info["problems"]))
-    metadata: dict[str, Any] = dict(info["metadata"])
-    if METADATA_KEY in metadata:
-        try:
-            metadata = json.loads(metadata[METADATA_KEY])
-        except ValueError:
-            raise CLIError(f"{src}: metadata {METADATA_KEY!r} is not valid JSON") from None
-    nbytes = sum(t["nbytes"] for t in info["tensors"])
-    with ShardReader(src, verify=not args.no_verify) as reader:
-        groups = split_by_size({n: t.nbytes for n, t in reader.tensors.items()}, args.shard_size)
-        pending = PendingCheckpoint.begin(dst)
-        try:
-            shards = []
-            with progress_bar(args, nbytes) as bar:
-                for index, group in enumerate(groups):
-                    with pending.writer(f"shard-{index:05d}.safetensors") as writer:
-                        for name in group:
-                            t = reader.tensors[name]
-                            writer.add(name, t.dtype, t.shape, data=_lazy(reader, name, bar))
-                    shards.append(writer.info)
-            pending.commit(shards, metadata, overwrite=args.overwrite)
-        except BaseException:
-            pending.abort()
-            raise
-    return len(info["tensors"]), nbytes
+        shards = []
+        for index, group in enumerate(groups):
+            lazy = _read_ahead(source, group, bar)
+            with pending.writer(f"shard-{index:05d}.safetensors") as writer:
+                for name in group:
+                    t = source.tensors[name]
+                    writer.add(name, t.dtype, t.shape, data=lazy[name])
+            shards.append(writer.info)
+        pending.commit(shards, source.metadata, overwrite=overwrite)
+    except BaseException:
+        pending.abort()
+        raise
 
 
 # ---------------------------------------------------------------- interval
@@ -948,29 +652,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="also draw a heat map (needs the [plot] extra)")
     p.set_defaults(func=cmd_tune)
 
+    known = ("a tensorferry checkpoint, a safetensors file, a Hugging Face model folder (shards and\n"
+             "model.safetensors.index.json), a torch DCP directory (torch's writer or tensorferry's) or an\n"
+             "Orbax checkpoint (items of tensorferry's handler; others with orbax-checkpoint installed)")
     p = add("inspect", "what a checkpoint holds and whether it is complete",
-            "Lists the tensors (shape, dtype, size), files, ranks and user metadata of a tensorferry\n"
-            "checkpoint directory, a safetensors file, a torch DCP directory or (with orbax-checkpoint\n"
-            "installed) an Orbax checkpoint, and says whether it is complete. Exit status 1 if it is not.")
-    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or safetensors file")
+            f"Lists the tensors (shape, dtype, size), files, ranks and metadata of {known},\n"
+            "and says whether it is complete. Exit status 1 if it is not.")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or file")
     p.add_argument("--limit", type=int, default=50, help="tensors to list in the text output (0: all; default 50)")
     p.set_defaults(func=cmd_inspect)
 
-    p = add("verify", "re-hash a checkpoint against its manifest",
-            "Re-reads every file of a tensorferry checkpoint and checks it against the manifest and the\n"
-            "per-tensor checksums; for a safetensors file, its own checksums where it has them; for a\n"
-            "torch DCP directory (which keeps no checksums), that every file is there and long enough.\n"
+    p = add("verify", "re-hash a checkpoint against its checksums",
+            "Re-reads every file of a checkpoint and checks the checksums tensorferry wrote: against the\n"
+            "manifest for a tensorferry checkpoint (or a DCPWriter's, or the index of an Orbax item), per\n"
+            "tensor in safetensors files that carry them. Where a layout keeps no checksums (torch's DCP,\n"
+            "files from elsewhere), checks that every file is there, long enough and consistent.\n"
             "Exit status 1, with the names of the bad files, on any mismatch or missing file.")
-    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or safetensors file")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or file")
     p.set_defaults(func=cmd_verify)
 
-    p = add("convert", "tensorferry checkpoint <-> one safetensors file",
-            "--to safetensors: a tensorferry checkpoint (all its shards), or a torch DCP checkpoint\n"
-            "(tensorferry's DCPWriter or torch's FileSystemWriter; pickled objects are left out), into\n"
-            "one consolidated safetensors file. --to tensorferry: a safetensors file into a checkpoint.\n"
-            "Streams one tensor at a time (memory stays near a few tensors), checks the source's\n"
+    p = add("convert", "any checkpoint layout -> a tensorferry checkpoint or one safetensors file",
+            f"Reads {known},\n"
+            "and writes one safetensors file (--to safetensors) or a tensorferry checkpoint (--to tensorferry).\n"
+            "Items that are not tensors (DCP's pickled objects, Orbax scalars) are left out. Metadata keys of\n"
+            "string values stay where they were; others travel as JSON under 'tensorferry.metadata'.\n"
+            "Streams tensors in batches of a few MiB (memory stays near that), checks the source's\n"
             "checksums as it reads, and replaces DST only once the new one is complete.")
-    p.add_argument("src", metavar="SRC", help="source checkpoint directory or safetensors file")
+    p.add_argument("src", metavar="SRC", help="source checkpoint directory or file")
     p.add_argument("dst", metavar="DST", help="destination file (--to safetensors) or directory")
     p.add_argument("--to", choices=("safetensors", "tensorferry"), required=True, help="the format to write")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")

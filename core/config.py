@@ -51,7 +51,12 @@ class IOConfig:
             filesystem allows it.
         backend: ``"auto"`` (io_uring if this kernel and sandbox allow it, else
             threads), ``"io_uring"`` or ``"threads"``.
-        use_gds: read and write device buffers through GPUDirect Storage (kvikio).
+        use_gds: how device (CUDA) buffers are read and written: ``None`` (auto,
+            ``"auto"`` in the environment) through kvikio if it is installed, with
+            GPUDirect Storage where cuFile can and kvikio's compatibility mode
+            otherwise; ``True`` requires GPUDirect Storage (the engine refuses to start
+            without it); ``False`` refuses device buffers. ``Engine.gds_mode`` says
+            which path runs (``tensorferry.gds``).
 
     Every field can be overridden by an environment variable ``TENSORFERRY_<FIELD>``
     (``TENSORFERRY_BLOCK_SIZE=4M``); :func:`IOConfig.from_env` reads them.
@@ -62,12 +67,15 @@ class IOConfig:
     threads: int = 4
     direct: bool = True
     backend: str = "auto"
-    use_gds: bool = False
+    use_gds: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", parse_size(self.block_size, "block_size"))
         object.__setattr__(self, "direct", _parse_bool(self.direct, "direct"))
-        object.__setattr__(self, "use_gds", _parse_bool(self.use_gds, "use_gds"))
+        if self.use_gds is not None and str(self.use_gds).strip().lower() != "auto":
+            object.__setattr__(self, "use_gds", _parse_bool(self.use_gds, "use_gds"))
+        else:
+            object.__setattr__(self, "use_gds", None)
         for name in ("queue_depth", "threads"):
             value = getattr(self, name)
             try:
@@ -106,7 +114,8 @@ class IOConfig:
         """Reads DeepSpeed's ``"aio"`` section (or a whole DeepSpeed config holding one).
 
         ``block_size``, ``queue_depth``, ``thread_count`` (or ``intra_op_parallelism``)
-        and ``use_gds`` carry over. ``single_submit`` and ``overlap_events`` are
+        and ``use_gds`` carry over (``use_gds: true`` makes the engine require GPUDirect
+        Storage, refusing to start where it cannot run). ``single_submit`` and ``overlap_events`` are
         accepted and have no counterpart: submission here is always batched and
         always overlapped.
         """

@@ -1,4 +1,5 @@
-"""The asynchronous I/O engine: positional reads and writes of host buffers, as futures."""
+"""The asynchronous I/O engine: positional reads and writes of host buffers (native) and
+of CUDA device buffers (kvikio, :mod:`tensorferry.gds`), as futures."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import threading
 import warnings
 from typing import Any, Iterable, Union
 
-from . import _native
+import numpy as np
+
+from . import _native, gds
 from .buffers import byte_view
 from .config import IOConfig, default_config
 from .errors import ConfigError, EngineClosedError, TensorferryIOError
@@ -229,12 +232,15 @@ def io_uring_probe() -> tuple[bool, str]:
 
 
 class Engine:
-    """Asynchronous positional I/O between host buffers and files.
+    """Asynchronous positional I/O between buffers and files.
 
     ``Engine(config=None, **overrides)`` takes an :class:`IOConfig` (default:
-    :func:`default_config`) and field overrides. Requests larger than
-    ``block_size`` are split and kept ``queue_depth`` deep in flight; the GIL is
-    released while I/O runs and while waiting.
+    :func:`default_config`) and field overrides. Host buffers go through the native
+    backend: requests larger than ``block_size`` are split and kept ``queue_depth``
+    deep in flight; the GIL is released while I/O runs and while waiting. CUDA device
+    buffers (``__cuda_array_interface__`` or a DLPack CUDA device) go through kvikio,
+    as :attr:`gds_mode` says; ``use_gds=True`` makes the constructor raise where
+    GPUDirect Storage cannot run.
 
     Example::
 
@@ -252,13 +258,26 @@ class Engine:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._closed = False
+        self._gds_mode: str | None = None
+        self._cufiles: gds.CuFileCache | None = None
+        if self.config.use_gds:
+            self._gds_mode = gds.resolve_mode(True)  # required: refused now, not at the first device buffer
+
+    @property
+    def gds_mode(self) -> str:
+        """How device buffers are read and written: ``"gds"`` (kvikio with cuFile),
+        ``"compat"`` (kvikio's compatibility mode) or ``"off"`` (refused). Probed on
+        first use, which imports kvikio where it is installed."""
+        if self._gds_mode is None:
+            self._gds_mode = gds.resolve_mode(self.config.use_gds)
+        return self._gds_mode
 
     def pwrite(self, buffer: Any, file: PathLike | File | int, offset: int = 0,
                nbytes: int | None = None) -> IOFuture:
         """Starts writing ``buffer`` (or its first ``nbytes``) at ``offset`` of ``file``.
 
         ``file`` is a path (created if missing, never truncated), a :class:`File`
-        or a raw descriptor.
+        or a raw descriptor (host buffers only: kvikio opens files by path).
         """
         return self._submit(buffer, file, offset, nbytes, is_write=True)
 
@@ -287,6 +306,8 @@ class Engine:
         if self._pid != os.getpid():
             raise EngineClosedError("this Engine was made in the parent of a fork and has no I/O threads "
                                     "here; make a new one in the child (default_engine() does)")
+        if not isinstance(buffer, np.ndarray) and gds.is_device_buffer(buffer):
+            return self._submit_device(buffer, file, offset, nbytes, is_write=is_write)
         view = byte_view(buffer, writable=not is_write)
         if nbytes is None:
             nbytes = view.nbytes
@@ -298,6 +319,41 @@ class Engine:
         handle = self._file_handle(file, is_write)
         request = self._native.submit(handle, is_write, view.ctypes.data, nbytes, offset)
         future = IOFuture([request], keepalive=(buffer, view), paths=[handle.path])
+        self._track(future)
+        return future
+
+    def _submit_device(self, buffer: Any, file: PathLike | File | int, offset: int, nbytes: int | None,
+                       *, is_write: bool) -> IOFuture:
+        mode = self.gds_mode
+        if mode == "off":
+            why = ("this engine has use_gds=False" if self.config.use_gds is False
+                   else f"kvikio is not installed: {gds.GDS_EXTRA}")
+            raise gds.refusal(why)
+        _, size = gds.device_nbytes(buffer)
+        if nbytes is None:
+            nbytes = size
+        elif nbytes < 0 or nbytes > size:
+            raise ValueError(f"buffer too small: {size} bytes, asked to {'write' if is_write else 'read'} {nbytes}")
+        if offset < 0:
+            raise ValueError(f"offset must not be negative, got {offset}")
+        if isinstance(file, int):
+            raise TypeError("kvikio opens files by path: give a device buffer's I/O a path or a tensorferry.File")
+        if isinstance(file, File):
+            file._check_open()
+            if is_write and file.mode == "r":
+                raise EngineClosedError(f"{file.path} is open read-only")
+        path = file.path if isinstance(file, File) else os.fspath(file)
+        with self._lock:
+            if self._cufiles is None:
+                self._cufiles = gds.CuFileCache(gds.load_kvikio())
+        handle = self._cufiles.handle(path, is_write)
+        if is_write:
+            request = gds.CuFileRequest(lambda: handle.pwrite(buffer, nbytes, offset), nbytes, offset,
+                                        f"kvikio pwrite ({mode})")
+        else:
+            request = gds.CuFileRequest(lambda: handle.pread(buffer, nbytes, offset), nbytes, offset,
+                                        f"kvikio pread ({mode})")
+        future = IOFuture([request], keepalive=buffer, paths=[path])
         self._track(future)
         return future
 
@@ -323,6 +379,10 @@ class Engine:
             return
         self._closed = True
         self._native.close()
+        if self._cufiles is not None:
+            for future in list(self._inflight):
+                future.wait()  # kvikio's threads may still use the handles
+            self._cufiles.close()
         self._inflight.clear()
 
     @property

@@ -36,6 +36,11 @@ class ConfigError(TensorferryError, ValueError):
     """An invalid setting, named with the value that was refused."""
 
 
+class GDSUnavailableError(TensorferryError, RuntimeError):
+    """Device memory was given for I/O (or ``use_gds=True`` asked) where kvikio cannot
+    take it; the message names the extra to install or the setting that turned it off."""
+
+
 class CorruptCheckpointError(TensorferryError, ValueError):
     """A file or checkpoint that is truncated, inconsistent or fails its checksum."""
 
@@ -45,3 +50,13 @@ class CheckpointNotFoundError(TensorferryError, FileNotFoundError):
 
     def __init__(self, message: str, path: str | os.PathLike | None = None) -> None:
         super().__init__(_errno.ENOENT, message, None if path is None else os.fspath(path))
+
+
+class CheckpointSkippedWarning(UserWarning):
+    """A checkpoint directory was passed over (a damaged manifest, say) while looking
+    for the latest: the others remain usable."""
+
+
+class DurabilityWarning(UserWarning):
+    """A committed checkpoint is complete and in place, but making its rename durable
+    (fsync of the parent directory) failed."""

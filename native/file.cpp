@@ -39,8 +39,24 @@ uint32_t sysfs_logical_block_size(dev_t dev) {
 
 File::File(const std::string &path, const std::string &mode, bool want_direct) : path_(path) {
   const int flags = open_flags(mode) | O_CLOEXEC;
-  fd_buffered_ = ::open(path.c_str(), flags, 0644);
+  // Non-blocking for the open only: a FIFO put where a file should be would block it
+  // forever (reads of regular files and block devices ignore the flag anyway).
+  fd_buffered_ = ::open(path.c_str(), flags | O_NONBLOCK, 0644);
   if (fd_buffered_ < 0) throw IOError{errno, path, "open"};
+  struct stat st;
+  const int err = fstat(fd_buffered_, &st) != 0 ? errno
+                  : S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) ? EINVAL : 0;
+  if (err != 0) {
+    ::close(fd_buffered_);
+    fd_buffered_ = -1;
+    throw IOError{err, path, err == EINVAL ? "open: a FIFO or socket, not a file" : "fstat"};
+  }
+  if (fcntl(fd_buffered_, F_SETFL, fcntl(fd_buffered_, F_GETFL) & ~O_NONBLOCK) != 0) {
+    const int fcntl_err = errno;
+    ::close(fd_buffered_);
+    fd_buffered_ = -1;
+    throw IOError{fcntl_err, path, "fcntl(F_SETFL)"};
+  }
   probe_alignment(fd_buffered_);
   if (!want_direct) return;
   // The buffered open already created or truncated the file; the direct one must not.

@@ -20,6 +20,7 @@ import pytest
 
 import tensorferry
 from tensorferry import CheckpointNotFoundError, CorruptCheckpointError, ShardReader, ShardWriter
+from tensorferry.shard import HEADER_CHECKSUM_KEY
 
 DTYPES = [np.float64, np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
           ml_dtypes.float8_e5m2, np.int64, np.int32, np.int16, np.int8, np.uint64, np.uint32,
@@ -281,13 +282,19 @@ def good_file(tmp_path):
 
 
 def rewrite_header(path, mutate) -> None:
+    """Changes a file's header as a hostile writer would: its header checksum made anew,
+    so that what is checked after it is reached."""
     raw = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + n])
     mutate(header)
+    header["__metadata__"][HEADER_CHECKSUM_KEY] = "0" * 16
     body = json.dumps(header).encode()
     assert len(body) <= n
     raw[8:8 + n] = body + b" " * (n - len(body))
+    mark = f'"{HEADER_CHECKSUM_KEY}": "'.encode()
+    at = raw.index(mark) + len(mark)
+    raw[at:at + 16] = tensorferry.shard.digest(raw[:8 + n]).encode()
     path.write_bytes(bytes(raw))
 
 
@@ -352,6 +359,9 @@ def test_non_json_header(good_file) -> None:
     raw = bytearray(good_file.read_bytes())
     raw[8:12] = b"\xff{[("
     good_file.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="header does not match its checksum"):
+        ShardReader(good_file)
+    good_file.write_bytes(struct.pack("<Q", 8) + b"\xff{[(    ")  # no seal to check: a foreign file
     with pytest.raises(CorruptCheckpointError, match="JSON"):
         ShardReader(good_file)
     assert issubclass(CorruptCheckpointError, ValueError)

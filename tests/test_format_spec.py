@@ -25,8 +25,12 @@ def checksum(data: bytes) -> str:
 def read_as_specified(directory: str) -> tuple[dict, dict[str, bytes]]:
     """The manifest and every tensor's bytes, following docs/format.md step by step."""
     with open(os.path.join(directory, "tensorferry.json"), "rb") as f:
-        manifest = json.loads(f.read())
-    assert manifest["format"] == "tensorferry" and manifest["format_version"] == 1
+        raw_manifest = f.read()
+    manifest = json.loads(raw_manifest)
+    assert manifest["format"] == "tensorferry" and manifest["format_version"] == 2
+    assert raw_manifest.endswith(b'"}') and list(manifest)[-1] == "manifest_checksum"
+    covered = raw_manifest[:raw_manifest.rindex(b',"manifest_checksum":"')]
+    assert checksum(covered) == manifest["manifest_checksum"], "the manifest checksum covers what precedes it"
     assert manifest["checksum_algorithm"] == "xxh3_64"
     tensors = {}
     for name, entry in manifest["files"].items():

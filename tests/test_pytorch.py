@@ -172,6 +172,7 @@ def test_loading_a_directory_neither_warns_nor_hides_a_later_warning(tmp_path) -
 # --- DCPWriter / DCPReader, one process ------------------------------------------------
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_are_staged_through_pinned_memory(tmp_path) -> None:
     from tensorferry.adapters.pytorch.tensors import host_bytes

@@ -199,7 +199,7 @@ def test_cuda_device_in_workers_warns_and_returns_host_tensors(tmp_path: Path, c
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(data_module, "_gds_usable", lambda: False)
+    monkeypatch.setattr(data_module, "_gds_usable", lambda *_: False)
     paths, contents = _files(tmp_path, n=6)
     dataset = GDSDataset(paths, device="cuda")
     assert dataset.device == torch.device("cuda", 0) and not dataset.uses_gds
@@ -228,7 +228,7 @@ requires_gds = pytest.mark.skipif(not (torch.cuda.is_available() and data_module
 
 @requires_cuda
 def test_cuda_without_gds_copies_from_pinned_buffers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data_module, "_gds_usable", lambda: False)
+    monkeypatch.setattr(data_module, "_gds_usable", lambda *_: False)
     paths, contents = _files(tmp_path, n=6)
     dataset = GDSDataset(paths, device="cuda")
     for _ in range(3):  # later batches reuse buffers whose copies have ended

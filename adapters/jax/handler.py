@@ -27,7 +27,7 @@ from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint._src.futures import future as ocp_future
 from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
-from ...checkpoint import encode_manifest, open_shard, read_manifest, write_durably
+from ...checkpoint import encode_manifest, open_shard, read_manifest, read_manifest_file, write_durably
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
@@ -125,11 +125,7 @@ class _Checkpoint:
         self.leaves: dict[str, _Leaf] = {}
         self.structure = None
         for path in paths:
-            try:
-                with open(path, "rb") as f:
-                    index = json.loads(f.read())
-            except ValueError as exc:
-                raise CorruptCheckpointError(f"{path} is not valid JSON ({exc})") from None
+            index = read_manifest_file(path)
             meta = index.get("metadata", {})
             if meta.get("format") != INDEX_FORMAT:
                 raise CorruptCheckpointError(f"{path} is not a tensorferry JAX index")
@@ -203,6 +199,20 @@ class _Checkpoint:
         return assembled
 
 
+def _on_accelerator(array: Any) -> bool:
+    return isinstance(array, jax.Array) and any(d.platform != "cpu" for d in array.devices())
+
+
+def _to_host(arrays: list[tuple[str, Any]]) -> list[tuple[str, np.ndarray]]:
+    """The arrays in host memory. Shards on an accelerator all start their device-to-host
+    copies before any is waited for, so the copies overlap one another (one at a time,
+    each waited for, the link idles between them); CPU shards are zero-copy views."""
+    for _, array in arrays:
+        if _on_accelerator(array):
+            array.copy_to_host_async()
+    return [(key, np.asarray(array)) for key, array in arrays]
+
+
 def _index_path(directory: str, process: int) -> str:
     return os.path.join(directory, f"process-{process}.json")
 
@@ -214,8 +224,10 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
     Use it in ``ocp.CheckpointManager(item_handlers={"state": FerryCheckpointHandler()})``
     with ``FerrySave(state)`` / ``FerryRestore(abstract_state)``, or with
     ``ocp.Checkpointer`` / ``ocp.AsyncCheckpointer`` directly. Device data is copied
-    to host memory before ``async_save`` returns; the file writes run in Orbax's
-    commit thread.
+    to host memory before ``async_save`` returns, every shard's copy started before
+    any is waited for (a donated buffer could not be read later); the file writes run
+    in Orbax's commit thread. Restored arrays are put on their devices box by box as
+    the reads land, later reads still in flight.
 
     Args:
         engine: the :class:`tensorferry.Engine` to use (default: the shared one).
@@ -290,7 +302,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         json.dumps(metadata)  # fail now, not in the commit thread
         for i, copy in zip(to_copy, aligned_copies([arrays[i][1] for i in to_copy])):
             arrays[i] = (arrays[i][0], copy)
-        return metadata, [(key, np.asarray(array)) for key, array in arrays]
+        return metadata, _to_host([(key, array) for key, array in arrays])
 
     def _write(self, directory: str, metadata: dict[str, Any], arrays: list[tuple[str, np.ndarray]]) -> None:
         process = metadata["process"]

@@ -1,5 +1,5 @@
 """PyTorch adapter: DCP storage, FSDP checkpointing, torch.save-like save/load, NVMe offload,
-a GDS-backed Dataset.
+a GDS-backed Dataset, a Lightning CheckpointIO plugin.
 
 Needs the ``[torch]`` extra. Everything here only turns tensors into byte buffers
 and back; the I/O is the core's (kvikio's on GDSDataset's GDS path).
@@ -17,4 +17,13 @@ from .offload import OffloadedOptimizer, StreamedWeights, stream_weights
 from .serialization import load, load_checkpoint, save, save_checkpoint
 
 __all__ = ["DCPReader", "DCPWriter", "FSDPCheckpointer", "GDSDataset", "GDSWorkerWarning", "OffloadedOptimizer",
-           "StreamedWeights", "load", "load_checkpoint", "save", "save_checkpoint", "stream_weights"]
+           "StreamedWeights", "TensorferryCheckpointIO", "load", "load_checkpoint", "save", "save_checkpoint",
+           "stream_weights"]
+
+
+def __getattr__(name: str):
+    # Imported on first use: Lightning is an extra of its own, and heavy to import.
+    if name == "TensorferryCheckpointIO":
+        from .lightning import TensorferryCheckpointIO
+        return TensorferryCheckpointIO
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

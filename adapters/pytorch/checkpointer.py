@@ -18,7 +18,8 @@ from ...errors import CheckpointNotFoundError, TensorferryError, TensorferryIOEr
 from ...engine import Engine
 from ...shard import ShardWriter, write_order
 from .dcp import DCPReader, DCPWriter
-from .tensors import byte_source, safetensors_dtype
+from .staging import DeviceToHost
+from .tensors import safetensors_dtype
 
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -173,11 +174,15 @@ class FSDPCheckpointer:
 
         error: Exception | None = None
         if self._rank() == 0:
+            # Gathered in the writer's order, one at a time (no window: a full tensor
+            # ahead would break the memory bound above), copied through pinned memory.
+            stager = DeviceToHost([lambda name=name: full(name) for name in order], window=0)
+            position = {name: i for i, name in enumerate(order)}
             try:
                 with ShardWriter(path, self.engine, atomic=True) as writer:
                     for name in order:
                         dtype, shape = specs[name]
-                        writer.add(name, dtype, shape, lambda name=name: _bytes_now(full(name)))
+                        writer.add(name, dtype, shape, stager.source(position[name]))
             except Exception as exc:  # the other ranks are waiting in the gathers
                 error = exc
         for name in order:  # the same collectives, in the same order, as rank 0's writer
@@ -195,7 +200,3 @@ class FSDPCheckpointer:
             raise TensorferryError(f"rank 0 could not write {path}: {message}")
         return path
 
-
-def _bytes_now(tensor: torch.Tensor) -> Any:
-    source = byte_source(tensor)
-    return source() if callable(source) else source

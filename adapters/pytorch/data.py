@@ -19,10 +19,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from ... import gds
 from ...buffers import PinnedPool
+from ...config import default_config
 from ...data import FileSource, Item
 from ...engine import Engine
 from ...errors import TensorferryIOError
+from .staging import staging_pool
 
 
 class GDSWorkerWarning(UserWarning):
@@ -39,19 +42,12 @@ _WORKER_WARNING = (
     "pass pin_memory=True, moving each batch to the device yourself.")
 
 
-def _gds_usable() -> bool:
-    """Whether kvikio is installed and would use cuFile (compatibility mode off)."""
-    try:
-        import kvikio
-        import kvikio.defaults
-    except ImportError:
-        return False
-    defaults = kvikio.defaults
-    # kvikio >= 24.12 resolves AUTO to what it would really do; older versions only
-    # have compat_mode(), a bool.
-    if hasattr(defaults, "is_compat_mode_preferred"):
-        return not defaults.is_compat_mode_preferred()
-    return not defaults.compat_mode()
+def _gds_usable(use_gds: bool | None = None) -> bool:
+    """Whether reads to a CUDA device go through kvikio with cuFile: the engine's
+    ``use_gds`` setting (``True`` raises where GDS cannot run, ``False`` says no) and
+    what kvikio would do (its compatibility mode is left to the pinned-copy path, which
+    reads with the core's engine)."""
+    return gds.resolve_mode(use_gds) == "gds"
 
 
 def _resolve_device(device: str | torch.device | int | None) -> torch.device:
@@ -81,14 +77,16 @@ class GDSDataset(Dataset):
             records. A missing file raises FileNotFoundError here; a record past the
             end of its file raises the engine's OSError (``errno.ENODATA``) when read.
         device: ``None`` or ``"cpu"`` for host tensors; a CUDA device for tensors on it,
-            read through GPUDirect Storage when kvikio has it on (see :attr:`uses_gds`),
-            else through pinned host buffers and a non-blocking copy.
+            read through GPUDirect Storage when kvikio has it on and the engine's
+            ``use_gds`` allows it (see :attr:`uses_gds`; ``use_gds=True`` raises where it
+            cannot run), else through pinned host buffers and a non-blocking copy.
         transform: applied to each item's tensor; its result is what indexing returns.
         engine: the core :class:`Engine` for host reads (default: the process's
             :func:`default_engine`, looked up per read, so DataLoader workers each use
             their own). An explicit engine cannot be used in worker processes, since its
             I/O threads do not survive a fork.
-        pool: the pinned pool host reads take buffers from (default: a new one).
+        pool: the pinned pool host reads take buffers from (default: a new one, or for
+            a CUDA device the staging pool registered with CUDA).
 
     With ``num_workers > 0`` and a CUDA device, workers return host tensors and one
     :class:`GDSWorkerWarning` per worker process says why.
@@ -99,10 +97,13 @@ class GDSDataset(Dataset):
                  pool: PinnedPool | None = None) -> None:
         self.device = _resolve_device(device)
         self.transform = transform
+        if pool is None and self.device.type == "cuda":
+            pool = staging_pool()  # registered with CUDA: the copies to the device are asynchronous DMA
         self._source = FileSource(items, engine=engine, pool=pool)
         # The process an explicit engine belongs to, to refuse its use after a fork.
         self._engine_pid = os.getpid() if engine is not None else None
-        self.uses_gds = self.device.type == "cuda" and _gds_usable()
+        use_gds = (engine.config if engine is not None else default_config()).use_gds
+        self.uses_gds = self.device.type == "cuda" and _gds_usable(use_gds)
         self._cufiles: dict[str, Any] = {}
         # Host buffers of non-blocking copies in flight, with the event that marks their
         # end: the copy reads them after the call returns, so they are kept until then.

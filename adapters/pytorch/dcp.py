@@ -7,6 +7,15 @@ commits the directory atomically (:class:`tensorferry.PendingCheckpoint`). The
 temporary directory's token reaches every rank inside DCP's own global plan, so
 the protocol rides on DCP's collectives. Loading reads only the byte ranges each
 rank's plan asks for, so checkpoints reshard.
+
+``.metadata`` holds torch's classes only (each item's place as torch's own
+``_StorageInfo``: file, offset, length), so torch unpickles it where tensorferry is
+not installed; the manifest lists every item's chunks (``dcp_items``), so the folder
+is read from the safetensors files and the manifest alone. torch's own readers
+(``FileSystemReader``, ``dcp.load(checkpoint_id=...)``, ``dcp_to_torch_save``) load
+each tensor with ``torch.load``, which raw bytes are not: the tensors' storage
+entries name a stream transform that torch does not know, :data:`NOT_TORCH_SAVE`, so
+that those readers stop with an error that says what the folder is and how to read it.
 """
 
 from __future__ import annotations
@@ -17,11 +26,13 @@ import io
 import math
 import os
 import pickle
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint import Metadata, StorageReader, StorageWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
                                                   SavePlanner, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.storage import WriteResult
@@ -31,10 +42,18 @@ from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_proces
                            split_by_size, write_durably)
 from ...engine import Engine
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
-from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardReader
-from .tensors import FROM_SAFETENSORS, byte_source, safetensors_dtype, writable_bytes
+from ...layouts.dcp import DCP_METADATA, ITEMS_KEY
+from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardReader, gc_paused, write_order
+from .staging import DeviceToHost, leased, stage_state_dict, staging_pool
+from .tensors import FROM_SAFETENSORS, safetensors_dtype, writable_bytes
 
-DCP_METADATA = ".metadata"
+# The stream transform named by every tensor's storage entry (no "/": torch splits a
+# version off there). torch's readers know no such transform and raise
+# "Unknown extension name='<this text>'".
+NOT_TORCH_SAVE = ("tensorferry-raw-bytes (this is a tensorferry checkpoint: its tensors are raw bytes in "
+                  "safetensors files, not torch.save streams; read it with dcp.load(state_dict, "
+                  "storage_reader=tensorferry.adapters.pytorch.DCPReader(path)), or convert it with "
+                  "'tensorferry convert PATH model.safetensors --to safetensors')")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +66,9 @@ class _RankFiles:
 
 @dataclasses.dataclass(frozen=True)
 class StoredItem:
-    """Where one DCP item lives: a shard file and the tensor's name inside it."""
+    """Where one DCP item lives: a shard file and the tensor's name inside it. What the
+    ranks hand the coordinator; kept in ``.metadata`` by DCPWriters before issue 20,
+    which this reader still reads."""
 
     file: str
     key: str
@@ -101,6 +122,26 @@ class DCPWriter(StorageWriter):
             raise ValueError("DCPWriter needs a path: DCPWriter(path) or dcp.save(..., checkpoint_id=path)")
         self._pending = None
 
+    # torch's AsyncStager protocol: ``dcp.async_save`` snapshots the state through this
+    # writer rather than its default stager, which copies into pageable memory.
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: Any) -> Any:
+        """The state's snapshot for ``dcp.async_save``: CUDA tensors copied into pinned
+        memory registered with CUDA, all copies in flight at once (the training stall
+        is these copies); CPU tensors cloned."""
+        return stage_state_dict(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once its copies are done."""
+
+    def close(self) -> None:
+        """Nothing to release: staging buffers go back to their pool when dropped."""
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
 
@@ -115,12 +156,20 @@ class DCPWriter(StorageWriter):
         return [dataclasses.replace(plan, storage_data=_RankFiles(self._pending.token, f"rank{rank:05d}"))
                 for rank, plan in enumerate(plans)]
 
+    @gc_paused()
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         where: _RankFiles = plan.storage_data
         pending = PendingCheckpoint(self.path, where.token)
         sizes = {_item_key(item): _planned_bytes(item) for item in plan.items}
         by_key = {_item_key(item): item for item in plan.items}
         groups = split_by_size(sizes, max(1, sum(sizes.values()) // self.files_per_rank + 1), self.files_per_rank)
+        # Tensors are copied off the device (if on one) in the order the files write them,
+        # each file's in turn, several copies in flight (DeviceToHost).
+        tensor_keys = [key for group in groups for key in write_order(
+            (k, safetensors_dtype(by_key[k].tensor_data.properties.dtype)) for k in group
+            if by_key[k].type != WriteItemType.BYTE_IO)]
+        stager = DeviceToHost([_resolver(by_key[k], planner) for k in tensor_keys])
+        source_of = {k: stager.source(i) for i, k in enumerate(tensor_keys)}
 
         def write_file(number: int) -> list[WriteResult]:
             filename = f"{where.prefix}-{number:03d}.safetensors"
@@ -128,7 +177,7 @@ class DCPWriter(StorageWriter):
             with pending.writer(filename, self.engine, buffer_size=self.buffer_size // len(groups)) as writer:
                 for key in groups[number]:
                     item = by_key[key]
-                    _add_item(writer, key, item, planner)
+                    _add_item(writer, key, item, planner, source_of.get(key))
                     results.append(WriteResult(index=item.index, size_in_bytes=sizes[key],
                                                storage_data=StoredItem(filename, key)))
             return results
@@ -137,17 +186,34 @@ class DCPWriter(StorageWriter):
             per_file = list(pool.map(write_file, range(len(groups))))
         return _done([r for results in per_file for r in results])
 
+    @gc_paused()
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         pending = self._pending
-        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
-        files = sorted({r.storage_data.file for rank in results for r in rank})
-        infos = []
-        for name in files:
+        written = [r for rank in results for r in rank]
+        headers = {}
+        for name in sorted({r.storage_data.file for r in written}):
             with ShardReader(os.path.join(pending.tmp_path, name), self.engine, verify=False) as reader:
-                infos.append(reader.shard_info())
+                headers[name] = reader
+        items: dict[str, dict[str, Any]] = {"tensors": {}, "objects": {}}
+        metadata.storage_data = {}
+        for r in written:
+            where: StoredItem = r.storage_data
+            header = headers[where.file]
+            stored = header.tensors[where.key]
+            item = metadata.state_dict_metadata[r.index.fqn]
+            offset = header.data_start + stored.begin
+            if isinstance(item, BytesStorageMetadata):
+                items["objects"][r.index.fqn] = [where.file, where.key]
+                metadata.storage_data[r.index] = _StorageInfo(where.file, offset, stored.nbytes)
+                continue
+            entry = items["tensors"].setdefault(r.index.fqn, {
+                "dtype": safetensors_dtype(item.properties.dtype), "shape": list(item.size), "chunks": []})
+            entry["chunks"].append([where.file, where.key, [int(o) for o in r.index.offset], list(stored.shape)])
+            metadata.storage_data[r.index] = _StorageInfo(where.file, offset, stored.nbytes, (NOT_TORCH_SAVE,))
         write_durably(os.path.join(pending.tmp_path, DCP_METADATA), pickle.dumps(metadata))
-        pending.commit(infos, {"written_by": "tensorferry.adapters.pytorch.DCPWriter",
-                               "dcp_metadata": DCP_METADATA}, overwrite=self.overwrite)
+        pending.commit([h.shard_info() for h in headers.values()],
+                       {"written_by": "tensorferry.adapters.pytorch.DCPWriter", "dcp_metadata": DCP_METADATA,
+                        ITEMS_KEY: items}, overwrite=self.overwrite)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -160,24 +226,30 @@ def _planned_bytes(item: WriteItem) -> int:
     return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
-def _add_item(writer: Any, key: str, item: WriteItem, planner: SavePlanner) -> None:
+def _add_item(writer: Any, key: str, item: WriteItem, planner: SavePlanner,
+              source: Callable[[], np.ndarray] | None) -> None:
     if item.type == WriteItemType.BYTE_IO:
         data = planner.resolve_data(item)
         payload = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
         writer.add(key, "U8", (len(payload),), payload)
         return
-    # Tensors are resolved only when their turn comes: resolving can allocate.
+    props = item.tensor_data.properties
+    writer.add(key, safetensors_dtype(props.dtype), tuple(item.tensor_data.chunk.sizes), source)
+
+
+def _resolver(item: WriteItem, planner: SavePlanner) -> Callable[[], torch.Tensor]:
+    """The item's tensor, resolved only when its turn comes (resolving can allocate)."""
     props = item.tensor_data.properties
     shape = tuple(item.tensor_data.chunk.sizes)
 
-    def tensor_bytes() -> np.ndarray:
+    def resolve() -> torch.Tensor:
         tensor = planner.resolve_data(item)
         if tuple(tensor.shape) != shape or tensor.dtype != props.dtype:
-            raise ValueError(f"{key}: planned {props.dtype}{list(shape)}, resolved {tensor.dtype}{list(tensor.shape)}")
-        source = byte_source(tensor)
-        return source() if callable(source) else source
+            raise ValueError(f"{_item_key(item)}: planned {props.dtype}{list(shape)}, "
+                             f"resolved {tensor.dtype}{list(tensor.shape)}")
+        return tensor
 
-    writer.add(key, safetensors_dtype(props.dtype), shape, tensor_bytes)
+    return resolve
 
 
 class DCPReader(StorageReader):
@@ -202,6 +274,7 @@ class DCPReader(StorageReader):
         if self.path is None:
             raise ValueError("DCPReader needs a path: DCPReader(path) or dcp.load(..., checkpoint_id=path)")
 
+    @gc_paused()
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         dcp_metadata = os.path.join(self.path, DCP_METADATA)
         if not os.path.exists(os.path.join(self.path, MANIFEST)) and os.path.exists(dcp_metadata):
@@ -215,10 +288,25 @@ class DCPReader(StorageReader):
         with open(dcp_metadata, "rb") as f:
             return pickle.load(f)
 
+    @gc_paused()
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.storage_data = metadata.storage_data
         if not hasattr(self, "_manifest"):
             self._manifest = read_manifest(self.path)
+        items = self._manifest["metadata"].get(ITEMS_KEY)
+        if items is None:  # written before the manifest listed the items: .metadata says where
+            self._places = {_place_key(index): (s.file, s.key) for index, s in metadata.storage_data.items()}
+            return
+        self._places = {(fqn, None): (file, key) for fqn, (file, key) in items["objects"].items()}
+        for fqn, entry in items["tensors"].items():
+            self._places.update(((fqn, tuple(offsets)), (file, key)) for file, key, offsets, _ in entry["chunks"])
+
+    def _place(self, index: Any) -> tuple[str, str]:
+        """The shard file and tensor name of a DCP storage index."""
+        try:
+            return self._places[_place_key(index)]
+        except KeyError:
+            raise CorruptCheckpointError(f"{self.path}: the manifest does not say where {index.fqn!r} "
+                                         f"at {index.offset} is stored") from None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -226,17 +314,36 @@ class DCPReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    @gc_paused()
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
+            per_file.setdefault(self._place(item.storage_index)[0], []).append(item)
         readers = {name: open_shard(self.path, self._manifest, name, engine=self.engine, verify=self.verify)
                    for name in per_file}
         try:
-            started = [(item, _start_read(readers[name], self.storage_data[item.storage_index].key, item, planner))
-                       for name, items in per_file.items() for item in items]
-            for item, read in started:
+            started: list[tuple[ReadItem, _Read]] = []
+            whole: dict[str, dict[str, tuple[ReadItem, torch.Tensor]]] = {}  # file: key: (item, target)
+            for name, items in per_file.items():
+                reader = readers[name]
+                for item in items:
+                    key = self._place(item.storage_index)[1]
+                    target = None if item.type == LoadItemType.BYTE_IO else _resolve(reader, key, item, planner)
+                    if target is not None and key not in whole.get(name, {}) and _whole_in_place(reader, key, item, target):
+                        whole.setdefault(name, {})[key] = (item, target)
+                    else:
+                        started.append((item, _start_read(reader, key, item, planner, target)))
+            for name, entries in whole.items():
+                # A stored chunk read whole into CPU memory of its dtype (the usual restore):
+                # the file's chunks together, in few large requests (ShardReader.read_many).
+                readers[name].read_many([], {key: writable_bytes(target) for key, (_, target) in entries.items()})
+                for item, target in entries.values():
+                    planner.commit_tensor(item, target)
+            for item, read in started:  # each finished as it lands, later reads still in flight
                 read.finish(item, planner)
+            # Copies to a device read from pinned buffers that go back to the pool once dropped.
+            for device in {read.target.device for _, read in started if read.pinned is not None}:
+                torch.cuda.current_stream(device).synchronize()
         finally:
             for reader in readers.values():
                 reader.close()
@@ -247,6 +354,10 @@ class DCPReader(StorageReader):
         return os.path.isfile(os.path.join(os.fspath(checkpoint_id), MANIFEST))
 
 
+def _place_key(index: Any) -> tuple[str, tuple[int, ...] | None]:
+    return index.fqn, None if index.offset is None else tuple(int(o) for o in index.offset)
+
+
 @dataclasses.dataclass
 class _Read:
     """One item in flight: its box of the stored chunk and where that goes."""
@@ -255,13 +366,17 @@ class _Read:
     dtype: str  # the stored dtype
     target: torch.Tensor | None = None  # the destination (None for bytes)
     in_place: bool = False  # the box lands in the target's own memory
+    pinned: np.ndarray | None = None  # the pinned buffer a box for a CUDA target lands in
 
     def finish(self, item: ReadItem, planner: LoadPlanner) -> None:
         data = self.box.result()
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(data.tobytes()))
             return
-        if not self.in_place:
+        if self.pinned is not None:
+            source = torch.from_numpy(self.pinned).view(FROM_SAFETENSORS[self.dtype]).reshape(self.target.shape)
+            self.target.copy_(source, non_blocking=True)
+        elif not self.in_place:
             self.target.copy_(_tensor_over(data, self.dtype))
         planner.commit_tensor(item, self.target)
 
@@ -272,17 +387,36 @@ def _tensor_over(array: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(array.view(f"i{array.itemsize}")).view(FROM_SAFETENSORS[dtype])
 
 
-def _start_read(reader: ShardReader, key: str, item: ReadItem, planner: LoadPlanner) -> _Read:
-    info = reader.info(key)
-    if item.type == LoadItemType.BYTE_IO:
-        return _Read(reader.read_box(key, [0] * len(info.shape), info.shape), info.dtype)
+def _resolve(reader: ShardReader, key: str, item: ReadItem, planner: LoadPlanner) -> torch.Tensor:
+    """The tensor the planner gives for a tensor item, checked against the item's box."""
     lengths = tuple(item.lengths)
     target = planner.resolve_tensor(item).detach()
     if tuple(target.shape) != lengths:
         raise CorruptCheckpointError(f"{reader.path}: {key} holds {list(lengths)} for "
                                      f"{item.dest_index.fqn}, the destination is {list(target.shape)}")
+    return target
+
+
+def _whole_in_place(reader: ShardReader, key: str, item: ReadItem, target: torch.Tensor) -> bool:
+    """Whether the item is its whole stored chunk, going into plain CPU memory of its dtype."""
+    info = reader.info(key)
+    return (target.device.type == "cpu" and target.is_contiguous() and tuple(target.shape) == info.shape
+            and safetensors_dtype(target.dtype) == info.dtype and not any(item.storage_offsets))
+
+
+def _start_read(reader: ShardReader, key: str, item: ReadItem, planner: LoadPlanner,
+                target: torch.Tensor | None) -> _Read:
+    info = reader.info(key)
+    if item.type == LoadItemType.BYTE_IO:
+        return _Read(reader.read_box(key, [0] * len(info.shape), info.shape), info.dtype)
+    lengths = tuple(item.lengths)
     if target.device.type == "cpu" and target.is_contiguous() and safetensors_dtype(target.dtype) == info.dtype:
         # Plain memory of the stored dtype: the box is read (or, if strided, copied) into it.
         return _Read(reader.read_box(key, item.storage_offsets, lengths, out=writable_bytes(target)),
                      info.dtype, target, in_place=True)
+    if target.device.type == "cuda" and safetensors_dtype(target.dtype) == info.dtype:
+        # Read into pinned memory, copied to the device as soon as it lands.
+        pinned = leased(staging_pool(), target.numel() * target.element_size())
+        return _Read(reader.read_box(key, item.storage_offsets, lengths, out=pinned), info.dtype, target,
+                     pinned=pinned)
     return _Read(reader.read_box(key, item.storage_offsets, lengths), info.dtype, target)

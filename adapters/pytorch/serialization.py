@@ -8,6 +8,7 @@ the metadata as JSON. Any safetensors reader can open the files.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 from typing import Any, Iterable, Mapping
@@ -15,16 +16,19 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
-from ...checkpoint import DEFAULT_SHARD_BYTES, read_manifest
+from ...checkpoint import DEFAULT_SHARD_BYTES, MANIFEST, MAX_CONCURRENT_SHARDS, open_shard, read_manifest
 from ...checkpoint import load_checkpoint as _load_directory
 from ...checkpoint import save_checkpoint as _save_directory
 from ...dtypes import to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
-from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter
-from .tensors import byte_source, from_array, host_array, safetensors_dtype
+from ...layouts.huggingface import INDEX_SUFFIX
+from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse_json
+from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, write_order
+from .staging import DeviceToHost, read_to_device
+from .tensors import from_array, host_array, safetensors_dtype
 
-STRUCTURE_KEY = "tensorferry.structure"
+TORCH_FORMAT = {"format": "pt"}  # what safetensors.torch writes, and transformers 4.x requires
 _SCALARS = (bool, int, float, str, type(None))
 
 
@@ -52,7 +56,9 @@ class _Encoder:
             self.tensors[key] = value
         return self._seen[identity]
 
-    def encode(self, value: Any, where: str = "") -> Any:
+    def encode(self, value: Any, where: str = "", depth: int = 1) -> Any:
+        if depth > MAX_STRUCTURE_DEPTH:  # what load would refuse as damaged
+            raise ValueError(f"{where}: the object nests more than {MAX_STRUCTURE_DEPTH} levels deep")
         if isinstance(value, torch.Tensor):
             return {"tensor": self._name(_storage_key(value), value, where)}
         if isinstance(value, (np.ndarray, np.generic)):
@@ -70,11 +76,12 @@ class _Encoder:
                 if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise TypeError(f"{where or 'the object'}: key {k!r} is {type(k).__name__}; only str and int "
                                     "keys can be saved without pickle")
-                items.append([k, self.encode(v, f"{where}.{k}" if where else str(k))])
+                items.append([k, self.encode(v, f"{where}.{k}" if where else str(k), depth + 1)])
             return {"dict": items}
         if isinstance(value, (list, tuple)):
             kind = "list" if isinstance(value, list) else "tuple"
-            return {kind: [self.encode(v, f"{where}.{i}" if where else str(i)) for i, v in enumerate(value)]}
+            return {kind: [self.encode(v, f"{where}.{i}" if where else str(i), depth + 1)
+                           for i, v in enumerate(value)]}
         if isinstance(value, float) and value != value:
             return {"float": "nan"}
         if isinstance(value, float) and value in (float("inf"), float("-inf")):
@@ -90,25 +97,22 @@ def _decode(structure: Any, arrays: Mapping[str, np.ndarray], where: str, map_lo
     """The object :class:`_Encoder` flattened, from the arrays the core read: each tensor
     made once (tied entries come back as one tensor) and moved to ``map_location``; numpy
     arrays as they were read."""
+    check_structure(structure, where, arrays)
     tensors: dict[str, torch.Tensor] = {}
 
-    def array(name: Any) -> np.ndarray:
-        if name not in arrays:
-            raise CorruptCheckpointError(f"{where}: the structure names a missing tensor {name!r}")
-        return arrays[name]
-
     def decode(node: Any) -> Any:
-        if not isinstance(node, dict) or len(node) != 1:
-            raise CorruptCheckpointError(f"{where}: unreadable structure node {node!r}")
         (kind, value), = node.items()
         if kind == "tensor":
             if value not in tensors:
-                tensors[value] = _to_tensors({value: array(value)}, map_location)[value]
+                tensors[value] = _to_tensors({value: arrays[value]}, map_location)[value]
             return tensors[value]
         if kind == "ndarray":
-            return array(value)
+            return arrays[value]
         if kind == "npscalar":
-            return array(value)[()]
+            if arrays[value].shape != ():
+                raise CorruptCheckpointError(f"{where}: the scalar {value!r} is stored with shape "
+                                             f"{arrays[value].shape}")
+            return arrays[value][()]
         if kind == "dict":
             return {k: decode(v) for k, v in value}
         if kind == "list":
@@ -119,12 +123,10 @@ def _decode(structure: Any, arrays: Mapping[str, np.ndarray], where: str, map_lo
             return float(value)
         if kind == "value":
             return value
-        if kind == "dtype":
-            dtype = getattr(torch, str(value), None)
-            if not isinstance(dtype, torch.dtype):
-                raise CorruptCheckpointError(f"{where}: unknown dtype {value!r}")
-            return dtype
-        raise CorruptCheckpointError(f"{where}: unknown structure node {kind!r}")
+        dtype = getattr(torch, value, None)  # the one kind left: check_structure knows them all
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptCheckpointError(f"{where}: unknown dtype {value!r}")
+        return dtype
 
     return decode(structure)
 
@@ -149,39 +151,95 @@ def save(obj: Any, path: str | os.PathLike, *, metadata: dict[str, str] | None =
     scalars) as one safetensors file.
 
     The file replaces ``path`` atomically once it is complete and durable. Tensors that
-    share memory (tied weights) are stored once and load back as one tensor.
+    share memory (tied weights) are stored once and load back as one tensor. Its
+    metadata says ``{"format": "pt"}`` (unless ``metadata`` says otherwise), as
+    safetensors' torch module writes and transformers asks.
     """
     path = os.fspath(path)
     encoder = _Encoder()
     structure = encoder.encode(obj)
-    meta = dict(metadata or {})
+    meta = {**TORCH_FORMAT, **(metadata or {})}
     meta[STRUCTURE_KEY] = json.dumps(structure, separators=(",", ":"))
     with ShardWriter(path, engine, metadata=meta, atomic=True) as writer:
-        for key, t in encoder.tensors.items():
-            if isinstance(t, np.ndarray):
-                writer.add(key, t)
-            else:
-                writer.add(key, safetensors_dtype(t.dtype), tuple(t.shape), byte_source(t))
+        for key, t in _writable(encoder.tensors).items():
+            writer.add(key, t)
+
+
+def _writable(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, Any]:
+    """What a writer takes for each tensor: host bytes as they are, and device tensors as
+    :class:`Deferred` sources of one :class:`DeviceToHost`, which copies them off the
+    device in the order the writer writes them, several in flight, each written as soon
+    as its own copy lands."""
+    specs = {k: safetensors_dtype(t.dtype) for k, t in tensors.items() if isinstance(t, torch.Tensor)}
+    on_device = {k: i for i, k in enumerate(k for k in write_order(specs.items()) if tensors[k].device.type != "cpu")}
+    stager = DeviceToHost([tensors[k] for k in on_device])
+    writable: dict[str, Any] = {}
+    for key, t in tensors.items():
+        if key in on_device:
+            writable[key] = Deferred(specs[key], tuple(t.shape), stager.source(on_device[key]))
+        else:
+            writable[key] = t if isinstance(t, np.ndarray) else host_array(t)
+    return writable
 
 
 def load(path: str | os.PathLike, map_location: str | torch.device | None = None, *,
          engine: Engine | None = None, verify: bool = True) -> Any:
     """Loads what :func:`save` (a file) or :func:`save_checkpoint` (a directory) wrote, no
-    pickle. A plain safetensors file loads as a flat dict of tensors. ``map_location``
-    moves tensors to a device."""
+    pickle. A plain safetensors file, or a folder of another layout (a Hugging Face
+    folder, or its ``model.safetensors.index.json``), loads as a flat dict of tensors. ``map_location``
+    moves tensors to a device; to a CUDA device, each read is copied over as soon as it
+    lands, while later reads are in flight (numpy arrays in the structure stay on the host)."""
     _check_map_location(map_location)
-    if os.path.isdir(path):
+    if os.path.isdir(path) or os.fspath(path).endswith(INDEX_SUFFIX):
         return load_checkpoint(path, map_location, engine=engine, verify=verify)
     with ShardReader(path, engine, verify=verify) as reader:
-        arrays = reader.read_many()
         structure_text = reader.metadata.get(STRUCTURE_KEY)
-    if structure_text is None:
+        structure = None if structure_text is None else parse_json(structure_text, "saved structure", path)
+        if structure is not None:
+            check_structure(structure, os.fspath(path), reader.tensors)
+        device = _cuda_device(map_location)
+        if device is None:
+            arrays = reader.read_many()
+        else:
+            on_host = _host_names(structure)
+            arrays = read_to_device(reader, [n for n in reader.tensors if n not in on_host], device)
+            arrays.update(reader.read_many([n for n in reader.tensors if n in on_host]))
+    if structure is None:
         return _to_tensors(arrays, map_location)
-    try:
-        structure = json.loads(structure_text)
-    except ValueError:
-        raise CorruptCheckpointError(f"{path}: the saved structure is not valid JSON") from None
     return _decode(structure, arrays, os.fspath(path), map_location)
+
+
+def _cuda_device(map_location: Any, out: Mapping[str, torch.Tensor] | None = None) -> torch.device | None:
+    """The CUDA device a load lands on (``map_location``'s, or that of the ``out``
+    tensors), or None for a load to the host."""
+    devices = {t.device for t in (out or {}).values() if t.device.type != "cpu"}
+    if map_location is not None and torch.device(map_location).type != "cpu":
+        devices.add(torch.device(map_location))
+    if not devices:
+        return None
+    if len(devices) > 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(f"a load lands on the host or on one CUDA device, not on {sorted(map(str, devices))}")
+    device = next(iter(devices))
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _host_names(structure: Any) -> set[str]:
+    """Names of the numpy arrays and scalars in a saved structure: they load on the host."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for kind, value in node.items():
+                if kind in ("ndarray", "npscalar"):
+                    found.add(value)
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(structure)
+    return found
 
 
 def save_checkpoint(directory: str | os.PathLike, obj: Any, metadata: Mapping[str, Any] | None = None, *,
@@ -191,15 +249,16 @@ def save_checkpoint(directory: str | os.PathLike, obj: Any, metadata: Mapping[st
     (:func:`tensorferry.save_checkpoint`: sharded, checksummed, a manifest); returns its path.
 
     Every safetensors dtype goes through, bf16 and fp8 included; tied tensors are stored
-    once. ``metadata`` is any JSON-serialisable mapping, kept in the manifest.
+    once. ``metadata`` is any JSON-serialisable mapping, kept in the manifest. The
+    directory carries ``model.safetensors.index.json`` and its files ``{"format": "pt"}``,
+    so that transformers' ``from_pretrained`` opens it (with a ``config.json`` beside).
     """
     encoder = _Encoder()
     structure = encoder.encode(obj)
     meta = dict(metadata or {})
     meta[STRUCTURE_KEY] = structure
-    arrays = {name: t if isinstance(t, np.ndarray) else host_array(t) for name, t in encoder.tensors.items()}
-    return _save_directory(directory, arrays, meta, engine=engine, max_shard_bytes=max_shard_bytes,
-                           buffer_size=buffer_size, overwrite=overwrite)
+    return _save_directory(directory, _writable(encoder.tensors), meta, engine=engine, max_shard_bytes=max_shard_bytes,
+                           buffer_size=buffer_size, overwrite=overwrite, shard_metadata=TORCH_FORMAT, hf_index=True)
 
 
 def load_checkpoint(directory: str | os.PathLike, map_location: str | torch.device | None = None, *,
@@ -208,17 +267,59 @@ def load_checkpoint(directory: str | os.PathLike, map_location: str | torch.devi
     """Loads a checkpoint directory as torch tensors.
 
     What :func:`save_checkpoint` wrote comes back as it was saved; any other checkpoint
-    directory (or one read with ``names`` or ``out``) as a flat dict of tensors. Tensors
-    named in ``out`` (CPU tensors of the saved shape and dtype) are read in place.
+    directory (or one read with ``names`` or ``out``), a Hugging Face folder say, as a
+    flat dict of tensors. Tensors named in ``out`` (tensors of the saved shape and dtype,
+    all on the CPU or all on one CUDA device) are read in place.
     """
     _check_map_location(map_location)
-    destinations = {name: host_array(t, writable=True) for name, t in (out or {}).items()}
-    arrays = _load_directory(directory, names, out=destinations, engine=engine, verify=verify)
-    arrays = {name: out[name] if out and name in out else a for name, a in arrays.items()}
-    structure = read_manifest(directory)["metadata"].get(STRUCTURE_KEY)
+    device = _cuda_device(map_location, out)
+    ours = os.path.isfile(os.path.join(directory, MANIFEST))
+    if device is not None and ours:
+        arrays = _load_directory_to_device(directory, names, out, device, engine, verify)
+    else:
+        destinations = {name: host_array(t, writable=True) for name, t in (out or {}).items()}
+        arrays = _load_directory(directory, names, out=destinations, engine=engine, verify=verify)
+        arrays = {name: out[name] if out and name in out else a for name, a in arrays.items()}
+    structure = read_manifest(directory)["metadata"].get(STRUCTURE_KEY) if ours else None
     if structure is None or names is not None or out:
         return _to_tensors(arrays, map_location)
     return _decode(structure, arrays, os.fspath(directory), map_location)
+
+
+def _load_directory_to_device(directory: str | os.PathLike, names: Iterable[str] | None,
+                              out: Mapping[str, torch.Tensor] | None, device: torch.device,
+                              engine: Engine | None, verify: bool) -> dict[str, Any]:
+    """:func:`load_checkpoint`'s tensors read into CUDA tensors, files in parallel (each
+    through :func:`read_to_device`); the structure's numpy arrays are read to the host."""
+    directory = os.fspath(directory)
+    manifest = read_manifest(directory)
+    tensors = manifest["tensors"]
+    out = dict(out or {})
+    wanted = list(dict.fromkeys([*(names if names is not None else out or tensors), *out]))
+    missing = [n for n in wanted if n not in tensors]
+    if missing:
+        raise KeyError(f"{directory} holds no tensor(s) {', '.join(map(repr, missing))}")
+    structure = manifest["metadata"].get(STRUCTURE_KEY)
+    if structure is not None:
+        check_structure(structure, directory, tensors)
+    on_host = _host_names(structure) - set(out)
+    arrays: dict[str, Any] = {}
+    if any(n in on_host for n in wanted):
+        arrays.update(_load_directory(directory, [n for n in wanted if n in on_host], engine=engine, verify=verify))
+    by_file: dict[str, list[str]] = {}
+    for n in wanted:
+        if n not in on_host:
+            by_file.setdefault(tensors[n]["file"], []).append(n)
+
+    def read(filename: str) -> dict[str, torch.Tensor]:
+        with open_shard(directory, manifest, filename, engine=engine, verify=verify) as reader:
+            here = by_file[filename]
+            return read_to_device(reader, here, device, out={n: out[n] for n in here if n in out})
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(MAX_CONCURRENT_SHARDS, max(1, len(by_file)))) as pool:
+        for part in pool.map(read, by_file):
+            arrays.update(part)
+    return {n: arrays[n] for n in wanted}
 
 
 __all__ = ["load", "load_checkpoint", "save", "save_checkpoint"]

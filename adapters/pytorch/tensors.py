@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,15 +46,6 @@ def host_bytes(tensor: torch.Tensor) -> np.ndarray:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def byte_source(tensor: torch.Tensor) -> Union[np.ndarray, Callable[[], np.ndarray]]:
-    """What a ShardWriter takes for this tensor: its bytes now if they are on the host,
-    else a callable that copies them off the device when their turn comes, so that
-    device memory is staged one tensor at a time."""
-    if tensor.device.type == "cpu":
-        return host_bytes(tensor)
-    return lambda: host_bytes(tensor)
-
-
 def from_array(array: np.ndarray, dtype_name: str) -> torch.Tensor:
     """A tensor sharing the memory of an array read by the core (bf16 and fp8 included)."""
     dtype = FROM_SAFETENSORS[dtype_name]
@@ -78,5 +69,5 @@ def writable_bytes(tensor: torch.Tensor) -> Any:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-__all__ = ["FROM_SAFETENSORS", "TO_SAFETENSORS", "byte_source", "from_array", "host_array", "host_bytes",
+__all__ = ["FROM_SAFETENSORS", "TO_SAFETENSORS", "from_array", "host_array", "host_bytes",
            "safetensors_dtype", "to_numpy_dtype", "writable_bytes"]

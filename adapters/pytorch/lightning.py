@@ -1,0 +1,166 @@
+"""Lightning checkpoints through tensorferry: a ``CheckpointIO`` plugin, no pickle.
+
+``Trainer(plugins=[TensorferryCheckpointIO()])`` writes each checkpoint Lightning
+makes (``epoch=1-step=20.ckpt``, ``last.ckpt``) as one safetensors file through the
+core (:func:`tensorferry.adapters.pytorch.save`): the tensors at drive speed, the
+entries around them (loops, callbacks, optimizer param groups, hyper-parameters) as
+JSON in its metadata. With ``asynchronous=True`` (or wrapped in Lightning's
+``AsyncCheckpointIO``) it writes in a background thread. Needs the ``[lightning]`` extra.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+from typing import Any, Callable, Mapping
+
+import torch
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("TensorferryCheckpointIO needs Lightning: pip install 'tensorferry[lightning]'") from exc
+
+from ...checkpoint import DEFAULT_SHARD_BYTES
+from ...engine import Engine
+from .serialization import _storage_key, load, save, save_checkpoint
+
+MapLocation = Any  # None, a device or its name, a dict of location names, or torch.load's callable
+
+
+class TensorferryCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves and loads through tensorferry.
+
+    Args:
+        engine: the :class:`tensorferry.Engine` to use (default: the shared one).
+        verify: check every tensor's checksum on load.
+        sharded: write each checkpoint as a directory of shard files written in parallel
+            (:func:`tensorferry.adapters.pytorch.save_checkpoint`), for large models,
+            instead of one file.
+        max_shard_bytes: with ``sharded``, about this many bytes per shard file.
+        asynchronous: return from ``save_checkpoint`` once the tensors are copied, and
+            write in a background thread. Removals queue behind the saves before them
+            (Lightning's ``AsyncCheckpointIO`` removes at once, so that a checkpoint still
+            being written when ``save_top_k`` drops it is left behind); a load, and
+            ``teardown``, wait for the writes, and raise the first one's error.
+
+    Everything in a Lightning checkpoint must be what
+    :func:`tensorferry.adapters.pytorch.save` takes (tensors, numpy arrays, dicts with
+    str or int keys, lists, tuples, numbers, strings, None); anything else (an object in
+    the hyper-parameters, say) raises ``TypeError`` naming where it is. Lightning's
+    ``LightningModule.load_from_checkpoint`` reads with ``torch.load`` directly; restore
+    with ``Trainer.fit(ckpt_path=...)``, or read the file with :meth:`load_checkpoint`.
+    """
+
+    def __init__(self, *, engine: Engine | None = None, verify: bool = True, sharded: bool = False,
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, asynchronous: bool = False) -> None:
+        self.engine = engine
+        self.verify = verify
+        self.sharded = sharded
+        self.max_shard_bytes = max_shard_bytes
+        self.asynchronous = asynchronous
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[concurrent.futures.Future] = []
+
+    def _later(self, work: Callable[..., None], *args: Any) -> None:
+        """Runs ``work`` now, or with ``asynchronous`` after everything queued before it."""
+        if not self.asynchronous:
+            work(*args)
+            return
+        failed = next((f for f in self._pending if f.done() and f.exception() is not None), None)
+        self._pending = [f for f in self._pending if not f.done()]
+        if failed is not None:  # an earlier write failed: say so now, not at teardown
+            raise failed.exception()
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorferry-ckpt")
+        self._pending.append(self._writer.submit(work, *args))
+
+    def wait(self) -> None:
+        """Waits for the queued writes and removals; raises the first one's error."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def teardown(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
+        """Writes ``checkpoint`` to ``path``, atomically (a reader never sees half of it)."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options (got {storage_options!r})")
+        if self.asynchronous:
+            checkpoint = _snapshot(checkpoint)
+        self._later(self._write, checkpoint, os.fspath(path))
+
+    def _write(self, checkpoint: dict[str, Any], path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if self.sharded:
+            save_checkpoint(path, checkpoint, engine=self.engine, max_shard_bytes=self.max_shard_bytes,
+                            overwrite=True)
+        else:
+            save(checkpoint, path, engine=self.engine)
+
+    def load_checkpoint(self, path: str | os.PathLike, map_location: MapLocation = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Reads a checkpoint back as it was saved; ``map_location`` as ``torch.load``
+        takes it. ``weights_only`` changes nothing: nothing is unpickled, ever."""
+        self.wait()
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"Checkpoint file not found: {os.fspath(path)}")
+        if map_location is None or isinstance(map_location, (str, torch.device)):
+            return load(path, map_location, engine=self.engine, verify=self.verify)
+        return _relocate(load(path, engine=self.engine, verify=self.verify), map_location)
+
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        """Deletes a checkpoint this plugin wrote (a file, or a directory with ``sharded``)."""
+        self._later(_remove, os.fspath(path))
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _relocate(obj: Any, map_location: Callable | Mapping[str, str]) -> Any:
+    """``obj`` (read to the CPU) with each tensor moved where ``map_location`` says, as
+    torch.load would: a callable gets ``(storage, "cpu")`` and returns the storage to
+    use; a dict maps the location ``"cpu"`` to another."""
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if callable(map_location):
+            device = map_location(tensor.untyped_storage(), "cpu").device
+        else:
+            device = torch.device(map_location.get("cpu", "cpu"))
+        return tensor if device == tensor.device else tensor.to(device)
+
+    return _apply(obj, move)
+
+
+def _snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A copy of every tensor, taken now (training goes on while it is written); tensors
+    that share memory (tied weights) share their copy too."""
+    copies: dict[Any, torch.Tensor] = {}
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in copies:
+            copies[key] = tensor.detach().clone()
+        return copies[key]
+
+    return _apply(checkpoint, copy)
+
+
+def _apply(obj: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    from lightning_utilities.core.apply_func import apply_to_collection
+    return apply_to_collection(obj, torch.Tensor, function)
+
+
+__all__ = ["TensorferryCheckpointIO"]

@@ -1,0 +1,401 @@
+"""tensorferry's load and save paths side by side with the peers people use, in one run.
+
+Two states of the same size (64 large tensors; 4096 of 512 KiB at 2 GiB, like an FSDP
+state dict) go through every contender installed here, fio included, in interleaved
+rounds; then raw transfers of one file through our ``Engine`` and DeepSpeed's
+``aio_handle`` at its defaults and at FastPersist's example settings, each beside fio
+with the same block size and depth.
+
+    python benchmarks/bench_peers.py --dir DIR --size 2G --repeat 3 [--results benchmarks/results]
+
+The method (docs/benchmarks.md): writes are timed until durable (fsync counted);
+before every read the files' page cache is dropped (``posix_fadvise(DONTNEED)``);
+a load is timed until every byte it returned has been touched (a loader that maps
+the file has read nothing before); memory as large as the step is touched and freed
+before each timed step, the same for every contender. Our loads verify checksums.
+Peers that are not installed, or whose native part does not build, are listed as
+skipped with the reason; none of them is a test dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tensorferry import Engine, IOConfig, bench, default_config, parse_size
+from tensorferry.adapters.pytorch import DCPReader, DCPWriter, load, load_checkpoint, save, save_checkpoint
+
+Rows = list[bench.Measurement]
+PAGE = 4096
+
+
+def make_state(nbytes: int, count: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """``count`` random float32 tensors adding up to ``nbytes``."""
+    g = torch.Generator().manual_seed(seed)
+    each = max(1, nbytes // count // 4)
+    return {f"layers.{i:05d}.weight": torch.randn(each, generator=g) for i in range(count)}
+
+
+def touch(tensors: Any) -> None:
+    """Reads one byte of every page of every tensor: a loader that maps its file (or
+    reads lazily) is timed until it has really read what it returned."""
+    for t in tensors:
+        raw = t.detach().reshape(-1).view(torch.uint8)
+        int(raw[::PAGE].sum())
+
+
+def fsync_path(path: str) -> None:
+    for f in bench.files_under(path) if os.path.isdir(path) else [path]:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.unlink(path)
+
+
+def files_of(path: str) -> list[str]:
+    return bench.files_under(path) if os.path.isdir(path) else [path]
+
+
+class Contender:
+    """A way to save (optional) and load a state: ``write(state, path)`` and ``read(path, state)``.
+
+    ``prepare`` makes the file a load-only contender reads, untimed (a safetensors file
+    for the Run:ai streamer and fastsafetensors). With ``in_place``, ``read`` gets, in
+    place of the saved state, tensors like it to load into (a model's, made before the
+    clock starts), as DCP loads."""
+
+    def __init__(self, name: str, path: str, read: Callable[[str, dict], object],
+                 write: Callable[[dict, str], object] | None = None,
+                 prepare: Callable[[dict, str], object] | None = None, *, in_place: bool = False) -> None:
+        self.name, self.path, self.read, self.write, self.prepare = name, path, read, write, prepare
+        self.in_place = in_place
+
+    def run(self, directory: str, state: dict[str, torch.Tensor], label: str) -> Rows:
+        path = os.path.join(directory, self.path)
+        nbytes = sum(t.nbytes for t in state.values())
+        remove(path)
+        rows = []
+        try:
+            if self.write is not None:
+                rows.append(bench.timed(f"{self.name} [{label}]", "write", nbytes,
+                                        lambda: (self.write(state, path), fsync_path(path))))
+            else:
+                self.prepare(state, path)
+                fsync_path(path)
+            target = destinations(state) if self.in_place else state
+            bench.drop_cache(files_of(path))
+            rows.append(bench.timed(f"{self.name} [{label}]", "read", nbytes, lambda: self.read(path, target)))
+            del target
+        finally:
+            remove(path)
+        return rows
+
+
+def destinations(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # What DCP loads into: the model's tensors, already in memory (made by torch's allocator).
+    return {k: torch.ones_like(v) for k, v in state.items()}
+
+
+def _quiet(action: Callable[[], object]) -> object:
+    with warnings.catch_warnings():
+        # Without a process group DCP runs as one process, and warns that it does so.
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        return action()
+
+
+def _dcp_read(reader: Callable[[str], Any]) -> Callable[[str, dict], object]:
+    # DCP loads in place: ``dest`` is the model's state, made before the clock starts.
+    return lambda path, dest: _quiet(lambda: dcp.load(dest, storage_reader=reader(path)))
+
+
+def ours() -> list[Contender]:
+    def read_file(path: str, state: dict) -> None:
+        load(path)  # verifies every tensor's checksum: every byte is read and hashed
+
+    return [
+        Contender("tensorferry save/load", "tf.safetensors", read_file, lambda s, p: save(s, p)),
+        Contender("tensorferry save_checkpoint/load_checkpoint", "tf-ckpt",
+                  lambda p, s: load_checkpoint(p), lambda s, p: save_checkpoint(p, s)),
+        Contender("tensorferry DCPWriter/DCPReader", "tf-dcp", _dcp_read(DCPReader),
+                  lambda s, p: _quiet(lambda: dcp.save(s, storage_writer=DCPWriter(p))), in_place=True),
+    ]
+
+
+def peers(skipped: dict[str, str]) -> list[Contender]:
+    """The peers installed here; those that are not go into ``skipped`` with the reason."""
+    found = [
+        Contender("torch.save/torch.load", "peer.pt", lambda p, s: torch.load(p, map_location="cpu"),
+                  lambda s, p: torch.save(s, p)),
+        Contender("DCP FileSystemWriter/Reader", "peer-dcp", _dcp_read(dcp.FileSystemReader),
+                  lambda s, p: _quiet(lambda: dcp.save(s, storage_writer=dcp.FileSystemWriter(p))), in_place=True),
+    ]
+    try:
+        from safetensors.torch import load_file, save_file
+
+        found.append(Contender("safetensors save_file/load_file", "peer.safetensors",
+                               lambda p, s: touch(load_file(p).values()), lambda s, p: save_file(s, p)))
+    except ImportError as exc:
+        skipped["safetensors"] = f"not installed ({exc})"
+        save_file = None
+    for make in (_runai, _fastsafetensors, _tensorizer, _fastpersist):
+        try:
+            found.append(make(save_file))
+        except Exception as exc:  # an optional peer: why it cannot run is the result
+            skipped[make.__doc__.split(":")[0]] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    return found
+
+
+def _runai(save_file: Any) -> Contender:
+    """Run:ai model streamer: ``SafetensorsStreamer`` on a safetensors file"""
+    from runai_model_streamer import SafetensorsStreamer
+
+    def read(path: str, state: dict) -> None:
+        loaded = {}
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_file(path)
+            for name, tensor in streamer.get_tensors():
+                touch([tensor])  # its tensors are views of a buffer it may reuse: touched as they come
+                loaded[name] = tensor
+
+    return Contender("Run:ai model streamer", "runai.safetensors", read, prepare=_needs(save_file))
+
+
+def _fastsafetensors(save_file: Any) -> Contender:
+    """fastsafetensors: ``SafeTensorsFileLoader`` in CPU mode (nogds)"""
+    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+    def read(path: str, state: dict) -> None:
+        loader = SafeTensorsFileLoader(SingleGroup(), "cpu", nogds=True)
+        try:
+            loader.add_filenames({0: [path]})
+            buffer = loader.copy_files_to_device()
+            try:
+                touch(buffer.get_tensor(name) for name in state)
+            finally:
+                buffer.close()
+        finally:
+            loader.close()
+
+    return Contender("fastsafetensors (CPU, nogds)", "fst.safetensors", read, prepare=_needs(save_file))
+
+
+def _tensorizer(save_file: Any) -> Contender:
+    """tensorizer: ``TensorSerializer``/``TensorDeserializer``"""
+    from tensorizer import TensorDeserializer, TensorSerializer
+
+    def write(state: dict, path: str) -> None:
+        serializer = TensorSerializer(path)
+        serializer.write_state_dict(state)
+        serializer.close()
+
+    def read(path: str, state: dict) -> None:
+        with TensorDeserializer(path, device="cpu") as tensors:
+            touch(tensors.values())
+
+    return Contender("tensorizer", "peer.tensors", read, write)
+
+
+def _fastpersist(save_file: Any) -> Contender:
+    """DeepSpeed FastPersist: ``torch.save`` into ``deepspeed.io.FastFileWriter``"""
+    handle = _deepspeed_handle(8 << 20, 32)
+    from deepspeed.io import FastFileWriter, FastFileWriterConfig
+    from deepspeed.ops.op_builder import UtilsBuilder
+
+    UtilsBuilder().load()  # FastFileWriter needs it; DeepSpeed's CPU accelerator has none
+
+    pinned = torch.zeros(64 << 20, dtype=torch.uint8).pin_memory() if torch.cuda.is_available() \
+        else handle.new_cpu_locked_tensor(64 << 20, torch.empty(0, dtype=torch.uint8))
+
+    def write(state: dict, path: str) -> None:
+        config = FastFileWriterConfig(dnvme_handle=handle, pinned_tensor=pinned, double_buffer=True,
+                                      num_parallel_writers=1, writer_rank=0)
+        writer = FastFileWriter(file_path=path, config=config)
+        torch.save(state, writer)
+        writer.close()
+
+    return Contender("DeepSpeed FastPersist (torch.save into FastFileWriter)", "fastpersist.pt",
+                     lambda p, s: torch.load(p, map_location="cpu"), write)
+
+
+def _needs(save_file: Any) -> Callable[[dict, str], object]:
+    if save_file is None:
+        raise ImportError("needs the safetensors package to write its input")
+    return lambda state, path: save_file(state, path)
+
+
+def _deepspeed_handle(block_size: int, queue_depth: int) -> Any:
+    """DeepSpeed's ``aio_handle`` (its async I/O op, built on first use; needs libaio-dev)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    builder = AsyncIOBuilder()
+    if not builder.is_compatible(verbose=False):
+        raise ImportError("DeepSpeed's async_io op cannot build here (libaio-dev missing?)")
+    return builder.load(verbose=False).aio_handle(block_size, queue_depth, False, True, 1)
+
+
+def state_rounds(directory: str, states: dict[str, dict[str, torch.Tensor]], repeat: int,
+                 skipped: dict[str, str], progress: Callable[[str], None]) -> Rows:
+    """Every contender on every state, fio included, in interleaved rounds."""
+    contenders = [*ours(), *peers(skipped)]
+    rows: Rows = []
+    for label, state in states.items():
+        nbytes = sum(t.nbytes for t in state.values())
+
+        def fio(label: str = label, nbytes: int = nbytes) -> Rows:
+            measured = bench.fio_rows(directory, nbytes)
+            for m in measured:
+                m.name = f"fio [{label}]"
+            return measured
+
+        runs = [fio, *(lambda c=c, label=label, state=state: c.run(directory, state, label) for c in contenders)]
+        for turn in range(repeat):
+            progress(f"{label}: round {turn + 1} of {repeat}")
+            for run in bench.in_turn(runs, turn):
+                rows += run()
+    return rows
+
+
+RAW_SETTINGS = {"1 MiB blocks, depth 32": (1 << 20, 32), "16 MiB blocks, depth 64": (16 << 20, 64)}
+
+
+def raw_rounds(directory: str, nbytes: int, repeat: int, skipped: dict[str, str],
+               progress: Callable[[str], None]) -> Rows:
+    """One file written (fsync counted) and read cold: fio, our ``Engine`` at its
+    default settings and at each of ``RAW_SETTINGS``, and DeepSpeed's ``aio_handle``
+    at each of them (its own page-locked tensor), where it builds."""
+    data = bench.aligned_random(nbytes)
+    rows: Rows = []
+    try:
+        handles = {label: _deepspeed_handle(*s) for label, s in RAW_SETTINGS.items()}
+    except Exception as exc:
+        skipped["DeepSpeed aio_handle"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        handles = {}
+    locked = None
+    if handles:
+        first = next(iter(handles.values()))
+        locked = first.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+        locked.copy_(torch.from_numpy(data))
+    path = os.path.join(directory, "raw.bin")
+
+    def engine(label: str, config: IOConfig | None) -> Callable[[], Rows]:
+        name = f"tensorferry Engine, {'defaults' if config is None else 'these settings'} [{label}]"
+
+        def run() -> Rows:
+            remove(path)
+            with Engine(config) as e:
+                def write() -> None:
+                    with open(path, "wb") as f:
+                        e.pwrite(data, path, 0).result()
+                        os.fsync(f.fileno())
+                rows = [bench.timed(name, "write", nbytes, write)]
+                bench.drop_cache([path])
+                rows.append(bench.timed(name, "read", nbytes,
+                                        lambda: e.pread(data, path, 0).result()))
+            remove(path)
+            return rows
+        return run
+
+    def deepspeed(label: str, handle: Any) -> Callable[[], Rows]:
+        def run() -> Rows:
+            remove(path)
+
+            def write() -> None:
+                handle.sync_pwrite(locked, path)
+                fsync_path(path)
+            rows = [bench.timed(f"DeepSpeed aio_handle [{label}]", "write", nbytes, write)]
+            bench.drop_cache([path])
+            rows.append(bench.timed(f"DeepSpeed aio_handle [{label}]", "read", nbytes,
+                                    lambda: handle.sync_pread(locked, path)))
+            remove(path)
+            return rows
+        return run
+
+    def fio(label: str, block: int, depth: int) -> Callable[[], Rows]:
+        def run() -> Rows:
+            try:
+                measured = [bench.run_fio(directory, op, nbytes, block, depth) for op in ("write", "read")]
+            finally:
+                bench.remove_fio_file(directory)
+            for m in measured:
+                m.name = f"fio [{label}]"
+            return measured
+        return run
+
+    runs = []
+    for label, (block, depth) in RAW_SETTINGS.items():
+        runs += [fio(label, block, depth), engine(label, None)]
+        runs.append(engine(label, default_config().replace(block_size=block, queue_depth=depth)))
+        if label in handles:
+            runs.append(deepspeed(label, handles[label]))
+    for turn in range(repeat):
+        progress(f"raw: round {turn + 1} of {repeat}")
+        for run in bench.in_turn(runs, turn):
+            rows += run()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--size", default="2G", help="bytes of each state and of the raw transfers")
+    parser.add_argument("--counts", default="64,4096", help="tensors per state, comma-separated")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; medians are reported")
+    parser.add_argument("--no-raw", dest="raw", action="store_false", help="leave out the raw engine rounds")
+    parser.add_argument("--json", action="store_true")
+    bench.add_results_option(parser)
+    args = parser.parse_args(argv)
+    os.makedirs(args.dir, exist_ok=True)
+    started = time.time()
+    nbytes = parse_size(args.size)
+
+    def progress(step: str) -> None:
+        print(f"[{time.time() - started:6.0f} s] {step}", file=sys.stderr, flush=True)
+
+    skipped: dict[str, str] = {}
+    states = {f"{count} arrays": make_state(nbytes, count) for count in map(int, args.counts.split(","))}
+    rows = state_rounds(args.dir, states, args.repeat, skipped, progress)
+    states.clear()
+    if args.raw:
+        rows += raw_rounds(args.dir, nbytes, args.repeat, skipped, progress)
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}", file=sys.stderr)
+    if args.results:
+        bench.save_run(args, "peers", ["python", *sys.argv], args.dir, started, measurements=rows)
+        _add_skipped(args.results, skipped)
+    print(bench.report(bench.best_of(rows), args.json))
+    return 0
+
+
+def _add_skipped(results_dir: str, skipped: dict[str, str]) -> None:
+    """Records the skipped peers in the result file just written (the newest ``peers`` run)."""
+    import glob
+    import json
+
+    path = sorted(glob.glob(os.path.join(results_dir, "*-peers.json")))[-1]
+    with open(path) as f:
+        document = json.load(f)
+    document["skipped"] = skipped
+    with open(path, "w") as f:
+        json.dump(document, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""A torch.distributed.checkpoint folder: ``.metadata`` plus the data files, written by
+torch's ``FileSystemWriter`` (``*.distcp``) or by tensorferry's ``DCPWriter``
+(safetensors shards and a manifest whose metadata lists every tensor's chunks, so
+that it is read here without torch).
+
+``.metadata`` is a pickle of torch's classes: reading a folder from torch's writer
+(or from a DCPWriter older than the chunk list) needs torch, imported only then.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import warnings
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from ..buffers import byte_view
+from ..checkpoint import MANIFEST, open_shard, read_manifest, verify_checkpoint
+from ..dtypes import to_numpy_dtype
+from ..errors import CorruptCheckpointError, TensorferryError
+from . import (OBJECT, Chunk, ChunkSource, Layout, TensorEntry, TensorSource, Verification, file_row, size_problems,
+               tensor_entry)
+
+DCP_METADATA = ".metadata"
+# The key of a DCPWriter manifest's metadata that lists the DCP items: {"tensors": {fqn:
+# {"dtype", "shape", "chunks": [[file, key, offsets, sizes], ...]}}, "objects": {fqn: [file, key]}}.
+ITEMS_KEY = "dcp_items"
+# Tensors of at most this many bytes in all are loaded by one dcp.load call.
+TORCH_BATCH_BYTES = 64 << 20
+_TORCH_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                 "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16",
+                 "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+
+
+def safetensors_name(torch_dtype: Any) -> str:
+    """The safetensors name of a torch dtype (by its name: torch need not be imported)."""
+    name = str(torch_dtype).removeprefix("torch.")
+    if name not in _TORCH_DTYPES:
+        raise CorruptCheckpointError(f"dtype {name} has no safetensors equivalent")
+    return _TORCH_DTYPES[name]
+
+
+def read_dcp_metadata(directory: str) -> Any:
+    """The unpickled ``.metadata`` (torch's ``Metadata``)."""
+    try:
+        import torch  # noqa: F401  (the pickle is of torch's classes)
+    except ImportError:
+        raise TensorferryError("reading this torch DCP checkpoint needs torch: pip install 'tensorferry[torch]'") \
+            from None
+    path = os.path.join(directory, DCP_METADATA)
+    try:
+        with open(path, "rb") as f, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return pickle.load(f)
+    except Exception as exc:  # any error unpickling means the file is unreadable
+        raise CorruptCheckpointError(f"{path}: the DCP metadata cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+def _where(stored: Any) -> str:
+    """The file of a storage_data value: torch's _StorageInfo, or an older DCPWriter's StoredItem."""
+    return stored.relative_path if hasattr(stored, "relative_path") else stored.file
+
+
+class DCPFolder(Layout):
+    kind = "torch-dcp"
+    title = "torch DCP checkpoint"
+
+    @classmethod
+    def recognise(cls, path: str) -> bool:
+        return os.path.isdir(path) and any(n == DCP_METADATA or n.endswith(".distcp") for n in os.listdir(path))
+
+    @property
+    def ours(self) -> bool:
+        """Written by tensorferry's DCPWriter (there is a manifest)."""
+        return os.path.isfile(os.path.join(self.path, MANIFEST))
+
+    def _items(self) -> tuple[list[TensorEntry], list[dict[str, Any]], list[str], Any]:
+        """Every item (tensors with their chunks, then objects), the files with their
+        problems, and torch's Metadata where it had to be read (None otherwise)."""
+        if not os.path.exists(os.path.join(self.path, DCP_METADATA)):
+            files = [file_row(self.path, n) for n in sorted(os.listdir(self.path)) if n.endswith(".distcp")]
+            return [], files, [f"no {DCP_METADATA}: DCP writes it last, so this save did not finish"], None
+        if self.ours:
+            manifest = read_manifest(self.path)
+            files = [file_row(self.path, n, e["size"]) for n, e in manifest["files"].items()]
+            problems = size_problems(files, by="the manifest")
+            items = manifest["metadata"].get(ITEMS_KEY)
+            if items is not None:
+                return _entries_from_manifest(items), files, problems, None
+            metadata = read_dcp_metadata(self.path)
+            return _entries_from_torch(metadata), files, problems, metadata
+        metadata = read_dcp_metadata(self.path)
+        extents: dict[str, int] = {}
+        for stored in metadata.storage_data.values():
+            extents[stored.relative_path] = max(extents.get(stored.relative_path, 0), stored.offset + stored.length)
+        files = [file_row(self.path, n, extents[n]) for n in sorted(extents)]
+        return _entries_from_torch(metadata), files, size_problems(files, by="the metadata", at_least=True), metadata
+
+    def describe(self) -> dict[str, Any]:
+        entries, files, problems, _ = self._items()
+        if not os.path.exists(os.path.join(self.path, DCP_METADATA)):
+            return {**self.description(entries, files, problems), "total_bytes": None}
+        ranks = sorted({int(m.group(1)) for m in (re.match(r"__(\d+)_\d+\.distcp$", f["name"]) for f in files) if m})
+        return self.description(entries, files, problems, ranks=ranks or None)
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> Verification:
+        if self.ours and os.path.exists(os.path.join(self.path, DCP_METADATA)):
+            manifest = read_manifest(self.path)
+            total = sum(entry["size"] for entry in manifest["files"].values())
+            return Verification(list(manifest["files"]), total, verify_checkpoint(self.path, progress=progress),
+                                "every checksum matches")
+        try:
+            _, files, problems, _ = self._items()
+        except CorruptCheckpointError as exc:
+            return Verification([DCP_METADATA], None, [f"{DCP_METADATA}: {exc}"], "")
+        return Verification([f["name"] for f in files], None, problems,
+                            "every file present and long enough (DCP keeps no checksums)")
+
+    def open(self, *, verify: bool = True, engine: Any = None) -> TensorSource:
+        entries, _, problems, metadata = self._items()
+        if problems:
+            raise CorruptCheckpointError(f"{self.path}: " + "; ".join(problems))
+        tensors = {e.name: e for e in entries if e.is_tensor}
+        skipped = len(entries) - len(tensors)
+        if self.ours:
+            manifest = read_manifest(self.path)
+            return ChunkSource(tensors, lambda file: open_shard(self.path, manifest, file, engine=engine,
+                                                                verify=verify), skipped=skipped, where=self.path)
+        return _TorchSource(self.path, tensors, metadata, skipped)
+
+
+def _entries_from_manifest(items: Mapping[str, Any]) -> list[TensorEntry]:
+    entries = []
+    for fqn, item in items.get("tensors", {}).items():
+        chunks = tuple(Chunk(file, key, tuple(offsets), tuple(sizes)) for file, key, offsets, sizes in item["chunks"])
+        entries.append(tensor_entry(fqn, item["dtype"], item["shape"], chunks=chunks,
+                                    more={"shards": len(chunks), "files": sorted({c.file for c in chunks})}))
+    for fqn, (file, _) in items.get("objects", {}).items():
+        entries.append(TensorEntry(fqn, OBJECT, None, None, more={"shards": 1, "files": [file]}))
+    return entries
+
+
+def _entries_from_torch(metadata: Any) -> list[TensorEntry]:
+    """The items of torch's Metadata; a tensor's chunks too where they name a shard file's
+    tensor (an older DCPWriter's StoredItem), so that the core reads them."""
+    stored_at: dict[str, list[tuple[Any, Any]]] = {}
+    for index, stored in metadata.storage_data.items():
+        stored_at.setdefault(index.fqn, []).append((index, stored))
+    entries = []
+    for fqn, item in metadata.state_dict_metadata.items():
+        places = stored_at.get(fqn, [])
+        more = {"shards": len(getattr(item, "chunks", [None])), "files": sorted({_where(s) for _, s in places})}
+        if not hasattr(item, "chunks"):  # any other object, which DCP pickles
+            entries.append(TensorEntry(fqn, OBJECT, None, None, more=more))
+            continue
+        sizes = {tuple(c.offsets): tuple(c.sizes) for c in item.chunks}
+        chunks = tuple(Chunk(s.file, s.key, tuple(i.offset), sizes[tuple(i.offset)])
+                       for i, s in places if hasattr(s, "key"))
+        entries.append(tensor_entry(fqn, safetensors_name(item.properties.dtype), item.size, more=more,
+                                    chunks=chunks))
+    return entries
+
+
+class _TorchSource(TensorSource):
+    """Tensors of a DCP folder from torch's own writer (torch.save'd items), loaded by ``dcp.load`` in batches of about ``TORCH_BATCH_BYTES``: the
+    metadata is unpickled once, not once per call (which made a conversion quadratic)."""
+
+    def __init__(self, path: str, tensors: Mapping[str, TensorEntry], metadata: Any, skipped: int) -> None:
+        super().__init__(tensors, skipped=skipped)
+        import torch.distributed.checkpoint as dcp
+
+        self._reader = dcp.FileSystemReader(path)
+        self._reader.read_metadata = lambda *args, **kwargs: metadata  # read once, above
+
+    def _read(self, names: list[str], out: dict[str, Any]) -> dict[str, np.ndarray]:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        results: dict[str, np.ndarray] = {}
+        batch: dict[str, torch.Tensor] = {}
+        batch_bytes = 0
+
+        def load() -> None:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(batch, storage_reader=self._reader, no_dist=True)
+            for name, tensor in batch.items():
+                entry = self.tensors[name]
+                raw = tensor.reshape(-1).view(torch.uint8).numpy()
+                array = raw.view(to_numpy_dtype(entry.dtype)).reshape(entry.shape)
+                if name in out:
+                    byte_view(out[name], writable=True)[...] = raw
+                    array = out[name]
+                results[name] = array
+            batch.clear()
+
+        for name in names:
+            entry = self.tensors[name]
+            batch[name] = torch.empty(entry.shape, dtype=getattr(torch, _torch_name(entry.dtype)))
+            batch_bytes += entry.nbytes
+            if batch_bytes >= TORCH_BATCH_BYTES:
+                load()
+                batch_bytes = 0
+        if batch:
+            load()
+        return {n: results[n] for n in names}
+
+
+def _torch_name(dtype: str) -> str:
+    return next(name for name, st in _TORCH_DTYPES.items() if st == dtype)
+
+
+__all__ = ["DCPFolder", "DCP_METADATA", "ITEMS_KEY", "read_dcp_metadata", "safetensors_name"]

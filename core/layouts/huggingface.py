@@ -1,0 +1,129 @@
+"""A Hugging Face model folder: safetensors shards and ``model.safetensors.index.json``
+(as ``save_pretrained`` and torch's ``HuggingFaceStorageWriter`` write them), or a
+single ``model.safetensors``."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Iterable, Mapping
+
+from ..errors import CorruptCheckpointError
+from ..schema import member_path, parse_json, read_small_file
+from ..shard import ShardInfo, ShardReader
+from . import Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row, size_problems, verify_files
+from .safetensors import entries_of, read_header, trailing_bytes
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def encode_index(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None = None) -> bytes:
+    """A ``model.safetensors.index.json`` for these shard files: where each tensor is,
+    and their total size, as transformers' ``from_pretrained`` reads it."""
+    shards = list(shards)
+    weight_map = {name: os.path.basename(s.path) for s in shards for name in s.tensors}
+    total = sum(t.nbytes for s in shards for t in s.tensors.values())
+    return json.dumps({"metadata": {"total_size": total, **(metadata or {})}, "weight_map": weight_map},
+                      indent=2).encode()
+
+
+def _index_of(path: str) -> str | None:
+    """The index file of a folder (or the index file given), None for a lone model.safetensors."""
+    if os.path.isfile(path):
+        return path
+    indexes = sorted(n for n in os.listdir(path) if n.endswith(INDEX_SUFFIX))
+    if INDEX in indexes:
+        return os.path.join(path, INDEX)
+    return os.path.join(path, indexes[0]) if indexes else None
+
+
+class HuggingFaceFolder(Layout):
+    kind = "huggingface"
+    title = "Hugging Face model folder"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.directory = (os.path.dirname(path) or ".") if os.path.isfile(path) else path
+
+    @classmethod
+    def recognise(cls, path: str) -> bool:
+        if os.path.isfile(path):
+            return path.endswith(INDEX_SUFFIX)
+        if not os.path.isdir(path):
+            return False
+        names = os.listdir(path)
+        return any(n.endswith(INDEX_SUFFIX) for n in names) or (
+            SINGLE in names and sum(n.endswith(".safetensors") for n in names) == 1)
+
+    def _index(self) -> tuple[dict[str, str], dict[str, Any]]:
+        """The weight map (tensor name: file, each file checked to lie in the folder) and the index's metadata."""
+        index_path = _index_of(self.path)
+        if index_path is None:
+            with read_header(os.path.join(self.directory, SINGLE)) as reader:
+                return dict.fromkeys(reader.tensors, SINGLE), {}
+        index = parse_json(read_small_file(index_path), "index", index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CorruptCheckpointError(f"{index_path} has no weight_map of tensor names to files")
+        for file in set(weight_map.values()):
+            member_path(self.directory, file)
+        metadata = index.get("metadata")
+        return weight_map, metadata if isinstance(metadata, dict) else {}
+
+    def _files(self, weight_map: Mapping[str, str]) -> list[str]:
+        return sorted(set(weight_map.values()))
+
+    def _reader(self, file: str, engine: Any = None, verify: bool = False) -> ShardReader:
+        return read_header(os.fspath(member_path(self.directory, file)), engine, verify)
+
+    def _survey(self) -> tuple[list[TensorEntry], list[dict[str, Any]], list[str], dict[str, str]]:
+        """Every tensor the index names, found in its file: entries, files, problems, and
+        the files' own metadata (the same in every shard, as ``save_pretrained`` writes it)."""
+        weight_map, _ = self._index()
+        files = [file_row(self.directory, f) for f in self._files(weight_map)]
+        problems = size_problems(files)
+        entries: dict[str, TensorEntry] = {}
+        file_metadata: dict[str, str] = {}
+        for f in files:
+            if f["size"] is None:
+                continue
+            try:
+                with self._reader(f["name"]) as reader:
+                    entries.update((e.name, e) for e in entries_of(reader, f["name"]))
+                    problems += trailing_bytes(reader, f["name"])
+                    file_metadata.update(reader.metadata)
+            except CorruptCheckpointError as exc:
+                problems.append(f"{f['name']}: {exc}")
+        for name, file in weight_map.items():
+            entry = entries.get(name)
+            if entry is None or entry.file != file:
+                present = any(p.startswith(f"{file}:") for p in problems)
+                if not present:
+                    problems.append(f"{file}: holds no tensor {name!r}, which the index places there")
+        found = [entries[n] for n in weight_map if n in entries and entries[n].file == weight_map[n]]
+        return found, files, problems, file_metadata
+
+    def describe(self) -> dict[str, Any]:
+        entries, files, problems, file_metadata = self._survey()
+        _, metadata = self._index()
+        return self.description(entries, files, problems, {**metadata, **file_metadata},
+                                index=None if _index_of(self.path) is None else os.path.basename(_index_of(self.path)))
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> Verification:
+        try:
+            _, _, problems, _ = self._survey()
+        except CorruptCheckpointError as exc:
+            return Verification([os.path.basename(_index_of(self.path) or SINGLE)], None, [str(exc)], "")
+        weight_map, _ = self._index()
+        found = verify_files(self.directory, self._files(weight_map), progress,
+                             lambda file: self._reader(file, verify=True))
+        return Verification(found.files, found.nbytes, list(dict.fromkeys(problems + found.problems)), found.checked)
+
+    def open(self, *, verify: bool = True, engine: Any = None) -> TensorSource:
+        entries, _, problems, file_metadata = self._survey()
+        if problems:
+            raise CorruptCheckpointError(f"{self.path}: " + "; ".join(problems))
+        return ShardSource({e.name: e for e in entries}, lambda file: self._reader(file, engine, verify),
+                           file_metadata)

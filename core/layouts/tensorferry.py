@@ -1,0 +1,59 @@
+"""A tensorferry checkpoint: safetensors shard files and the manifest ``tensorferry.json``."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Callable
+
+from ..checkpoint import MANIFEST, open_shard, read_manifest, verify_checkpoint
+from ..errors import CorruptCheckpointError
+from . import Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row, size_problems
+
+_PLACEMENT = ("dtype", "shape", "data_offsets")
+
+
+class TensorferryCheckpoint(Layout):
+    kind = "tensorferry"
+    title = "tensorferry checkpoint"
+
+    @classmethod
+    def recognise(cls, path: str) -> bool:
+        return os.path.isfile(os.path.join(path, MANIFEST))
+
+    def _entries(self, manifest: dict[str, Any]) -> list[TensorEntry]:
+        entries = []
+        for name, entry in manifest["tensors"].items():
+            begin, end = entry["data_offsets"]
+            more = {k: v for k, v in entry.items() if k not in _PLACEMENT and k != "file"}
+            entries.append(TensorEntry(name, entry["dtype"], tuple(entry["shape"]), end - begin, entry["file"], more))
+        return entries
+
+    def describe(self) -> dict[str, Any]:
+        manifest = read_manifest(self.path)
+        files = [{**file_row(self.path, name, entry["size"]), "checksum": entry["checksum"]}
+                 for name, entry in manifest["files"].items()]
+        problems = size_problems(files, by="the manifest")
+        committed = manifest.get("committed_at")
+        return self.description(
+            self._entries(manifest), files, problems, manifest.get("metadata", {}),
+            format_version=manifest.get("format_version"),
+            committed_at=None if committed is None else datetime.datetime.fromtimestamp(
+                committed, datetime.timezone.utc).isoformat(timespec="seconds"),
+            checksum_algorithm=manifest.get("checksum_algorithm"),
+            other_files=sorted(set(os.listdir(self.path)) - set(manifest["files"]) - {MANIFEST}))
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> Verification:
+        try:
+            manifest = read_manifest(self.path)
+        except CorruptCheckpointError as exc:
+            return Verification([MANIFEST], None, [f"{MANIFEST}: {exc}"], "")
+        total = sum(entry["size"] for entry in manifest["files"].values())
+        problems = verify_checkpoint(self.path, progress=progress)
+        return Verification(list(manifest["files"]), total, problems, "every checksum matches")
+
+    def open(self, *, verify: bool = True, engine: Any = None) -> TensorSource:
+        manifest = read_manifest(self.path)
+        return ShardSource({e.name: e for e in self._entries(manifest)},
+                           lambda file: open_shard(self.path, manifest, file, engine=engine, verify=verify),
+                           manifest.get("metadata", {}))

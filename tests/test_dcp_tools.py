@@ -1,0 +1,150 @@
+"""DCPWriter checkpoints meet torch's own tools: nothing of tensorferry is pickled, torch's
+readers stop with an error that says what the folder is, and the folder reads without
+tensorferry from the safetensors files and the manifest."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
+
+import tensorferry  # noqa: E402
+from tensorferry import layouts  # noqa: E402
+from tensorferry.adapters.pytorch import DCPReader, DCPWriter  # noqa: E402
+from tensorferry.adapters.pytorch.dcp import StoredItem  # noqa: E402
+from tensorferry.checkpoint import encode_manifest, write_durably  # noqa: E402
+
+STATE = {"model": {"w": torch.randn(33, 7), "b": torch.arange(5, dtype=torch.int64),
+                   "h": torch.randn(4, 4).to(torch.bfloat16)}, "step": 3, "note": "text"}
+
+
+def save(path: Path, state: dict, writer: str = "tensorferry") -> None:
+    storage = DCPWriter(path) if writer == "tensorferry" else dcp.FileSystemWriter(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it runs without a process group
+        dcp.save(state, storage_writer=storage)
+
+
+def fresh(state: dict) -> dict:
+    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": 0, "note": ""}
+
+
+def _load(state: dict, **kw) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, **kw)
+
+
+@pytest.fixture
+def ours(tmp_path: Path) -> Path:
+    save(tmp_path / "ckpt", STATE)
+    return tmp_path / "ckpt"
+
+
+def test_torchs_readers_say_it_is_a_tensorferry_checkpoint(ours: Path, tmp_path: Path) -> None:
+    for attempt in (lambda: _load(fresh(STATE), storage_reader=dcp.FileSystemReader(str(ours))),
+                    lambda: _load(fresh(STATE), checkpoint_id=str(ours)),
+                    lambda: dcp_to_torch_save(str(ours), str(tmp_path / "out.pt"))):
+        with pytest.raises(BaseException) as caught:  # DCP raises CheckpointException, a BaseException
+            attempt()
+        message = str(caught.value)
+        assert "this is a tensorferry checkpoint" in message and "DCPReader" in message, message
+        assert "AttributeError" not in message and "StoredItem" not in message
+    loaded = fresh(STATE)
+    _load(loaded, storage_reader=DCPReader(ours))
+    assert all(torch.equal(loaded["model"][k], v) for k, v in STATE["model"].items())
+    assert (loaded["step"], loaded["note"]) == (3, "text")
+    info = layouts.describe(ours)  # listed from the manifest, .metadata not unpickled
+    assert info["format"] == "torch-dcp" and info["complete"]
+    rows = {t["name"]: (t["dtype"], t["shape"]) for t in info["tensors"]}
+    assert rows == {"model.w": ("F32", [33, 7]), "model.b": ("I64", [5]), "model.h": ("BF16", [4, 4]),
+                    "step": ("object", None), "note": ("object", None)}
+
+
+READ_WITHOUT_TENSORFERRY = """
+import json, pickle, sys
+sys.modules["tensorferry"] = None  # any import of it fails
+import torch
+from safetensors import safe_open
+folder = sys.argv[1]
+with open(folder + "/.metadata", "rb") as f:
+    metadata = pickle.load(f)
+assert {type(s).__module__ for s in metadata.storage_data.values()} == {"torch.distributed.checkpoint.filesystem"}
+manifest = json.load(open(folder + "/tensorferry.json"))
+out = {}
+for fqn, item in manifest["metadata"]["dcp_items"]["tensors"].items():
+    full = None
+    for file, key, offsets, sizes in item["chunks"]:
+        with safe_open(folder + "/" + file, "pt") as f:
+            chunk = f.get_tensor(key)
+        full = torch.empty(item["shape"], dtype=chunk.dtype) if full is None else full
+        full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = chunk
+    out[fqn] = full
+torch.save(out, sys.argv[2])
+print(sorted(metadata.state_dict_metadata))
+"""
+
+
+def test_the_folder_reads_where_tensorferry_is_not_installed(ours: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", READ_WITHOUT_TENSORFERRY, str(ours), str(tmp_path / "out.pt")],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "model.w" in result.stdout and "step" in result.stdout
+    out = torch.load(tmp_path / "out.pt")
+    assert set(out) == {"model.w", "model.b", "model.h"}
+    assert all(torch.equal(out[f"model.{k}"], v) for k, v in STATE["model"].items())
+
+
+def test_a_checkpoint_of_an_older_dcpwriter_still_loads(ours: Path) -> None:
+    """Before issue 20, .metadata held tensorferry's StoredItem and the manifest no item list."""
+    with open(ours / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    manifest = tensorferry.read_manifest(ours)
+    items = manifest["metadata"].pop("dcp_items")
+    places = {(fqn, None): (file, key) for fqn, (file, key) in items["objects"].items()}
+    for fqn, entry in items["tensors"].items():
+        places.update(((fqn, tuple(o)), (file, key)) for file, key, o, _ in entry["chunks"])
+    metadata.storage_data = {i: StoredItem(*places[(i.fqn, None if i.offset is None else tuple(i.offset))])
+                             for i in metadata.storage_data}
+    write_durably(str(ours / ".metadata"), pickle.dumps(metadata))
+    shards = []
+    for name in manifest["files"]:
+        with tensorferry.ShardReader(ours / name, verify=False) as reader:
+            shards.append(reader.shard_info())
+    write_durably(str(ours / "tensorferry.json"), encode_manifest(shards, manifest["metadata"]))
+    loaded = fresh(STATE)
+    _load(loaded, storage_reader=DCPReader(ours))
+    assert all(torch.equal(loaded["model"][k], v) for k, v in STATE["model"].items())
+    with layouts.open_layout(ours) as source:  # the layout reads it too (torch unpickles .metadata)
+        assert torch.equal(torch.from_numpy(source.read(["model.w"])["model.w"]), STATE["model"]["w"])
+
+
+@pytest.mark.parametrize("writer", ["tensorferry", "torch"])
+def test_convert_reads_dcp_in_batches_not_once_per_tensor(tmp_path: Path, writer: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """2,000 tensors: the source is set up once and read in a few batches, so the work grows
+    with the tensors, not with their square (it unpickled .metadata once per tensor)."""
+    state = {f"layer{i}.weight": torch.full((16,), float(i)) for i in range(2000)}
+    save(tmp_path / "dcp", state, writer)
+    unpickled, loads = [], []
+    real_pickle_load, real_dcp_load = layouts.dcp.pickle.load, dcp.load
+    monkeypatch.setattr(layouts.dcp.pickle, "load", lambda f: unpickled.append(1) or real_pickle_load(f))
+    monkeypatch.setattr(dcp, "load", lambda *a, **kw: loads.append(1) or real_dcp_load(*a, **kw))
+    from tensorferry.cli import main
+    assert main(["convert", str(tmp_path / "dcp"), str(tmp_path / "out.safetensors"), "--to", "safetensors",
+                 "-q"]) == 0
+    assert len(unpickled) <= (0 if writer == "tensorferry" else 2)  # ours needs no pickle at all
+    assert len(loads) == (0 if writer == "tensorferry" else 1)  # 2,000 x 64 bytes: one batch
+    from safetensors.torch import load_file
+    out = load_file(str(tmp_path / "out.safetensors"))
+    assert len(out) == 2000 and all(torch.equal(out[n], t) for n, t in state.items())

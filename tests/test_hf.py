@@ -1,0 +1,126 @@
+"""Hugging Face folders both ways, with real files: transformers' save_pretrained and
+torch's HuggingFaceStorageWriter read by tensorferry; tensorferry's torch checkpoints
+and files opened by transformers' from_pretrained. Models are built from configs:
+nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import tensorferry  # noqa: E402
+from tensorferry import layouts  # noqa: E402
+from tensorferry.adapters import pytorch as tf_torch  # noqa: E402
+
+
+def tiny_llama(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def cli(*args: object, expect: int = 0) -> dict:
+    result = subprocess.run([sys.executable, "-m", "tensorferry.cli", *map(str, args), "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == expect, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_save_pretrained_folders_load(tmp_path: Path, dtype: torch.dtype) -> None:
+    model = tiny_llama(dtype)
+    model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+    expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or
+                not model.config.tie_word_embeddings}
+    loaded = tf_torch.load(tmp_path / "hf")
+    assert same_tensors(loaded, expected)
+    assert same_tensors(tf_torch.load(tmp_path / "hf" / "model.safetensors.index.json"), expected)
+    arrays = tensorferry.load_checkpoint(tmp_path / "hf", ["model.norm.weight"])  # the core's loader too
+    assert arrays["model.norm.weight"].tobytes() == expected["model.norm.weight"].view(torch.uint8).numpy().tobytes()
+
+    info = cli("inspect", tmp_path / "hf")
+    assert info["format"] == "huggingface" and info["complete"] and len(info["tensors"]) == len(expected)
+    assert info["metadata"]["format"] == "pt" and info["metadata"]["total_size"] > 0
+    verified = cli("verify", tmp_path / "hf")
+    assert verified["ok"] and verified["files"] == len(list((tmp_path / "hf").glob("*.safetensors")))
+    cli("convert", tmp_path / "hf", tmp_path / "ckpt", "--to", "tensorferry", "--shard-size", "1M")
+    assert same_tensors(tf_torch.load_checkpoint(tmp_path / "ckpt"), expected)
+    assert tensorferry.read_manifest(tmp_path / "ckpt")["metadata"] == {"format": "pt"}
+
+
+def test_a_damaged_hf_folder_is_reported(tmp_path: Path) -> None:
+    tiny_llama().save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    victim = sorted((tmp_path / "hf").glob("*.safetensors"))[1]
+    victim.unlink()
+    info = cli("inspect", tmp_path / "hf", expect=1)
+    assert not info["complete"] and any(victim.name in p for p in info["problems"])
+    assert cli("verify", tmp_path / "hf", expect=1)["bad_files"] == [victim.name]
+    with pytest.raises(tensorferry.CorruptCheckpointError, match=victim.name):
+        tf_torch.load(tmp_path / "hf")
+
+
+def test_torchs_huggingface_storage_writer_folders_load(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    import torch.distributed.checkpoint as dcp
+
+    state = {f"layer{i}.weight": torch.randn(8, 4) for i in range(6)}
+    state["embed"] = torch.randn(16, 4).to(torch.bfloat16)
+    mapping = {name: 1 + i % 2 for i, name in enumerate(state)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp_path / "hf"), fqn_to_index_mapping=mapping))
+    assert layouts.detect(tmp_path / "hf").kind == "huggingface"
+    assert same_tensors(tf_torch.load(tmp_path / "hf"), state)
+    assert cli("verify", tmp_path / "hf")["ok"]
+
+
+def test_from_pretrained_opens_what_tensorferry_writes(tmp_path: Path) -> None:
+    model = tiny_llama()
+    expected = model.state_dict()
+    folder = tmp_path / "ckpt"
+    tf_torch.save_checkpoint(folder, model.state_dict(), max_shard_bytes=100_000)
+    model.config.save_pretrained(folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {p.name for p in folder.glob("*.safetensors")}
+    assert len(index["weight_map"]) > 1 and cli("verify", folder)["ok"]
+    from safetensors import safe_open
+    for shard in folder.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            assert f.metadata()["format"] == "pt"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert same_tensors(reloaded.state_dict(), expected)
+
+    single = tmp_path / "single"
+    single.mkdir()
+    tf_torch.save(model.state_dict(), single / "model.safetensors")
+    model.config.save_pretrained(single)
+    assert same_tensors(transformers.AutoModelForCausalLM.from_pretrained(single).state_dict(), expected)
+
+
+def test_convert_keeps_a_files_own_metadata_keys_where_they_were(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+    from safetensors import safe_open
+
+    save_file({"w": torch.ones(3)}, str(tmp_path / "a.safetensors"), metadata={"format": "pt", "note": "x"})
+    cli("convert", tmp_path / "a.safetensors", tmp_path / "ckpt", "--to", "tensorferry")
+    assert tensorferry.read_manifest(tmp_path / "ckpt")["metadata"] == {"format": "pt", "note": "x"}
+    cli("convert", tmp_path / "ckpt", tmp_path / "b.safetensors", "--to", "safetensors")
+    with safe_open(str(tmp_path / "b.safetensors"), "pt") as f:
+        metadata = f.metadata()
+    own = {k: v for k, v in metadata.items() if not k.startswith("tensorferry.")}  # besides the checksums
+    assert own == {"format": "pt", "note": "x"}

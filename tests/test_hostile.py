@@ -1,0 +1,426 @@
+"""Hostile and damaged input: names that lead out of a checkpoint, files that are not
+files, malformed manifests and headers. Every outcome is the data or a typed error."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import tensorferry
+from tensorferry.errors import CorruptCheckpointError, TensorferryError
+from tensorferry.schema import check_name, member_path, parse_json, read_small_file
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> str:
+    path = str(tmp_path / "ckpt")
+    tensorferry.save_checkpoint(path, {"a": np.arange(6, dtype=np.float32).reshape(2, 3),
+                                       "b": np.ones(4, np.int64)}, {"step": 3})
+    return path
+
+
+@pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/b", "..", ".", "", "x\0y", "n" * 256, 7, None])
+def test_member_path_refuses_names_that_are_not_plain(tmp_path, name) -> None:
+    with pytest.raises(CorruptCheckpointError, match=str(tmp_path)):
+        member_path(tmp_path, name)
+    with pytest.raises(CorruptCheckpointError):
+        check_name("where", name)
+
+
+def test_member_path_refuses_a_link_leading_out(tmp_path) -> None:
+    inside = tmp_path / "ckpt"
+    inside.mkdir()
+    (tmp_path / "outside").write_bytes(b"secret")
+    (inside / "shard").symlink_to(tmp_path / "outside")
+    (inside / "real").write_bytes(b"x")
+    (inside / "alias").symlink_to("real")
+    with pytest.raises(CorruptCheckpointError, match="leading out"):
+        member_path(inside, "shard")
+    assert member_path(inside, "shard", links_may_leave=True) == inside / "shard"
+    assert member_path(inside, "alias") == inside / "alias"
+    assert member_path(inside, "n" * 255) == inside / ("n" * 255)
+
+
+def test_read_small_file_opens_only_regular_files_of_bounded_size(tmp_path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(CorruptCheckpointError, match="FIFO"):
+        read_small_file(fifo)  # returns at once: the open does not wait for a writer
+    with pytest.raises(CorruptCheckpointError, match="character device"):
+        read_small_file("/dev/zero")
+    with pytest.raises(CorruptCheckpointError, match="directory"):
+        read_small_file(tmp_path)
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 100)
+    with pytest.raises(CorruptCheckpointError, match="100 bytes"):
+        read_small_file(big, limit=99)
+    assert read_small_file(big, limit=100) == b"x" * 100
+    with pytest.raises(FileNotFoundError):
+        read_small_file(tmp_path / "missing")
+
+
+def test_parse_json_types_every_failure(tmp_path) -> None:
+    for bad in [b"[" * 100_000 + b"]" * 100_000, b"{", b"\xff\xfe", b""]:
+        with pytest.raises(CorruptCheckpointError, match="manifest"):
+            parse_json(bad, "manifest", tmp_path / "m")
+    assert parse_json(b'{"a": [1]}', "manifest", "m") == {"a": [1]}
+
+
+def _edit_manifest(directory: str, edit) -> None:
+    """Changes a manifest as a hostile writer would: the result is well-formed, with
+    its checksum (if the format has one) made anew."""
+    from tensorferry.checkpoint import MANIFEST, seal_manifest, unseal_manifest
+    path = os.path.join(directory, MANIFEST)
+    with open(path, "rb") as f:
+        manifest = json.loads(unseal_manifest(f.read()))
+    edit(manifest)
+    with open(path, "wb") as f:
+        f.write(seal_manifest(json.dumps(manifest, separators=(",", ":")).encode()))
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/abs/outside.safetensors", "sub/x"])
+def test_a_manifest_naming_a_file_outside_is_refused(checkpoint, tmp_path, name) -> None:
+    outside = tmp_path / "outside.safetensors"
+    with tensorferry.ShardWriter(outside) as w:
+        w.add("a", np.zeros((2, 3), np.float32))
+
+    def point_outside(manifest):
+        (old,) = manifest["files"]
+        manifest["files"][name] = manifest["files"].pop(old)
+        for entry in manifest["tensors"].values():
+            entry["file"] = name
+
+    _edit_manifest(checkpoint, point_outside)
+    with pytest.raises(CorruptCheckpointError, match="plain file"):
+        tensorferry.load_checkpoint(checkpoint)
+    with pytest.raises(CorruptCheckpointError, match="plain file"):
+        tensorferry.verify_checkpoint(checkpoint)
+
+
+def test_a_shard_linked_outside_is_refused(checkpoint, tmp_path) -> None:
+    (shard,) = [n for n in os.listdir(checkpoint) if n.endswith(".safetensors")]
+    moved = tmp_path / "moved.safetensors"
+    os.rename(os.path.join(checkpoint, shard), moved)
+    os.symlink(moved, os.path.join(checkpoint, shard))
+    with pytest.raises(CorruptCheckpointError, match="leading out"):
+        tensorferry.load_checkpoint(checkpoint)
+    assert any("leading out" in p for p in tensorferry.verify_checkpoint(checkpoint))
+
+
+def test_a_fifo_in_place_of_a_shard_or_manifest_fails_at_once(checkpoint) -> None:
+    (shard,) = [n for n in os.listdir(checkpoint) if n.endswith(".safetensors")]
+    os.unlink(os.path.join(checkpoint, shard))
+    os.mkfifo(os.path.join(checkpoint, shard))
+    outcome: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            tensorferry.load_checkpoint(checkpoint)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "a FIFO in place of a shard hangs the load"
+    assert isinstance(outcome[0], TensorferryError), outcome
+    os.unlink(os.path.join(checkpoint, tensorferry.checkpoint.MANIFEST))
+    os.mkfifo(os.path.join(checkpoint, tensorferry.checkpoint.MANIFEST))
+    with pytest.raises(CorruptCheckpointError, match="FIFO"):
+        tensorferry.read_manifest(checkpoint)
+
+
+def test_a_manifest_linked_to_dev_zero_is_refused(checkpoint) -> None:
+    manifest = os.path.join(checkpoint, tensorferry.checkpoint.MANIFEST)
+    os.unlink(manifest)
+    os.symlink("/dev/zero", manifest)
+    with pytest.raises(CorruptCheckpointError, match="character device"):
+        tensorferry.load_checkpoint(checkpoint)
+
+
+def test_any_flipped_byte_of_a_manifest_is_detected(checkpoint) -> None:
+    path = os.path.join(checkpoint, tensorferry.checkpoint.MANIFEST)
+    with open(path, "rb") as f:
+        original = f.read()
+    for at in range(0, len(original), 7):
+        damaged = bytearray(original)
+        damaged[at] ^= 0x04
+        with open(path, "wb") as f:
+            f.write(damaged)
+        with pytest.raises(CorruptCheckpointError):
+            tensorferry.read_manifest(checkpoint)
+    with open(path, "wb") as f:
+        f.write(original)
+    assert tensorferry.verify_checkpoint(checkpoint) == []
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["files"][next(iter(m["files"]))].update(size=str(m["files"][next(iter(m["files"]))]["size"])),
+     "integer size"),
+    (lambda m: m["files"].update({"x": 5}), "integer size"),
+    (lambda m: m.update(files=[]), "files"),
+    (lambda m: m.update(tensors={"a": []}), "not an object"),
+    (lambda m: m["tensors"]["a"].update(shape=[1] * 65), "invalid shape"),
+    (lambda m: m["tensors"]["a"].update(file="elsewhere"), "does not list"),
+    (lambda m: m["tensors"]["a"].update(dtype="I32"), "disagree"),
+    (lambda m: m["tensors"].update(c=dict(m["tensors"]["a"])), "does not hold"),
+    (lambda m: m["tensors"].pop("b"), "does not list"),
+    (lambda m: m.update(format_version="2"), "format_version"),
+    (lambda m: m.update(metadata=[1]), "metadata"),
+])
+def test_a_malformed_manifest_is_refused_by_load_and_verify_alike(checkpoint, edit, message) -> None:
+    _edit_manifest(checkpoint, edit)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        tensorferry.load_checkpoint(checkpoint)
+        problems = tensorferry.verify_checkpoint(checkpoint)
+        raise CorruptCheckpointError("; ".join(problems))
+    try:
+        problems = tensorferry.verify_checkpoint(checkpoint)
+    except CorruptCheckpointError as exc:
+        problems = [str(exc)]
+    assert problems and message in " ".join(problems)
+
+
+torch = pytest.importorskip("torch")
+
+
+def _rewrite_header(path: str, edit) -> None:
+    """Edits a file's header JSON in place (same length), as damage would."""
+    with open(path, "r+b") as f:
+        (n,) = np.frombuffer(f.read(8), "<u8")
+        header = f.read(int(n))
+        changed = edit(header)
+        assert len(changed) == len(header)
+        f.seek(8)
+        f.write(changed)
+
+
+def test_a_single_file_header_is_covered_by_its_checksum(tmp_path) -> None:
+    from tensorferry.adapters.pytorch import load, save
+    path = str(tmp_path / "state.tf")
+    save({"w": torch.tensor([1.0, 2.0]), "step": 5}, path)
+    assert load(path)["step"] == 5
+    cases = [lambda h: h.replace(b'"F32"', b'"I32"'),  # the flipped byte of issue 25: wrong data, silently
+             lambda h: h.replace(b"tensorferry.structure", b"tensorferry.structurf"),
+             lambda h: h.replace(b"tensorferry.checksums", b"tensorferry_checksums"),
+             lambda h: h.replace(b"tensorferry.header_checksum", b"tensorferry_header_checksum"),
+             lambda h: h[:-1] + b"x"]  # the padding
+    with open(path, "rb") as f:
+        original = f.read()
+    for edit in cases:
+        _rewrite_header(path, edit)
+        with pytest.raises(CorruptCheckpointError, match="checksum"):
+            load(path)
+        with open(path, "wb") as f:
+            f.write(original)
+
+
+def test_a_plain_safetensors_file_still_loads(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from tensorferry.adapters.pytorch import load
+    save_file({"w": torch.arange(3.0)}, str(tmp_path / "plain.safetensors"))
+    assert torch.equal(load(tmp_path / "plain.safetensors")["w"], torch.arange(3.0))
+
+
+def test_structure_depth_is_bounded_on_save_and_load(tmp_path) -> None:
+    from tensorferry.adapters.pytorch import load, save
+    from tensorferry.schema import MAX_STRUCTURE_DEPTH
+
+    def nested(levels: int) -> dict:
+        obj: dict = {"leaf": torch.ones(1)}
+        for _ in range(levels - 2):
+            obj = {"x": obj}
+        return obj
+
+    path = str(tmp_path / "deep.tf")
+    save(nested(MAX_STRUCTURE_DEPTH), path)
+    out = load(path)
+    for _ in range(MAX_STRUCTURE_DEPTH - 2):
+        out = out["x"]
+    assert torch.equal(out["leaf"], torch.ones(1))
+    with pytest.raises(ValueError, match="nests more than"):
+        save(nested(MAX_STRUCTURE_DEPTH + 1), path)
+
+
+# --- the overwrite protocol, killed at each of its steps -----------------------------
+
+_KILL_AT_STEP = r"""
+import os, shutil, sys
+import numpy as np
+import tensorferry
+from tensorferry import checkpoint
+
+root, step, atomic = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "exchange"
+done = 0
+
+def dies_after(fn):
+    def step_then_maybe_die(*args, **kwargs):
+        global done
+        result = fn(*args, **kwargs)
+        done += 1
+        if done == step:
+            os._exit(9)
+        return result
+    return step_then_maybe_die
+
+if not atomic:
+    checkpoint.exchange = lambda a, b: False  # as on a filesystem without RENAME_EXCHANGE
+for name in ("write_durably", "fsync_dir", "exchange", "fsync_after_commit"):
+    setattr(checkpoint, name, dies_after(getattr(checkpoint, name)))
+os.rename = dies_after(os.rename)
+shutil.rmtree = dies_after(shutil.rmtree)
+tensorferry.save_checkpoint(os.path.join(root, "step_1"), {"x": np.full(1000, 2.0)}, overwrite=True)
+"""
+
+
+@pytest.mark.parametrize("protocol", ["exchange", "two renames"])
+def test_an_overwrite_killed_at_any_step_leaves_a_complete_checkpoint(tmp_path, protocol) -> None:
+    import subprocess
+    import sys
+    root = str(tmp_path)
+    for step in range(1, 12):
+        shutil_rm = [os.path.join(root, n) for n in os.listdir(root)]
+        for path in shutil_rm:
+            __import__("shutil").rmtree(path)
+        tensorferry.save_checkpoint(os.path.join(root, "step_1"), {"x": np.full(1000, 1.0)})
+        run = subprocess.run([sys.executable, "-c", _KILL_AT_STEP, root, str(step), protocol],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode in (0, 9), run.stderr
+        latest = tensorferry.latest_checkpoint(root)
+        assert latest is not None, f"killed after step {step}: no checkpoint found"
+        value = tensorferry.load_checkpoint(os.path.join(root, "step_1"))["x"]
+        assert value.shape == (1000,) and len(set(value.tolist())) == 1 and value[0] in (1.0, 2.0)
+        assert tensorferry.verify_checkpoint(latest) == []
+        tensorferry.prune_checkpoints(root, keep_last=1, remove_unfinished=True)
+        again = tensorferry.load_checkpoint(tensorferry.latest_checkpoint(root))["x"]
+        assert np.array_equal(again, value), f"killed after step {step}: pruning lost the checkpoint"
+        tensorferry.save_checkpoint(os.path.join(root, "step_1"), {"x": np.full(1000, 3.0)}, overwrite=True)
+        assert os.listdir(root) == ["step_1"], f"killed after step {step}: leftovers {os.listdir(root)}"
+        if run.returncode == 0:
+            assert step > 3, "the protocol has at least four steps"
+            return
+    pytest.fail("the save was killed at every step tried: more steps than expected")
+
+
+def test_a_damaged_sibling_is_skipped_with_a_warning(tmp_path) -> None:
+    from tensorferry.errors import CheckpointSkippedWarning
+    for step in (1, 2):
+        tensorferry.save_checkpoint(tmp_path / f"step_{step}", {"x": np.arange(3)})
+    with open(tmp_path / "step_2" / tensorferry.checkpoint.MANIFEST, "r+b") as f:
+        f.write(b"[")
+    with pytest.warns(CheckpointSkippedWarning, match="step_2"):
+        assert tensorferry.latest_checkpoint(tmp_path) == str(tmp_path / "step_1")
+
+
+def test_stale_temporaries_go_and_live_ones_stay(tmp_path) -> None:
+    from tensorferry.adapters.pytorch import save
+    from tensorferry.temporaries import hold, release
+    target = tmp_path / "model.tf"
+    stale = tmp_path / "model.tf.tmp-dead"
+    stale.write_bytes(b"x" * 4096)  # what a killed save leaves: nobody holds it
+    live = tmp_path / "model.tf.tmp-live"
+    live.write_bytes(b"y")
+    lock = hold(str(live))  # as a save in progress holds its temporary
+    other = tmp_path / "other.tf.tmp-dead"
+    other.write_bytes(b"z")
+    try:
+        save({"w": torch.ones(2)}, target)
+        assert not stale.exists() and live.exists() and other.exists()
+        stale_dir = tmp_path / "step_5.tmp-0123"
+        stale_dir.mkdir()
+        (stale_dir / "shard-00000.safetensors").write_bytes(b"partial")
+        tensorferry.save_checkpoint(tmp_path / "step_6", {"x": np.arange(3)})
+        assert stale_dir.exists()  # another target's: left to prune
+        tensorferry.save_checkpoint(tmp_path / "step_5", {"x": np.arange(3)})
+        assert not stale_dir.exists()
+        removed = tensorferry.prune_checkpoints(tmp_path, keep_last=2, remove_unfinished=True)
+        assert removed == [str(other)] and live.exists()
+    finally:
+        release(lock)
+    assert tensorferry.prune_checkpoints(tmp_path, keep_last=2, remove_unfinished=True) == [str(live)]
+
+
+def test_a_failed_parent_fsync_after_commit_warns(tmp_path, monkeypatch) -> None:
+    from tensorferry import shard
+    from tensorferry.errors import DurabilityWarning, TensorferryIOError
+
+    def failing_fsync(path: str) -> None:
+        raise TensorferryIOError(5, "fsync of the directory failed", path)
+
+    monkeypatch.setattr(shard, "fsync_dir", failing_fsync)
+    with pytest.warns(DurabilityWarning, match="committed"):
+        path = tensorferry.save_checkpoint(tmp_path / "c", {"x": np.arange(3)})
+    assert tensorferry.verify_checkpoint(path) == []
+    with pytest.raises(TensorferryIOError) as info:
+        failing_fsync(str(tmp_path))
+    assert info.value.filename == str(tmp_path)
+
+
+def test_exchange_swaps_two_directories_in_one_step(tmp_path) -> None:
+    from tensorferry.checkpoint import exchange
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "from_a").write_bytes(b"")
+    (tmp_path / "b").mkdir()
+    assert exchange(str(tmp_path / "a"), str(tmp_path / "b")), "ext4 and tmpfs have RENAME_EXCHANGE"
+    assert os.listdir(tmp_path / "b") == ["from_a"] and os.listdir(tmp_path / "a") == []
+    with pytest.raises(FileNotFoundError):
+        exchange(str(tmp_path / "a"), str(tmp_path / "missing"))
+
+
+def test_a_failed_io_uring_enter_fails_its_requests_not_the_engine(tmp_path) -> None:
+    import errno
+
+    from tensorferry import _native
+    from tensorferry.errors import TensorferryIOError
+    if not tensorferry.engine.io_uring_probe()[0]:
+        pytest.skip("io_uring is not available here")
+    path = str(tmp_path / "data")
+    data = np.random.default_rng(0).integers(0, 255, 1 << 20, dtype=np.uint8)
+    data.tofile(path)
+    out = np.empty_like(data)
+    with tensorferry.Engine(backend="io_uring", direct=False) as engine:
+        engine.read(out, path, 0)
+        for transient in (errno.EINTR, errno.EAGAIN, errno.EBUSY, errno.ENOMEM):
+            _native._inject_uring_enter_failures(3, transient)
+            out[:] = 0
+            engine.read(out, path, 0)
+            assert np.array_equal(out, data), errno.errorcode[transient]
+        _native._inject_uring_enter_failures(1, errno.EIO)
+        with pytest.raises(TensorferryIOError) as failed:
+            engine.read(out, path, 0)
+        assert failed.value.errno == errno.EIO and failed.value.filename == path
+        out[:] = 0
+        engine.read(out, path, 0)  # the engine still works: the failure was the request's
+        assert np.array_equal(out, data)
+        _native._inject_uring_enter_failures(0, 0)
+
+
+@pytest.mark.parametrize("backend", ["threads", "io_uring"])
+def test_closed_files_hold_no_descriptors_once_their_io_is_done(tmp_path, backend) -> None:
+    """A finished request lets go of its file: load, delete, save on a nearly full disk
+    must not find the deleted checkpoint's space still pinned by open descriptors."""
+    from tensorferry.adapters.pytorch import load, save
+
+    def open_under(directory) -> list[str]:
+        names = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(str(directory)):
+                names.append(target)
+        return names
+
+    with tensorferry.Engine(backend=backend) as engine:
+        path = tensorferry.save_checkpoint(tmp_path / "c", {"x": np.ones(1 << 18)}, engine=engine)
+        tensorferry.load_checkpoint(path, engine=engine)
+        save({"w": torch.ones(1000)}, tmp_path / "f.tf", engine=engine)
+        load(tmp_path / "f.tf", engine=engine)
+        tensorferry.verify_checkpoint(path, engine=engine)
+        assert open_under(tmp_path) == []

@@ -1,0 +1,198 @@
+"""The layout registry: every layout recognised, listed, verified and read, on real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tensorferry
+from tensorferry import layouts
+from tensorferry.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+STATE = {"w": np.arange(24, dtype=np.float32).reshape(4, 6), "b": np.ones(5, ml_dtypes.bfloat16),
+         "step": np.array(7, np.int64), "mask": np.array([True, False])}
+
+
+def cli(*args: object, expect: int = 0) -> dict:
+    result = subprocess.run([sys.executable, "-m", "tensorferry.cli", *map(str, args), "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == expect, result.stderr
+    return json.loads(result.stdout)
+
+
+def same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def test_each_layout_is_recognised_and_read(tmp_path: Path) -> None:
+    import safetensors.numpy
+
+    tensorferry.save_checkpoint(tmp_path / "ckpt", STATE, metadata={"lr": 0.1})
+    single = tmp_path / "one.safetensors"
+    safetensors.numpy.save_file(STATE, str(single), metadata={"format": "np"})
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    safetensors.numpy.save_file({"w": STATE["w"]}, str(hf / "model-00001-of-00002.safetensors"),
+                                metadata={"format": "pt"})
+    safetensors.numpy.save_file({k: v for k, v in STATE.items() if k != "w"},
+                                str(hf / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": {
+        "w": "model-00001-of-00002.safetensors", **{k: "model-00002-of-00002.safetensors" for k in STATE if k != "w"}}}))
+    expected = {tmp_path / "ckpt": "tensorferry", single: "safetensors", hf: "huggingface",
+                hf / "model.safetensors.index.json": "huggingface"}
+    for path, kind in expected.items():
+        layout = layouts.detect(path)
+        assert layout.kind == kind
+        info = layouts.describe(path)
+        assert info["complete"], info["problems"]
+        assert {t["name"]: (t["dtype"], tuple(t["shape"])) for t in info["tensors"]} == {
+            n: (tensorferry.shard.to_safetensors_dtype(a.dtype), a.shape) for n, a in STATE.items()}
+        assert not layout.verify().problems
+        with layout.open() as source:
+            arrays = source.read()
+            assert all(same(arrays[n], a) for n, a in STATE.items())
+            part = source.read(["b"], out={"w": np.empty((4, 6), np.float32)})
+            assert set(part) == {"b", "w"} and same(part["w"], STATE["w"])
+            assert source.read_range("w", 8, 12).tobytes() == STATE["w"].tobytes()[8:20]
+    assert layouts.describe(single)["metadata"] == {"format": "np"}
+    assert layouts.describe(hf)["metadata"] == {"total_size": 1, "format": "pt"}
+
+
+def test_an_index_naming_a_file_outside_its_folder_is_refused(tmp_path: Path) -> None:
+    import safetensors.numpy
+
+    safetensors.numpy.save_file({"w": STATE["w"]}, str(tmp_path / "outside.safetensors"))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../outside.safetensors"}}))
+    with pytest.raises(CorruptCheckpointError):
+        layouts.open_layout(hf)
+    assert cli("verify", hf, expect=1)["ok"] is False
+
+
+def test_nothing_there_or_nothing_known(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointNotFoundError, match="no such file"):
+        layouts.detect(tmp_path / "missing")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(layouts.UnknownLayoutError, match="not a checkpoint"):
+        layouts.detect(tmp_path)
+
+
+def test_a_new_layout_is_one_class(tmp_path: Path) -> None:
+    class NpzFile(layouts.Layout):
+        kind, title = "npz", "numpy .npz file"
+
+        @classmethod
+        def recognise(cls, path: str) -> bool:
+            return path.endswith(".npz")
+
+        def open(self, *, verify: bool = True, engine=None) -> layouts.TensorSource:
+            arrays = dict(np.load(self.path))
+
+            class Source(layouts.TensorSource):
+                def _read(self, names, out):
+                    return {n: arrays[n] for n in names}
+
+            return Source({n: layouts.tensor_entry(n, tensorferry.shard.to_safetensors_dtype(a.dtype), a.shape)
+                           for n, a in arrays.items()})
+
+    np.savez(tmp_path / "x.npz", w=STATE["w"])
+    layouts.register(NpzFile, before=layouts.SafetensorsFile)
+    try:
+        with layouts.open_layout(tmp_path / "x.npz") as source:
+            assert same(source.read()["w"], STATE["w"])
+    finally:
+        layouts.LAYOUTS.remove(NpzFile)
+
+
+@pytest.fixture(scope="module")
+def orbax_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A step of an Orbax CheckpointManager with two items: one of tensorferry's handler
+    (a jax array sharded over two devices, a numpy array, a scalar) and one of Orbax's own."""
+    root = tmp_path_factory.mktemp("orbax")
+    script = f"""
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, numpy as np, orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tensorferry.adapters.jax import FerryCheckpointHandler, FerrySave
+mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+w = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(mesh, P("x")))
+state = {{"params": {{"w": w, "b": np.arange(3, dtype=np.int32)}}, "step": 5}}
+with ocp.CheckpointManager({str(root)!r}, item_names=("state", "extra"),
+                           item_handlers={{"state": FerryCheckpointHandler(),
+                                           "extra": ocp.StandardCheckpointHandler()}}) as manager:
+    manager.save(3, args=ocp.args.Composite(state=FerrySave(state),
+                                            extra=ocp.args.StandardSave({{"x": np.ones(2, np.float32)}})))
+    manager.wait_until_finished()
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=300)
+    return root / "3"
+
+
+def test_orbax_step_with_tensorferry_items(orbax_step: Path, tmp_path: Path) -> None:
+    pytest.importorskip("orbax.checkpoint")
+    info = cli("inspect", orbax_step)
+    assert info["format"] == "orbax" and info["complete"]
+    tensors = {t["name"]: t for t in info["tensors"]}
+    assert (tensors["state/['params']['w']"]["dtype"], tensors["state/['params']['w']"]["shape"]) == ("F32", [8, 4])
+    assert tensors["state/['params']['b']"]["nbytes"] == 12 and tensors["state/['step']"]["dtype"] == "object"
+    assert any(name.startswith("extra/") for name in tensors)
+    item = cli("inspect", orbax_step / "state")  # the item directory alone
+    assert item["format"] == "orbax" and item["complete"] and len(item["tensors"]) == 3
+    verified = cli("verify", orbax_step)
+    assert verified["ok"] and "1 other item(s) not checked" in verified["checked"]
+
+    cli("convert", orbax_step, tmp_path / "state.safetensors", "--to", "safetensors")
+    from safetensors.numpy import load_file
+    loaded = load_file(str(tmp_path / "state.safetensors"))
+    assert set(loaded) == {"state/['params']['w']", "state/['params']['b']"}
+    assert same(loaded["state/['params']['w']"], np.arange(32, dtype=np.float32).reshape(8, 4))
+
+    shard = next((orbax_step / "state").glob("process-0.safetensors"))
+    damaged = tmp_path / "damaged"
+    import shutil
+    shutil.copytree(orbax_step, damaged)
+    with open(damaged / "state" / shard.name, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    result = cli("verify", damaged, expect=1)
+    assert result["bad_files"] == [f"state/{shard.name}"]
+
+
+def test_torch_dcp_from_torchs_writer_reads_without_a_process_group(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.randn(10, 20), "h": torch.randn(3).to(torch.bfloat16), "step": 3}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")))
+    layout = layouts.detect(tmp_path / "dcp")
+    assert layout.kind == "torch-dcp" and not layout.verify().problems
+    with layout.open() as source:
+        assert source.skipped == 1 and set(source.tensors) == {"w", "h"}
+        arrays = source.read()
+        assert source.read_range("w", 4, 8).tobytes() == state["w"].numpy().tobytes()[4:12]
+    assert np.array_equal(arrays["w"], state["w"].numpy())
+    assert arrays["h"].view(np.int16).tobytes() == state["h"].view(torch.int16).numpy().tobytes()
+
+
+def test_an_unreadable_checkpoint_is_described_not_raised(tmp_path: Path) -> None:
+    tensorferry.save_checkpoint(tmp_path / "ckpt", STATE)
+    (tmp_path / "ckpt" / "tensorferry.json").write_text("{not json")
+    info = layouts.describe(tmp_path / "ckpt")
+    assert not info["complete"] and "not valid JSON" in info["problems"][0]
+    with pytest.raises(CorruptCheckpointError):
+        layouts.open_layout(tmp_path / "ckpt")
