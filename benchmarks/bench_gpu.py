@@ -192,6 +192,10 @@ class Run:
             ours.append(row("tensorferry load (one file)", n, loaded(file, lambda: load(file, map_location=device))))
             ours.append(row("tensorferry load (directory)", n,
                             loaded(directory, lambda: load(directory, map_location=device))))
+            with tensorferry.Engine() as engine:
+                path = "GDS" if device.type == "cuda" and engine.gds_mode == "gds" else "pinned bounce"
+                ours.append(row(f"tensorferry load (one file, verify=False: {path})", n,
+                                loaded(file, lambda: load(file, map_location=device, verify=False, engine=engine))))
             self.log("safetensors load_file")
             from safetensors.torch import load_file
             peers.append(row(f"safetensors load_file(device={str(device)!r})", n,
@@ -220,7 +224,7 @@ class Run:
         plain()  # warm
         baseline = row("state.to('cpu', non_blocking=True) into pinned memory", self.nbytes,
                        self.repeat(plain))
-        del pinned
+        pinned.clear()  # its pinned memory goes before the snapshots take theirs
         self.log("stall: DCPWriter.stage")
         staging.stage_state_dict(state)  # the pool fills (and registers) once; later saves reuse it
         snapshot = row("DCPWriter.stage (the host snapshot of dcp.async_save)", self.nbytes,
@@ -296,6 +300,8 @@ class Run:
                              else "refused (no kvikio)",
                              "checkpoints (save/load, DCP, FSDP, Orbax)":
                                  "pinned bounce: checksums are computed over host bytes as they stream",
+                             "adapters.pytorch.load(verify=False) to CUDA":
+                                 "GDS" if mode == "gds" else "pinned bounce",
                              "GDSDataset": "GDS" if mode == "gds" else "pinned copy"}}
 
     # ---- GDSDataset ---------------------------------------------------------------

@@ -76,6 +76,9 @@ COMMANDS = [
     ("peers", "python benchmarks/bench_peers.py --dir DIR --size 2G --repeat 3 --results benchmarks/results",
      "every load and save path against torch.save/load, safetensors, DCP, the Run:ai model streamer, "
      "fastsafetensors, tensorizer, DeepSpeed's `aio_handle` and FastPersist, where installed"),
+    ("hf", "python benchmarks/bench_hf.py --dir DIR --size 1G --shards 4 --repeat 3 --results benchmarks/results",
+     "`adapters.pytorch.load` of a Hugging Face folder against safetensors' `load_file` of its shards, every byte "
+     "touched"),
     ("jax", "python benchmarks/bench_jax.py --dir DIR --size 2G --repeat 3 --results benchmarks/results",
      "`FerryCheckpointHandler` (sync and async) against Orbax's `StandardCheckpointHandler`"),
     ("data_torch", "python benchmarks/bench_data_torch.py --dir DIR --size 2G --repeat 3 --results benchmarks/results",

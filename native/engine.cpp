@@ -28,7 +28,8 @@ void populate_for_write(char *ptr, uint64_t len) {
 }
 
 Request::Request(std::shared_ptr<File> file, bool is_write, uint64_t offset, uint64_t nbytes)
-    : file_(std::move(file)), is_write_(is_write), offset_(offset), nbytes_(nbytes) {}
+    : file_(std::move(file)), path_(file_ ? file_->path() : std::string()), is_write_(is_write), offset_(offset),
+      nbytes_(nbytes) {}
 
 void Request::set_task_count(int64_t n) { remaining_.fetch_add(n, std::memory_order_relaxed); }
 
@@ -52,6 +53,7 @@ bool Request::failed_before(uint64_t offset) {
 
 void Request::task_finished() {
   if (remaining_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  file_.reset();  // the descriptors close here if the caller has closed the file
   std::lock_guard<std::mutex> lock(mu_);
   finished_.store(true, std::memory_order_release);
   cv_.notify_all();

@@ -91,7 +91,11 @@ class Request {
   uint64_t nbytes() const { return nbytes_; }
   uint64_t offset() const { return offset_; }
   bool is_write() const { return is_write_; }
+  // Valid only while the request runs: a finished request lets go of its file, so
+  // that a closed file's descriptors close (and a deleted file's space is freed) at
+  // once, not when the caller drops the request.
   const File &file() const { return *file_; }
+  const std::string &path() const { return path_; }
   int error() const { return err_; }
   uint64_t error_offset() const { return err_offset_; }
   uint64_t error_length() const { return err_length_; }
@@ -99,6 +103,7 @@ class Request {
 
  private:
   std::shared_ptr<File> file_;  // keeps the descriptors open until the request ends
+  std::string path_;
   bool is_write_;
   uint64_t offset_, nbytes_;
   std::atomic<int64_t> remaining_{1};
@@ -142,6 +147,8 @@ class Backend {
 std::unique_ptr<Backend> make_thread_backend(int threads, uint64_t block_size);
 // `rings` rings, each with a thread, share `queue_depth` blocks in flight.
 std::unique_ptr<Backend> make_uring_backend(int rings, int queue_depth, uint64_t block_size);
+// Makes the next `count` io_uring_enter calls of every ring fail with `err` (tests).
+void inject_uring_enter_failures(int count, int err);
 // Whether this kernel and sandbox let us create and use an io_uring instance.
 bool uring_available(std::string *why);
 

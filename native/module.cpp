@@ -102,6 +102,9 @@ NB_MODULE(_native, m) {
       .def("close", &tf::Engine::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("backend", &tf::Engine::backend_name);
 
+  m.def("_inject_uring_enter_failures", &tf::inject_uring_enter_failures, "count"_a, "err"_a,
+        "Makes the next `count` io_uring_enter calls fail with errno `err`: for tests of the recovery.");
+
   m.def("populate", [](uintptr_t address, uint64_t nbytes) {
     tf::populate_for_write(reinterpret_cast<char *>(address), nbytes);
   }, "address"_a, "nbytes"_a, nb::call_guard<nb::gil_scoped_release>(),

@@ -335,7 +335,7 @@ class Prefetcher {
       r.wait(-1);
       if (r.failed()) {
         item.code = code_for_errno(r.error());
-        item.error = describe(r.file().path(), r.error_what(), r.error(), r.error_offset(), r.error_length());
+        item.error = describe(r.path(), r.error_what(), r.error(), r.error_offset(), r.error_length());
       }
     }
     return true;

@@ -9,7 +9,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <thread>
@@ -23,7 +25,17 @@ namespace {
 int sys_setup(unsigned entries, io_uring_params *p) {
   return static_cast<int>(syscall(__NR_io_uring_setup, entries, p));
 }
+// Failures to inject into the next io_uring_enter calls (tests of the recovery below).
+std::atomic<int> injected_enter_failures{0};
+std::atomic<int> injected_enter_errno{0};
+
 int sys_enter(int fd, unsigned to_submit, unsigned min_complete, unsigned flags) {
+  for (int left = injected_enter_failures.load(); left > 0;) {
+    if (injected_enter_failures.compare_exchange_weak(left, left - 1)) {
+      errno = injected_enter_errno.load();
+      return -1;
+    }
+  }
   return static_cast<int>(syscall(__NR_io_uring_enter, fd, to_submit, min_complete, flags, nullptr, 0));
 }
 
@@ -90,8 +102,24 @@ class Ring {
       if (errno == EINTR) continue;
       // A full completion queue: the caller reaps, then we come back.
       if (errno == EBUSY || errno == EAGAIN) return;
+      if (errno == ENOMEM) {  // the kernel short of memory for a moment: try again shortly
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        return;
+      }
       throw IOError{errno, "", "io_uring_enter"};
     }
+  }
+
+  // Takes back the entries the kernel has not consumed (after a failed enter), calling
+  // on_withdrawn with each one's user_data. Safe without SQPOLL: only io_uring_enter
+  // reads the submission queue, and it is not running.
+  template <class F>
+  void withdraw(F &&on_withdrawn) {
+    const unsigned head = __atomic_load_n(sq_head_, __ATOMIC_ACQUIRE);
+    for (unsigned i = head; i != local_tail_; ++i) on_withdrawn(sqes_[sq_array_[i & sq_mask_]].user_data);
+    local_tail_ = head;
+    unsubmitted_ = 0;
+    __atomic_store_n(sq_tail_, head, __ATOMIC_RELEASE);
   }
 
   template <class F>
@@ -295,14 +323,42 @@ class UringBackend final : public Backend {
 
   void run() {
     arm_wake();
-    try {
-      while (take_new_work()) {
+    int failures_in_a_row = 0;
+    for (;;) {
+      try {
+        if (!take_new_work()) return;
         ring_.enter(true);
+        failures_in_a_row = 0;
         ring_.reap([this](uint64_t tag, int res) { complete(tag, res); });
+      } catch (const IOError &e) {
+        // A failed io_uring_enter fails the requests whose entries it did not take, not
+        // the engine: the next ones may well go through. Only a ring that fails again
+        // and again is broken for good.
+        if (++failures_in_a_row > kMaxEnterFailures) {
+          fail_everything(e);
+          return;
+        }
+        fail_withdrawn(e);
+        std::this_thread::sleep_for(std::chrono::milliseconds(failures_in_a_row));
       }
-    } catch (const IOError &e) {
-      fail_everything(e);
     }
+  }
+
+  static constexpr int kMaxEnterFailures = 16;
+
+  void fail_withdrawn(const IOError &e) {
+    bool wake_withdrawn = false;
+    ring_.withdraw([&](uint64_t tag) {
+      if (tag == kWakeTag) {
+        wake_withdrawn = true;
+        return;
+      }
+      Slot &s = slots_[static_cast<size_t>(tag)];
+      s.task.req->fail(e.err, s.task.offset + s.done, s.task.length - s.done, e.what.c_str());
+      std::lock_guard<std::mutex> lock(mu_);
+      finish(static_cast<int>(tag));
+    });
+    if (wake_withdrawn) arm_wake();
   }
 
   // The ring itself broke (io_uring_enter failed): no task may be left hanging.
@@ -364,6 +420,11 @@ class MultiRingBackend final : public Backend {
 };
 
 }  // namespace
+
+void inject_uring_enter_failures(int count, int err) {
+  injected_enter_errno.store(err);
+  injected_enter_failures.store(count);
+}
 
 std::unique_ptr<Backend> make_uring_backend(int rings, int queue_depth, uint64_t block_size) {
   if (queue_depth < 1 || queue_depth > 4096) throw IOError{EINVAL, "", "queue_depth must be between 1 and 4096"};

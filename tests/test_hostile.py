@@ -370,3 +370,57 @@ def test_exchange_swaps_two_directories_in_one_step(tmp_path) -> None:
     assert os.listdir(tmp_path / "b") == ["from_a"] and os.listdir(tmp_path / "a") == []
     with pytest.raises(FileNotFoundError):
         exchange(str(tmp_path / "a"), str(tmp_path / "missing"))
+
+
+def test_a_failed_io_uring_enter_fails_its_requests_not_the_engine(tmp_path) -> None:
+    import errno
+
+    from tensorferry import _native
+    from tensorferry.errors import TensorferryIOError
+    if not tensorferry.engine.io_uring_probe()[0]:
+        pytest.skip("io_uring is not available here")
+    path = str(tmp_path / "data")
+    data = np.random.default_rng(0).integers(0, 255, 1 << 20, dtype=np.uint8)
+    data.tofile(path)
+    out = np.empty_like(data)
+    with tensorferry.Engine(backend="io_uring", direct=False) as engine:
+        engine.read(out, path, 0)
+        for transient in (errno.EINTR, errno.EAGAIN, errno.EBUSY, errno.ENOMEM):
+            _native._inject_uring_enter_failures(3, transient)
+            out[:] = 0
+            engine.read(out, path, 0)
+            assert np.array_equal(out, data), errno.errorcode[transient]
+        _native._inject_uring_enter_failures(1, errno.EIO)
+        with pytest.raises(TensorferryIOError) as failed:
+            engine.read(out, path, 0)
+        assert failed.value.errno == errno.EIO and failed.value.filename == path
+        out[:] = 0
+        engine.read(out, path, 0)  # the engine still works: the failure was the request's
+        assert np.array_equal(out, data)
+        _native._inject_uring_enter_failures(0, 0)
+
+
+@pytest.mark.parametrize("backend", ["threads", "io_uring"])
+def test_closed_files_hold_no_descriptors_once_their_io_is_done(tmp_path, backend) -> None:
+    """A finished request lets go of its file: load, delete, save on a nearly full disk
+    must not find the deleted checkpoint's space still pinned by open descriptors."""
+    from tensorferry.adapters.pytorch import load, save
+
+    def open_under(directory) -> list[str]:
+        names = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(str(directory)):
+                names.append(target)
+        return names
+
+    with tensorferry.Engine(backend=backend) as engine:
+        path = tensorferry.save_checkpoint(tmp_path / "c", {"x": np.ones(1 << 18)}, engine=engine)
+        tensorferry.load_checkpoint(path, engine=engine)
+        save({"w": torch.ones(1000)}, tmp_path / "f.tf", engine=engine)
+        load(tmp_path / "f.tf", engine=engine)
+        tensorferry.verify_checkpoint(path, engine=engine)
+        assert open_under(tmp_path) == []

@@ -213,8 +213,9 @@ def stage_state_dict(state_dict: Any, pool: PinnedPool | None = None) -> Any:
     for i, copy in zip(positions, snapshot(local, pool)):
         leaf = leaves[i]
         if isinstance(leaf, DTensor):
-            copy = DTensor.from_local(copy, leaf.device_mesh, leaf.placements, run_check=False,
-                                      shape=leaf.shape, stride=leaf.stride())
+            # As torch's own staging does: the same spec around a host local tensor
+            # (DTensor.from_local would move it back to the mesh's device).
+            copy = DTensor(copy, leaf._spec, requires_grad=False)
         leaves[i] = copy
     return tree_unflatten(leaves, spec)
 
@@ -225,16 +226,32 @@ def read_to_device(reader: ShardReader, names: Iterable[str], device: torch.devi
     """Reads tensors of a shard file into CUDA tensors on ``device``: each read lands in a
     pinned buffer, is checked against its checksum (if the reader verifies), and its
     copy to the device starts on a side stream while later reads (up to ``window``
-    bytes) are still in flight. Tensors named in ``out`` (CUDA tensors of the stored
-    shape and byte size) are filled in place. Returns once every copy is done."""
+    bytes) are still in flight. A reader that does not verify, on an engine whose
+    ``gds_mode`` is ``"gds"``, reads straight into device memory instead (checksums
+    need the bytes on the host). Tensors named in ``out`` (contiguous CUDA tensors of
+    the stored byte size) are filled in place. Returns once every tensor is in place."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"read_to_device reads to a CUDA device, not {device}")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    pool = pool if pool is not None else staging_pool()
     out = dict(out or {})
     names = sorted(dict.fromkeys([*names, *out]), key=lambda n: reader.info(n).begin)  # file order
+
+    def destination(name: str) -> torch.Tensor:
+        info = reader.info(name)
+        target = out.get(name)
+        if target is None:
+            return torch.empty(info.shape, dtype=FROM_SAFETENSORS[info.dtype], device=device)
+        if target.device != device or not target.is_contiguous() or \
+                target.numel() * target.element_size() != info.nbytes:
+            raise ValueError(f"{reader.path}: the destination of {name!r} must be a contiguous tensor of "
+                             f"{info.nbytes} bytes on {device}")
+        return target
+
+    if not reader.verify and reader.engine.gds_mode == "gds":
+        return _read_direct(reader, names, device, destination)
+    pool = pool if pool is not None else staging_pool()
     stream = side_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))  # work the caller queued on the ``out`` tensors
     results: dict[str, torch.Tensor] = {}
@@ -246,15 +263,7 @@ def read_to_device(reader: ShardReader, names: Iterable[str], device: torch.devi
         future.result()
         if reader.verify:
             reader.check_checksum(name, host)
-        info = reader.info(name)
-        dtype = FROM_SAFETENSORS[info.dtype]
-        target = out.get(name)
-        if target is None:
-            target = torch.empty(info.shape, dtype=dtype, device=device)
-        elif target.device != device or not target.is_contiguous() or \
-                target.numel() * target.element_size() != host.nbytes:
-            raise ValueError(f"{reader.path}: the destination of {name!r} must be a contiguous tensor of "
-                             f"{host.nbytes} bytes on {device}")
+        target = destination(name)
         with torch.cuda.stream(stream):
             if host.nbytes:
                 target.reshape(-1).view(torch.uint8).copy_(torch.from_numpy(host), non_blocking=True)
@@ -284,6 +293,30 @@ def read_to_device(reader: ShardReader, names: Iterable[str], device: torch.devi
     # The tensors were filled on the side stream: work the caller queues on its own
     # stream must come after those copies.
     torch.cuda.current_stream(device).wait_stream(stream)
+    return results
+
+
+def _read_direct(reader: ShardReader, names: list[str], device: torch.device,
+                 destination: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPUDirect Storage: every tensor read by kvikio straight into its device memory."""
+    # kvikio's DMA is not ordered with torch's streams: memory the caching allocator hands
+    # out may still be in use by work queued before it was freed, so that work ends first.
+    torch.cuda.current_stream(device).synchronize()
+    results: dict[str, torch.Tensor] = {}
+    futures = []
+    try:
+        for name in names:
+            info = reader.info(name)
+            results[name] = target = destination(name)
+            if info.nbytes:
+                # A uint8 view: bf16 and fp8 tensors have no __cuda_array_interface__.
+                futures.append(reader.engine.pread(target.reshape(-1).view(torch.uint8), reader.path,
+                                                   reader.data_start + info.begin, info.nbytes))
+        for future in futures:
+            future.result()
+    finally:
+        for future in futures:
+            future.wait()  # kvikio's threads may still write into tensors an early raise would free
     return results
 
 

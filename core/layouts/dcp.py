@@ -9,7 +9,6 @@ that it is read here without torch).
 
 from __future__ import annotations
 
-import math
 import os
 import pickle
 import re

@@ -6,8 +6,8 @@ import datetime
 import os
 from typing import Any, Callable
 
-from ..errors import CorruptCheckpointError
 from ..checkpoint import MANIFEST, open_shard, read_manifest, verify_checkpoint
+from ..errors import CorruptCheckpointError
 from . import Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row, size_problems
 
 _PLACEMENT = ("dtype", "shape", "data_offsets")
