@@ -148,3 +148,22 @@ def test_convert_reads_dcp_in_batches_not_once_per_tensor(tmp_path: Path, writer
     from safetensors.torch import load_file
     out = load_file(str(tmp_path / "out.safetensors"))
     assert len(out) == 2000 and all(torch.equal(out[n], t) for n, t in state.items())
+
+
+@pytest.mark.slow
+def test_an_fsdp2_checkpoint_of_two_ranks_reads_whole(tmp_path: Path) -> None:
+    """Each parameter of a 2-rank FSDP2 save lies in chunks in two ranks' files: the
+    layout assembles each from its chunks, as convert and load see it."""
+    from test_pytorch import run
+
+    run(2, str(tmp_path), "save_sharded")
+    expected = torch.load(tmp_path / "expected.pt")
+    folder = next(p for p in tmp_path.iterdir() if p.is_dir())
+    layout = layouts.detect(folder)
+    assert layout.kind == "torch-dcp" and not layout.verify().problems
+    with layout.open() as source:
+        names = {k: next(n for n in source.tensors if n.endswith(f"model.{k}") or n == k) for k in expected}
+        assert any(len(source.tensors[n].chunks) == 2 for n in names.values())
+        arrays = source.read(list(names.values()))
+    for k, v in expected.items():
+        assert arrays[names[k]].tobytes() == v.numpy().tobytes(), k
