@@ -224,7 +224,7 @@ class Run:
         plain()  # warm
         baseline = row("state.to('cpu', non_blocking=True) into pinned memory", self.nbytes,
                        self.repeat(plain))
-        del pinned
+        pinned.clear()  # its pinned memory goes before the snapshots take theirs
         self.log("stall: DCPWriter.stage")
         staging.stage_state_dict(state)  # the pool fills (and registers) once; later saves reuse it
         snapshot = row("DCPWriter.stage (the host snapshot of dcp.async_save)", self.nbytes,

@@ -16,7 +16,7 @@ packages=(
     "kvikio-cu$CUDA" "libkvikio-cu$CUDA" "rapids-logger" "cuda-pathfinder"  # GDS (the [gds-cu$CUDA] extra)
     "xxhash" "ml_dtypes" "safetensors"                                      # tensorferry's own dependencies, a peer
     "scikit-build-core" "nanobind" "pathspec" "packaging" "cmake" "ninja"    # the offline build
-    "pytest" "iniconfig" "pluggy"                                           # the CUDA tests
+    "pytest" "iniconfig" "pluggy" "psutil"                                  # the CUDA tests
 )
 python3 -m pip download --no-deps --only-binary=:all: --python-version "$PYV" \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \

@@ -432,7 +432,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
             else:
                 _to_tensorferry(source, dst, bar, args.shard_size, args.overwrite)
     if source.skipped:
-        note(args, f"left out {plural(source.skipped, 'non-tensor item')} (a pickled object or a scalar)")
+        note(args, f"left out {plural(source.skipped, 'item')} that tensorferry does not read as a tensor "
+                   "(DCP's pickled objects, scalars, items of other Orbax handlers)")
     seconds = time.perf_counter() - start
     count = len(source.tensors)
     data = {"source": src, "destination": dst, "to": args.to, "tensors": count, "bytes": nbytes,

@@ -63,6 +63,11 @@ def test_torchs_readers_say_it_is_a_tensorferry_checkpoint(ours: Path, tmp_path:
     _load(loaded, storage_reader=DCPReader(ours))
     assert all(torch.equal(loaded["model"][k], v) for k, v in STATE["model"].items())
     assert (loaded["step"], loaded["note"]) == (3, "text")
+    info = layouts.describe(ours)  # listed from the manifest, .metadata not unpickled
+    assert info["format"] == "torch-dcp" and info["complete"]
+    rows = {t["name"]: (t["dtype"], t["shape"]) for t in info["tensors"]}
+    assert rows == {"model.w": ("F32", [33, 7]), "model.b": ("I64", [5]), "model.h": ("BF16", [4, 4]),
+                    "step": ("object", None), "note": ("object", None)}
 
 
 READ_WITHOUT_TENSORFERRY = """
@@ -143,3 +148,22 @@ def test_convert_reads_dcp_in_batches_not_once_per_tensor(tmp_path: Path, writer
     from safetensors.torch import load_file
     out = load_file(str(tmp_path / "out.safetensors"))
     assert len(out) == 2000 and all(torch.equal(out[n], t) for n, t in state.items())
+
+
+@pytest.mark.slow
+def test_an_fsdp2_checkpoint_of_two_ranks_reads_whole(tmp_path: Path) -> None:
+    """Each parameter of a 2-rank FSDP2 save lies in chunks in two ranks' files: the
+    layout assembles each from its chunks, as convert and load see it."""
+    from test_pytorch import run
+
+    run(2, str(tmp_path), "save_sharded")
+    expected = torch.load(tmp_path / "expected.pt")
+    folder = next(p for p in tmp_path.iterdir() if p.is_dir())
+    layout = layouts.detect(folder)
+    assert layout.kind == "torch-dcp" and not layout.verify().problems
+    with layout.open() as source:
+        names = {k: next(n for n in source.tensors if n.endswith(f"model.{k}") or n == k) for k in expected}
+        assert any(len(source.tensors[n].chunks) == 2 for n in names.values())
+        arrays = source.read(list(names.values()))
+    for k, v in expected.items():
+        assert arrays[names[k]].tobytes() == v.numpy().tobytes(), k

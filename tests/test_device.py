@@ -374,6 +374,35 @@ def test_stage_state_dict_snapshots_every_tensor() -> None:
     assert staged["opt"][0].dtype == torch.bfloat16
 
 
+DTENSOR_SNAPSHOT = """
+import os, sys, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from tensorferry.adapters.pytorch import staging
+d = distribute_tensor(torch.arange(12.).reshape(3, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+w = staging.stage_state_dict({"a": {"w": d}})["a"]["w"]
+d.to_local().add_(100)
+assert isinstance(w, DTensor) and w.placements == d.placements and w.device_mesh == d.device_mesh
+assert torch.equal(w.full_tensor(), torch.arange(12.).reshape(3, 4))
+dist.destroy_process_group()
+"""
+
+
+def test_stage_state_dict_keeps_dtensors_sharded() -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, "-c", DTENSOR_SNAPSHOT, str(port)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_dcp_async_save_snapshots_through_the_writer(tmp_path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import AsyncStager

@@ -28,6 +28,12 @@ def tiny_llama(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).to(dtype).eval()
 
 
+def saved_weights(model: torch.nn.Module) -> dict:
+    """The state dict as save_pretrained stores it: a tied lm_head is left out."""
+    tied = model.config.tie_word_embeddings
+    return {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+
+
 def same_tensors(a: dict, b: dict) -> bool:
     return set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
@@ -45,8 +51,7 @@ def test_save_pretrained_folders_load(tmp_path: Path, dtype: torch.dtype) -> Non
     model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
-    expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or
-                not model.config.tie_word_embeddings}
+    expected = saved_weights(model)
     loaded = tf_torch.load(tmp_path / "hf")
     assert same_tensors(loaded, expected)
     assert same_tensors(tf_torch.load(tmp_path / "hf" / "model.safetensors.index.json"), expected)
@@ -110,6 +115,8 @@ def test_from_pretrained_opens_what_tensorferry_writes(tmp_path: Path) -> None:
     tf_torch.save(model.state_dict(), single / "model.safetensors")
     model.config.save_pretrained(single)
     assert same_tensors(transformers.AutoModelForCausalLM.from_pretrained(single).state_dict(), expected)
+    assert layouts.detect(single).kind == "huggingface"  # a lone model.safetensors, no index
+    assert same_tensors(tf_torch.load(single), saved_weights(model))
 
 
 def test_convert_keeps_a_files_own_metadata_keys_where_they_were(tmp_path: Path) -> None:

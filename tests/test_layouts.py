@@ -61,6 +61,7 @@ def test_each_layout_is_recognised_and_read(tmp_path: Path) -> None:
             assert all(same(arrays[n], a) for n, a in STATE.items())
             part = source.read(["b"], out={"w": np.empty((4, 6), np.float32)})
             assert set(part) == {"b", "w"} and same(part["w"], STATE["w"])
+            assert source.read_range("w", 8, 12).tobytes() == STATE["w"].tobytes()[8:20]
     assert layouts.describe(single)["metadata"] == {"format": "np"}
     assert layouts.describe(hf)["metadata"] == {"total_size": 1, "format": "pt"}
 
@@ -183,6 +184,7 @@ def test_torch_dcp_from_torchs_writer_reads_without_a_process_group(tmp_path: Pa
     with layout.open() as source:
         assert source.skipped == 1 and set(source.tensors) == {"w", "h"}
         arrays = source.read()
+        assert source.read_range("w", 4, 8).tobytes() == state["w"].numpy().tobytes()[4:12]
     assert np.array_equal(arrays["w"], state["w"].numpy())
     assert arrays["h"].view(np.int16).tobytes() == state["h"].view(torch.int16).numpy().tobytes()
 

@@ -1,7 +1,9 @@
 """NVMe offload for PyTorch: optimizer state between steps, and weights streamed layer by layer.
 
-Both build on :class:`tensorferry.OffloadStore`. CPU tensors only: the GPU path (pinned
-staging, GDS) is not written yet.
+Both build on :class:`tensorferry.OffloadStore`, for parameters on the CPU or on one CUDA
+device. On CUDA, data moves between the drive and page-locked host memory (torch's pinned
+allocator), and between that and the device on side streams, so that transfers overlap
+the kernels on the current stream.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from ...offload import OffloadStore
 from ...shard import aligned_empty
 
 _PAGE = 4096
+# Memory on the host (an array, or a pinned tensor for CUDA copies) or a uint8 device tensor.
+_Buffer = np.ndarray | torch.Tensor
 # Tensors inside a region start on torch's own allocation alignment, so that vectorised
 # kernels see the same alignment as they would on tensors torch allocated itself.
 _ALIGN = 64
@@ -47,16 +51,97 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _view(buffer: np.ndarray, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    """A tensor of ``dtype`` and ``shape`` over ``buffer[offset:]``, sharing its memory."""
+def _view(buffer: _Buffer, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` over ``buffer[offset:]`` (a host array or a uint8
+    tensor on any device), sharing its memory."""
     nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(buffer[offset:offset + nbytes]).view(dtype).reshape(shape)
+    window = buffer[offset:offset + nbytes]
+    return (torch.from_numpy(window) if isinstance(window, np.ndarray) else window).view(dtype).reshape(shape)
 
 
-def _require_cpu(params: Iterable[torch.Tensor], what: str) -> None:
-    for p in params:
-        if p.device.type != "cpu":
-            raise ValueError(f"{what} handles CPU tensors only for now; got a parameter on {p.device}")
+def _address(buffer: _Buffer) -> int:
+    return buffer.ctypes.data if isinstance(buffer, np.ndarray) else buffer.data_ptr()
+
+
+def _one_device(params: Iterable[torch.Tensor], what: str) -> torch.device:
+    """The device that all of ``params`` are on: the CPU or one CUDA device."""
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"{what} needs every parameter on one device; got parameters on "
+                         f"{', '.join(sorted(map(str, devices)))}")
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what} handles parameters on the CPU or a CUDA device; got one on {device}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _pinned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` of page-locked host memory from torch's pinned allocator,
+    starting on a page boundary (O_DIRECT): what an asynchronous copy to or from a CUDA
+    device needs. It is a view of torch's allocation, so the allocator sees the copies that
+    use it and, once it is freed, holds the memory until they are done; then it reuses it,
+    so steady streaming allocates no new pinned memory."""
+    pinned = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=True)
+    start = -pinned.data_ptr() % _PAGE
+    return pinned[start:start + nbytes]
+
+
+def _host_array(buffer: _Buffer) -> np.ndarray:
+    """Host memory as the store takes it (the array keeps a tensor's memory alive)."""
+    return buffer if isinstance(buffer, np.ndarray) else buffer.numpy()
+
+
+class _CopyStreams:
+    """Side streams for moving data between pinned host memory and one CUDA device.
+
+    Host to device runs on ``upload``, device to host on ``download``; each copy is
+    ordered against the current stream with events, so it overlaps the kernels queued
+    there instead of waiting for them. Device memory made here is allocated on the upload
+    stream and marked as used by the current one, so the caching allocator neither hands
+    it out again before the kernels reading it have run nor before a download of it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.upload = torch.cuda.Stream(device)
+        self.download = torch.cuda.Stream(device)
+
+    def upload_async(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Starts copying ``host`` (pinned) to the device; returns the copy and the event
+        that marks it done. Hand both to :meth:`use` before the current stream reads it."""
+        with torch.cuda.stream(self.upload):
+            copy = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            copy.copy_(host, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.upload)
+        return copy, ready
+
+    def use(self, copy: torch.Tensor, ready: torch.cuda.Event) -> torch.Tensor:
+        """Makes the current stream wait for an upload (not the host) before its next kernels."""
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(ready)
+        copy.record_stream(current)
+        return copy
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``host`` (pinned), which the current stream waits for."""
+        return self.use(*self.upload_async(host))
+
+    def to_host(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
+        """Starts copying each ``(device, pinned host)`` pair to the host once the work queued
+        on the current stream so far is done; returns the event that marks the copies done."""
+        after = torch.cuda.Event()
+        after.record(torch.cuda.current_stream(self.device))
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.download):
+            self.download.wait_event(after)
+            for source, target in pairs:
+                target.copy_(source, non_blocking=True)
+                source.record_stream(self.download)
+            done.record(self.download)
+        return done
 
 
 def _check_io(futures: Iterable[IOFuture]) -> None:
@@ -93,24 +178,17 @@ class _Layout:
             offset = _round_up(offset + _nbytes(t), _ALIGN)
         return cls(tuple(entries), _round_up(offset, _PAGE))
 
-    def views(self, region: np.ndarray) -> dict[Any, torch.Tensor]:
+    def views(self, region: _Buffer) -> dict[Any, torch.Tensor]:
         return {name: _view(region, offset, dtype, shape) for name, dtype, shape, offset in self.entries}
 
-    def holds(self, tensors: dict[Any, torch.Tensor], region: np.ndarray) -> bool:
+    def holds(self, tensors: dict[Any, torch.Tensor], region: _Buffer) -> bool:
         """Whether ``tensors`` are exactly this layout's views of ``region`` (updated in place)."""
         if len(tensors) != len(self.entries):
             return False
-        base = region.ctypes.data
+        base = _address(region)
         return all(name in tensors and tensors[name].dtype == dtype and tensors[name].shape == shape
                    and tensors[name].data_ptr() == base + offset
                    for name, dtype, shape, offset in self.entries)
-
-    def pack(self, tensors: dict[Any, torch.Tensor]) -> np.ndarray:
-        """A fresh page-aligned region holding copies of ``tensors``."""
-        region = aligned_empty(self.nbytes)
-        for view, t in zip(self.views(region).values(), tensors.values()):
-            view.copy_(t.detach())
-        return region
 
 
 @dataclasses.dataclass
@@ -120,10 +198,32 @@ class _Write:
     param: torch.Tensor
     key: str
     layout: _Layout
-    region: np.ndarray
+    region: _Buffer
     extras: dict[Any, Any]
     future: IOFuture | None
     error: OSError | None = None
+
+
+@dataclasses.dataclass
+class _ChunkWrite:
+    """A chunk's writes: started at once from host memory, or, on a CUDA device, once the
+    copies of the state to the host (``copied``) are done."""
+
+    writes: list[_Write]
+    charged: int  # host bytes they hold, uncharged when they finish
+    copied: torch.cuda.Event | None = None
+
+    def start_if_copied(self, store: OffloadStore) -> None:
+        """Starts the writes not started yet, if the copies to the host are done."""
+        if self.copied is not None and not self.copied.query():
+            return
+        self.copied = None
+        for write in self.writes:
+            if write.future is None and write.error is None:
+                try:
+                    write.future = store.swap_out(write.key, _host_array(write.region))
+                except OSError as exc:
+                    write.error = exc
 
 
 class _StoredState(collections.abc.Mapping):
@@ -195,15 +295,27 @@ def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Op
     return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
 
 
-def _probe_state_size(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> _StateSize:
+def _copied(state: dict[Any, Any]) -> dict[Any, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _stored_tensors(p: torch.Tensor, held: dict[Any, Any]) -> dict[Any, torch.Tensor]:
+    """The entries of ``p``'s state that go to the store: its tensors on ``p``'s device. The
+    others (the step count that Adam keeps on the CPU for a CUDA parameter, None, numbers)
+    are a few bytes and stay in memory."""
+    return {k: v for k, v in held.items() if isinstance(v, torch.Tensor) and v.device == p.device}
+
+
+def _probe_state_size(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype,
+                      device: torch.device) -> _StateSize:
     """Steps an optimizer of the same class and group options on a small parameter of
-    ``dtype`` with a zero gradient, and measures the state it creates."""
-    probe = torch.zeros(_SLICE_ELEMENTS, dtype=dtype)
+    ``dtype`` on ``device`` with a zero gradient, and measures the state it creates."""
+    probe = torch.zeros(_SLICE_ELEMENTS, dtype=dtype, device=device)
     probe.grad = torch.zeros_like(probe)
     accepted = inspect.signature(type(optimizer).__init__).parameters
     twin = type(optimizer)([probe], **{k: v for k, v in group.items() if k != "params" and k in accepted})
     _unhooked_step(twin)(twin)  # a measurement, not a step: no hooks
-    tensors = [v for v in twin.state[probe].values() if isinstance(v, torch.Tensor)]
+    tensors = list(_stored_tensors(probe, twin.state[probe]).values())
     shaped = sum(_nbytes(t) for t in tensors if t.shape == probe.shape)
     others = sum(_nbytes(t) for t in tensors if t.shape != probe.shape)
     return _StateSize(shaped / _SLICE_ELEMENTS, others + _ALIGN * len(tensors))
@@ -223,16 +335,27 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     plain optimizer would, so LR schedulers and torch's ``get_state_dict`` /
     ``set_state_dict`` (hence :class:`FSDPCheckpointer`) treat the wrapper as one.
 
+    On a CUDA device each chunk's state is read into pinned host memory, copied to the
+    device on a side stream and stepped there by the wrapped optimizer's own kernels
+    (fused and foreach ones included); the copy back runs on another side stream behind
+    those kernels, and the chunk's write starts once it is done. So the next chunk's read
+    and the previous chunk's write overlap the current chunk's kernels. State tensors the
+    optimizer keeps on the CPU for a CUDA parameter (Adam's step count, unless fused or
+    capturable) are a few bytes each and stay in memory.
+
     Args:
-        optimizer: the torch optimizer to wrap (its parameters on the CPU). Use only the
-            wrapper from now on: between steps the wrapped ``optimizer.state`` is empty,
-            and a step of the bare optimizer would start its state afresh.
+        optimizer: the torch optimizer to wrap, its parameters all on the CPU or all on
+            one CUDA device. Use only the wrapper from now on: between steps the wrapped
+            ``optimizer.state`` is empty, and a step of the bare optimizer would start its
+            state afresh.
         store_dir: an existing directory on the drive; the state goes to a private
             subdirectory that :meth:`close` removes.
         resident_bytes: bound on the optimizer state held in memory at once, in flight
             included. A step holds up to ``max(prefetch + 2, 3)`` chunks (the chunk
             computing, those prefetched, the one being written; on the first step, the
-            state the optimizer creates beside its packed copy).
+            state the optimizer creates beside its packed copy). On a CUDA device it bounds
+            both the device memory of the state and the pinned host memory it goes through
+            (the optimizer's temporaries, which a plain step makes too, are not counted).
         prefetch: how many chunks to read ahead.
         engine: the :class:`tensorferry.Engine` to use; by default the store's own.
         elementwise: whether the optimizer updates each element from that element alone
@@ -241,6 +364,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             share of the budget in slices, with the same result, and the budget is
             checked when the wrapper is built; others need the largest parameter's state
             to fit a chunk.
+        master_weights: mixed precision, as DeepSpeed's NVMe offload does it: each bf16 or
+            fp16 parameter gets an fp32 master copy, kept with its state (as the state entry
+            ``"master"``) in the store. The wrapped optimizer steps the master, from the
+            gradient cast to fp32, so its state is fp32 too, and the parameter becomes the
+            master rounded to its dtype. The first step makes the master from the parameter.
 
     Example::
 
@@ -251,14 +379,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, store_dir: PathLike, *,
                  resident_bytes: int = 1 << 30, prefetch: int = 1, engine: Engine | None = None,
-                 elementwise: bool | None = None) -> None:
+                 elementwise: bool | None = None, master_weights: bool = False) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError(f"expected a torch optimizer to wrap, got {type(optimizer).__name__}")
         if resident_bytes <= 0:
             raise ValueError(f"resident_bytes must be positive, got {resident_bytes}")
         if prefetch < 0:
             raise ValueError(f"prefetch must not be negative, got {prefetch}")
-        _require_cpu((p for g in optimizer.param_groups for p in g["params"]), "OffloadedOptimizer")
+        self.device = _one_device([p for g in optimizer.param_groups for p in g["params"]], "OffloadedOptimizer")
+        self._streams = _CopyStreams(self.device) if self.device.type == "cuda" else None
         # Not Optimizer.__init__: the wrapped optimizer owns the groups; the subclass is so
         # that LR schedulers and isinstance checks accept the wrapper. Step hooks are the
         # wrapper's own and run once per step (torch's hooked step, patched on the class);
@@ -276,6 +405,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.prefetch = prefetch
         self.store = OffloadStore(store_dir, engine, max_pool_bytes=0)
         self.elementwise = isinstance(optimizer, _ELEMENTWISE) if elementwise is None else elementwise
+        self.master_weights = master_weights
         # What the optimizer steps: each parameter itself, or views of its slices
         # (parameter -> [(view, start element)]), each with a store key given on first sight.
         self._keys: dict[torch.Tensor, str] = {}
@@ -308,8 +438,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group to the wrapped optimizer."""
-        _require_cpu(param_group["params"] if not isinstance(param_group["params"], torch.Tensor)
-                     else [param_group["params"]], "OffloadedOptimizer")
+        new = param_group["params"]
+        self._require_device([new] if isinstance(new, torch.Tensor) else list(new))
         self.optimizer.add_param_group(param_group)
         self._check_budget(self._params())
 
@@ -337,7 +467,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = self._params()
-        _require_cpu(params, "OffloadedOptimizer")
+        self._require_device(params)
         groups = self.optimizer.param_groups
         members = [g["params"] for g in groups]
         stepped = [[t for p in full for t in self._pieces(p)] for full in members]
@@ -350,13 +480,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
         def step_chunk(chunk: list[torch.Tensor]) -> None:
             ids = {id(p) for p in chunk}
+            masters = self._masters_to_step(chunk)
             try:
                 for group, pieces in zip(groups, stepped):
-                    group["params"] = [p for p in pieces if id(p) in ids]
+                    group["params"] = [masters.get(id(p), p) for p in pieces if id(p) in ids]
                 raw_step(inner)
             finally:
                 for group, full in zip(groups, members):
                     group["params"] = full
+                self._masters_stepped(chunk, masters)
 
         for p, pieces in self._slices.items():
             for view, start in pieces:
@@ -378,8 +510,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         def collect(chunk: list[torch.Tensor]) -> None:
             for p in chunk:
                 if self._keys.get(p) in self._layouts:
-                    copies[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                                 for k, v in self.optimizer.state[p].items()}
+                    copies[p] = _copied(self.optimizer.state[p])
 
         params = self._params()
         stored = [p for p in params if self._keys.get(p) in self._layouts]
@@ -404,6 +535,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a (wrapped or plain) optimizer state dict into the wrapped optimizer and offloads it."""
         self.optimizer.load_state_dict(state_dict)
+        if self.master_weights:
+            # torch casts a parameter's state to its dtype: masters and their state stay fp32.
+            saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            for index, p in zip(saved, params):
+                for name, value in state_dict["state"].get(index, {}).items():
+                    if self._has_master(p) and isinstance(value, torch.Tensor) and value.is_floating_point():
+                        self.optimizer.state[p][name] = value.detach().to(self.optimizer.state[p][name].device,
+                                                                            copy=True)
         for key in list(self._layouts):
             self.store.delete(key)
         self._layouts.clear()
@@ -430,6 +570,47 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 f"resident_bytes={self.resident_bytes}, prefetch={self.prefetch})")
 
     # Internals.
+
+    def _require_device(self, params: list[torch.Tensor]) -> None:
+        device = _one_device(params, "OffloadedOptimizer")
+        if params and device != self.device:
+            raise ValueError(f"OffloadedOptimizer was built for parameters on {self.device}; got parameters "
+                             f"on {device} (build a new one after moving the model)")
+
+    def _host_empty(self, nbytes: int) -> _Buffer:
+        """Host memory for state on its way to or from the drive: pinned for a CUDA device."""
+        return aligned_empty(nbytes) if self._streams is None else _pinned_empty(nbytes)
+
+    def _has_master(self, p: torch.Tensor) -> bool:
+        return self.master_weights and p.dtype in (torch.bfloat16, torch.float16)
+
+    def _masters_to_step(self, chunk: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """For each parameter of the chunk with a master and a gradient: its fp32 master (from
+        its state, or made from it on the first step), with the gradient cast to fp32 and its
+        state moved to the master, which the wrapped optimizer steps in its place."""
+        masters = {}
+        for p in chunk:
+            if not self._has_master(p) or p.grad is None:
+                continue
+            held = dict(self.optimizer.state.pop(p, {}))
+            master = held.pop("master", None)
+            if master is None:
+                master = p.detach().float()
+            master.grad = p.grad.float()
+            if held:
+                self.optimizer.state[master] = held
+            masters[id(p)] = master
+        return masters
+
+    def _masters_stepped(self, chunk: list[torch.Tensor], masters: dict[int, torch.Tensor]) -> None:
+        """Puts each master, with its state, back under its parameter, which takes its value."""
+        for p in chunk:
+            master = masters.get(id(p))
+            if master is None:
+                continue
+            master.grad = None
+            self.optimizer.state[p] = {**self.optimizer.state.pop(master, {}), "master": master}
+            p.copy_(master)
 
     def _unique_params(self) -> list[torch.Tensor]:
         """Every parameter once, in param-group order."""
@@ -458,7 +639,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             return
         size = self._sizes.get((index, p.dtype))
         if size is None:
-            size = self._sizes[(index, p.dtype)] = _probe_state_size(self.optimizer, group, p.dtype)
+            if self._has_master(p):  # the state of an fp32 parameter, and the fp32 master
+                size = _probe_state_size(self.optimizer, group, torch.float32, self.device)
+                size = _StateSize(size.per_element + 4, size.fixed + _ALIGN)
+            else:
+                size = _probe_state_size(self.optimizer, group, p.dtype, self.device)
+            self._sizes[(index, p.dtype)] = size
         elements = p.numel()
         if size.of(elements) > self._chunk_budget() and p.is_contiguous() and elements > _SLICE_ELEMENTS:
             fits = int((self._chunk_budget() - size.fixed - _PAGE) / max(size.per_element, 1e-9))
@@ -528,13 +714,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             held = self.optimizer.state.get(piece)
             key = self._keys[piece]
             if held:
-                states[piece] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in held.items()}
+                states[piece] = _copied(held)
             elif key in self._layouts:
                 region = aligned_empty(self._layouts[key].nbytes)
                 _check_io([self.store.swap_in(key, region)])
-                states[piece] = {**self._layouts[key].views(region), **self._extras[key]}
+                stored = {k: v.to(self.device) for k, v in self._layouts[key].views(region).items()}
+                states[piece] = {**stored, **_copied(self._extras[key])}
             else:
-                states[piece] = dict(self._extras.get(key, {}))
+                states[piece] = _copied(self._extras.get(key, {}))
         return self._joined(p, states)
 
     def _chunk_budget(self) -> int:
@@ -558,7 +745,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             return self._layouts[key].nbytes
         held = self.optimizer.state.get(p)
         if held:
-            return _Layout.of({k: v for k, v in held.items() if isinstance(v, torch.Tensor)}).nbytes
+            return _Layout.of(_stored_tensors(p, held)).nbytes
         if p.grad is None:
             return 0  # optimizers neither step nor create state for parameters without gradients
         if key in self._expected:
@@ -630,10 +817,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
         Reads run ``prefetch`` chunks ahead; with ``write_back`` the state is written back
         after ``visit``, and the write of one chunk overlaps the next chunk's ``visit``.
+        On a CUDA device the state goes through pinned host memory: each chunk is copied
+        to the device once its read is done, ``visit`` queues the optimizer's kernels, the
+        copy back is queued behind them, and the chunk's write starts once that copy is
+        done, during the next chunk's ``visit``, whose kernels run meanwhile.
         """
-        reads: collections.deque[tuple[list[torch.Tensor], np.ndarray, list[tuple[torch.Tensor, str, int]],
+        reads: collections.deque[tuple[list[torch.Tensor], _Buffer, list[tuple[torch.Tensor, str, int]],
                                        list[IOFuture]]] = collections.deque()
-        writes: collections.deque[tuple[list[_Write], int]] = collections.deque()
+        writes: collections.deque[_ChunkWrite] = collections.deque()
         failed: list[_Write] = []
         chunks = iter(chunks)
         exhausted = False
@@ -647,24 +838,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                         reads.append(self._start_read(chunk))
                 if not reads:
                     break
+                for pending in writes:
+                    pending.start_if_copied(self.store)
                 chunk, arena, placed, futures = reads.popleft()
                 _check_io(futures)
+                on_device = self._to_device(arena)
                 for p, key, offset in placed:
-                    region = arena[offset:offset + self._layouts[key].nbytes]
+                    region = on_device[offset:offset + self._layouts[key].nbytes]
                     self.optimizer.state[p] = {**self._layouts[key].views(region), **self._extras[key]}
                 visit(chunk)
                 if write_back:
-                    writes.append(self._start_write(chunk, arena, placed))
+                    writes.append(self._start_write(chunk, arena, on_device, placed))
                 else:
                     for p, _, _ in placed:
                         del self.optimizer.state[p]
                     self._resident -= arena.nbytes
                 while len(writes) > (1 if write_back and reads else 0):
-                    failed += self._finish_write(*writes.popleft())
+                    failed += self._finish_write(writes.popleft())
         finally:
             # On an exception, let the I/O in flight finish before its buffers go.
             while writes:
-                failed += self._finish_write(*writes.popleft())
+                failed += self._finish_write(writes.popleft())
+            on_device = None
             for _, arena, _, futures in reads:
                 for future in futures:
                     future.wait()
@@ -677,7 +872,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 f"{self.store.path} ({first.strerror or first}); it stays in memory and a later "
                 f"step retries", self.store.path) from first
 
-    def _start_read(self, chunk: list[torch.Tensor]) -> tuple[list[torch.Tensor], np.ndarray,
+    def _to_device(self, arena: _Buffer) -> _Buffer:
+        """The chunk's state where the optimizer steps it: the arena itself on the CPU, a
+        copy of it on a CUDA device (the current stream waits for the copy, not the host)."""
+        if self._streams is None or arena.nbytes == 0:
+            return arena
+        return self._streams.to_device(arena)
+
+    def _start_read(self, chunk: list[torch.Tensor]) -> tuple[list[torch.Tensor], _Buffer,
                                                                list[tuple[torch.Tensor, str, int]], list[IOFuture]]:
         """Allocates one arena for the chunk's stored state and starts reading each key into it."""
         placed, offset = [], 0
@@ -686,12 +888,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if key in self._layouts and not self.optimizer.state.get(p):
                 placed.append((p, key, offset))
                 offset += self._layouts[key].nbytes
-        arena = aligned_empty(offset)
+        arena = self._host_empty(offset)
         self._charge(arena.nbytes)
         futures = []
         try:
             for p, key, start in placed:
-                futures.append(self.store.swap_in(key, arena[start:start + self._layouts[key].nbytes]))
+                futures.append(self.store.swap_in(key, _host_array(arena[start:start + self._layouts[key].nbytes])))
         except BaseException:
             for future in futures:
                 future.wait()
@@ -699,16 +901,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise
         return chunk, arena, placed, futures
 
-    def _start_write(self, chunk: list[torch.Tensor], arena: np.ndarray,
-                     placed: list[tuple[torch.Tensor, str, int]]) -> tuple[list[_Write], int]:
-        """Starts writing the chunk's state, in place from the arena where the optimizer updated
-        it there, else from a fresh region; returns the writes and the bytes they hold."""
+    def _start_write(self, chunk: list[torch.Tensor], arena: _Buffer, on_device: _Buffer,
+                     placed: list[tuple[torch.Tensor, str, int]]) -> _ChunkWrite:
+        """Starts writing the chunk's state from host memory: from the arena where the optimizer
+        updated it there (on a CUDA device, in the arena's device copy, which is copied back
+        into the arena), else from a fresh region. On a CUDA device the writes start once
+        the copies to the host are done (:meth:`_ChunkWrite.start_if_copied`)."""
         offsets = {id(p): offset for p, _, offset in placed}
-        pending: list[_Write] = []
-        charged = arena.nbytes
+        writes = _ChunkWrite([], arena.nbytes)
         # State the optimizer allocated itself (on its first step) is resident until packed.
-        fresh = {id(p): sum(_nbytes(v) for v in self.optimizer.state[p].values()
-                            if isinstance(v, torch.Tensor))
+        fresh = {id(p): sum(_nbytes(v) for v in _stored_tensors(p, self.optimizer.state[p]).values())
                  for p in chunk if self.optimizer.state.get(p) and id(p) not in offsets}
         self._charge(sum(fresh.values()))
         for p in chunk:
@@ -716,40 +918,51 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if not held:
                 continue
             key = self._keys[p]
-            tensors = {k: v for k, v in held.items() if isinstance(v, torch.Tensor)}
-            extras = {k: v for k, v in held.items() if not isinstance(v, torch.Tensor)}
+            tensors = _stored_tensors(p, held)
+            extras = {k: v for k, v in held.items() if k not in tensors}
             layout = self._layouts.get(key)
             region = None
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (state, its host copy) to fill
             if id(p) in offsets and layout is not None:
-                candidate = arena[offsets[id(p)]:offsets[id(p)] + layout.nbytes]
-                if layout.holds(tensors, candidate):
-                    region = candidate
+                start = offsets[id(p)]
+                span = on_device[start:start + layout.nbytes]
+                if layout.holds(tensors, span):
+                    region = arena[start:start + layout.nbytes]
+                    if self._streams is not None:
+                        pairs.append((span, region))
             if region is None:
                 layout = _Layout.of(tensors)
-                region = layout.pack(tensors)
+                region = self._host_empty(layout.nbytes)
                 self._charge(region.nbytes)
-                charged += region.nbytes
+                writes.charged += region.nbytes
+                pairs = [(t.detach(), view) for view, t in zip(layout.views(region).values(), tensors.values())]
                 self._learn(p, tensors, layout)
+            if self._streams is None:
+                for source, target in pairs:
+                    target.copy_(source)
+            elif pairs:
+                writes.copied = self._streams.to_host(pairs)  # the stream is in order: the last event covers all
+            del pairs
             del held, tensors
             self._resident -= fresh.get(id(p), 0)
             if layout.nbytes == 0:
                 self._drop_key(key)
                 self._extras[key] = extras
                 continue
-            write = _Write(p, key, layout, region, extras, None)
-            try:
-                write.future = self.store.swap_out(key, region)
-            except OSError as exc:
-                write.error = exc
-            pending.append(write)
+            writes.writes.append(_Write(p, key, layout, region, extras, None))
         if self._estimate is None and any(p.grad is not None for p in chunk):
             self._estimate = (0.0, 0)  # stepped, and created no state: this optimizer keeps none
-        return pending, charged
+        if writes.copied is None:
+            writes.start_if_copied(self.store)
+        return writes
 
-    def _finish_write(self, pending: list[_Write], charged: int) -> list[_Write]:
+    def _finish_write(self, pending: _ChunkWrite) -> list[_Write]:
         """Waits for a chunk's writes; state that could not be written goes back into memory."""
         failed = []
-        for write in pending:
+        if pending.copied is not None:
+            pending.copied.synchronize()
+            pending.start_if_copied(self.store)
+        for write in pending.writes:
             if write.error is None:
                 # result(), not exception(): only it lets the future (which the store keeps)
                 # drop its hold on the buffer.
@@ -763,9 +976,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             else:
                 self._layouts.pop(write.key, None)
                 self._extras.pop(write.key, None)
-                self.optimizer.state[write.param] = {**write.layout.views(write.region), **write.extras}
+                stored = {k: v.to(self.device) for k, v in write.layout.views(write.region).items()}
+                self.optimizer.state[write.param] = {**stored, **write.extras}
                 failed.append(write)
-        self._resident -= charged
+        self._resident -= pending.charged
         return failed
 
     def _drop_key(self, key: str) -> None:
@@ -812,7 +1026,8 @@ class StreamedWeights:
             raise ValueError(f"resident_bytes must be positive, got {resident_bytes}")
         if prefetch < 0:
             raise ValueError(f"prefetch must not be negative, got {prefetch}")
-        _require_cpu(model.parameters(), "stream_weights")
+        self.device = _one_device(list(model.parameters()), "stream_weights")
+        self._streams = _CopyStreams(self.device) if self.device.type == "cuda" else None
         self.resident_bytes = resident_bytes
         self.prefetch = prefetch
         # A unit is a module with parameters of its own, or one that uses its children's
@@ -843,7 +1058,9 @@ class StreamedWeights:
                                                     f"{store_dir} has {free} free", str(store_dir))
         self._write_all()
         self._loaded: dict[torch.nn.Parameter, int] = {}  # parameter -> units using it now
-        self._pending: dict[torch.nn.Parameter, tuple[torch.Tensor, IOFuture]] = {}
+        self._pending: dict[torch.nn.Parameter, tuple[torch.Tensor, IOFuture]] = {}  # being read
+        # On a CUDA device: weights read ahead whose copy to the device has started.
+        self._uploaded: dict[torch.nn.Parameter, tuple[torch.Tensor, torch.cuda.Event]] = {}
         self._order: list[torch.nn.Module] = list(self._units)  # last forward's order, for prefetch
         self._seen: list[torch.nn.Module] = []
         self._resident = 0
@@ -897,21 +1114,46 @@ class StreamedWeights:
                                          f"unchanged", getattr(exc, "filename", None)) from exc
             raise
         for p, (_, dtype, _) in self._params.items():
-            p.data = torch.empty(0, dtype=dtype)
+            p.data = torch.empty(0, dtype=dtype, device=self.device)
 
     def _charge(self, nbytes: int) -> None:
         self._resident += nbytes
         self.peak_resident_bytes = max(self.peak_resident_bytes, self._resident)
 
     def _start_read(self, p: torch.nn.Parameter, *, streaming: bool = True) -> None:
+        """Starts reading ``p``'s weight: into memory of its own, on the CPU; into pinned
+        memory (torch reuses it once the copy to the device is done), for a CUDA device."""
         key, dtype, shape = self._params[p]
         nbytes = self._param_bytes(p)
-        if streaming:
+        if not streaming:
+            region = aligned_empty(nbytes)
+        elif self._streams is not None:
+            self._charge(nbytes)
+            region = _pinned_empty(nbytes)
+        else:
             self._charge(nbytes)
             region = self._region_of[p] = self._take_region(nbytes)
+        self._pending[p] = (_view(region, 0, dtype, shape), self.store.swap_in(key, _host_array(region)))
+
+    def _upload_ready(self) -> None:
+        """On a CUDA device, starts copying to it the weights whose reads are done, so the
+        copies run on the side stream while the current layer computes."""
+        if self._streams is None:
+            return
+        for p, (tensor, future) in list(self._pending.items()):
+            if future.done():
+                del self._pending[p]
+                future.result()
+                self._uploaded[p] = self._streams.upload_async(tensor)
+
+    def _discard(self, p: torch.nn.Parameter) -> None:
+        """Drops a weight read ahead for a layer that did not come next."""
+        if p in self._pending:
+            _, future = self._pending.pop(p)
+            _check_io([future])
         else:
-            region = aligned_empty(nbytes)
-        self._pending[p] = (_view(region, 0, dtype, shape), self.store.swap_in(key, region))
+            del self._uploaded[p]
+        self._release(p)
 
     def _take_region(self, nbytes: int) -> np.ndarray:
         """A spare region of this size if there is one, else new memory, for which spare
@@ -937,7 +1179,8 @@ class StreamedWeights:
             self._spare_bytes += region.nbytes
 
     def _missing(self, unit: torch.nn.Module) -> list[torch.nn.Parameter]:
-        return [p for p in self._unit_params[unit] if p not in self._loaded and p not in self._pending]
+        return [p for p in self._unit_params[unit]
+                if p not in self._loaded and p not in self._pending and p not in self._uploaded]
 
     def _before(self, unit: torch.nn.Module, args: Any) -> None:
         if torch.is_grad_enabled() and any(p.requires_grad for p in self._unit_params[unit]):
@@ -950,22 +1193,23 @@ class StreamedWeights:
         self._seen.append(unit)
         need = sum(self._param_bytes(p) for p in self._missing(unit))
         # Prefetches for layers the order predicted wrongly give way first.
-        for p in list(self._pending):
+        for p in list(self._pending) + list(self._uploaded):
             if self._resident + need <= self.resident_bytes:
                 break
             if id(p) not in self._unit_ids[unit]:
-                _, future = self._pending.pop(p)
-                _check_io([future])
-                self._release(p)
+                self._discard(p)
         for p in self._missing(unit):
             self._start_read(p)
         for p in self._unit_params[unit]:
             if p in self._pending:
                 tensor, future = self._pending.pop(p)
                 future.result()
-                p.data = tensor
+                p.data = tensor if self._streams is None else self._streams.to_device(tensor)
+            elif p in self._uploaded:
+                p.data = self._streams.use(*self._uploaded.pop(p))
             self._loaded[p] = self._loaded.get(p, 0) + 1
         self._prefetch_after(unit)
+        self._upload_ready()
 
     def _prefetch_after(self, unit: torch.nn.Module) -> None:
         if unit not in self._order:
@@ -984,17 +1228,19 @@ class StreamedWeights:
             if count > 0:
                 self._loaded[p] = count
             else:
-                p.data = torch.empty(0, dtype=p.dtype)
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
                 self._release(p)
+        self._upload_ready()
 
     def remove(self) -> None:
-        """Reads every weight back into memory (new tensors), removes the hooks and the store."""
+        """Reads every weight back onto the model's device (new tensors), removes the hooks and the store."""
         if self.store.closed:
             return
         for hook in self._hooks:
             hook.remove()
         _check_io(future for _, future in self._pending.values())
         self._pending.clear()
+        self._uploaded.clear()
         # Each weight gets a page-aligned buffer of its own, read straight from the drive.
         for p in self._params:
             if p not in self._loaded:
@@ -1002,7 +1248,7 @@ class StreamedWeights:
         try:
             _check_io(future for _, future in self._pending.values())
             for p, (tensor, _) in self._pending.items():
-                p.data = tensor
+                p.data = tensor.to(self.device)
         finally:
             self._pending.clear()
             self._loaded.clear()
@@ -1030,11 +1276,18 @@ def stream_weights(model: torch.nn.Module, store_dir: PathLike, *, resident_byte
     is read as one unit with its children; a TorchScript module, which runs no hooks, is
     refused. Buffers stay in memory. Inference only: a forward with gradients enabled raises.
 
+    On a CUDA model the weights are read into pinned host memory and copied to the
+    device on a side stream as soon as each read is done, so the reads and copies of the
+    layers ahead overlap the kernels of the layer running; the current stream waits for a
+    layer's copies (not the host) just before its forward, and the device memory is
+    freed after it. ``model.generate`` of a transformers model works as ``model(...)`` does.
+
     Args:
-        model: the model, its parameters on the CPU. Its parameters become empty tensors
-            outside their layer's forward.
+        model: the model, its parameters all on the CPU or all on one CUDA device. Its
+            parameters become empty tensors (on that device) outside their layer's forward.
         store_dir: an existing directory on the drive.
-        resident_bytes: bound on parameter memory held at once, prefetched layers included;
+        resident_bytes: bound on parameter memory held at once, prefetched layers included
+            (on a CUDA model, device memory and pinned host memory each);
             must hold the largest layer with the layers around it (a layer whose children
             also have weights holds its own while they run), which is checked here.
         prefetch: how many layers to read ahead.

@@ -119,6 +119,18 @@ class TensorSource:
     def _read(self, names: list[str], out: dict[str, Any]) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def read_range(self, name: str, start: int, nbytes: int) -> np.ndarray:
+        """Bytes ``[start, start + nbytes)`` of tensor ``name`` (row-major), as uint8.
+        Sources that keep tensors whole read just those bytes; others read the tensor."""
+        self._check_range(name, start, nbytes)
+        return byte_view(self.read([name])[name], writable=False)[start:start + nbytes].copy()
+
+    def _check_range(self, name: str, start: int, nbytes: int) -> TensorEntry:
+        entry = self.tensors[name]
+        if start < 0 or nbytes < 0 or start + nbytes > entry.nbytes:
+            raise ValueError(f"bytes [{start}, {start + nbytes}) lie outside {name!r} of {entry.nbytes} bytes")
+        return entry
+
     def close(self) -> None:
         pass
 
@@ -177,6 +189,12 @@ class ShardSource(TensorSource):
             for part in pool.map(read, by_file):
                 result.update(part)
         return {n: result[n] for n in names}
+
+    def read_range(self, name: str, start: int, nbytes: int) -> np.ndarray:
+        reader = self._readers[self._check_range(name, start, nbytes).file]
+        out = reader.buffer_for(self._key(name), start, nbytes)
+        reader.pread(self._key(name), out, start).result()
+        return out
 
     def close(self) -> None:
         self._readers.close()
