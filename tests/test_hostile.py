@@ -426,6 +426,7 @@ def test_closed_files_hold_no_descriptors_once_their_io_is_done(tmp_path, backen
         assert open_under(tmp_path) == []
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_failed_dcp_save_leaves_nothing_behind(tmp_path, monkeypatch) -> None:
     import errno
 
