@@ -34,7 +34,7 @@ from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, CorruptC
 from .schema import (MANIFEST_VERSION, check_index, member_path, parse_json, read_small_file, seal_manifest,
                      unseal_manifest, validate_manifest)
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
-                    fsync_after_commit, fsync_dir)
+                    fsync_after_commit, fsync_dir, gc_paused)
 from .temporaries import TMP_MARKER, hold, release, remove_stale_temporaries
 
 MANIFEST = "tensorferry.json"
@@ -295,6 +295,7 @@ def split_by_size(sizes: Mapping[str, int], max_shard_bytes: int, max_shards: in
     return [g for g in groups if g] or [[]]
 
 
+@gc_paused()
 def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
                     metadata: Mapping[str, Any] | None = None, *, engine: Engine | None = None,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, buffer_size: int = DEFAULT_BUFFER_SIZE,
@@ -342,6 +343,7 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
         raise
 
 
+@gc_paused()
 def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = None, *,
                     out: Mapping[str, Any] | None = None, engine: Engine | None = None,
                     verify: bool = True) -> dict[str, np.ndarray]:

@@ -44,7 +44,7 @@ from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_proces
 from ...engine import Engine
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
 from ...layouts.dcp import DCP_METADATA, ITEMS_KEY
-from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardReader, gc_paused, write_order
+from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardInfo, ShardReader, gc_paused, write_order
 from .staging import DeviceToHost, leased, stage_state_dict, staging_pool
 from .tensors import FROM_SAFETENSORS, safetensors_dtype, writable_bytes
 
@@ -115,6 +115,7 @@ class DCPWriter(StorageWriter):
         self.overwrite = overwrite
         self.buffer_size = buffer_size
         self._pending: PendingCheckpoint | None = None
+        self._written: dict[str, ShardInfo] = {}  # the files this process wrote, by name
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -124,6 +125,7 @@ class DCPWriter(StorageWriter):
         if self._pending is not None:  # a save that failed before finish(): torch does not tell us
             self._pending.abort()
         self._pending = None
+        self._written = {}
 
     # torch's AsyncStager protocol: ``dcp.async_save`` snapshots the state through this
     # writer rather than its default stager, which copies into pageable memory.
@@ -183,6 +185,7 @@ class DCPWriter(StorageWriter):
                     _add_item(writer, key, item, planner, source_of.get(key))
                     results.append(WriteResult(index=item.index, size_in_bytes=sizes[key],
                                                storage_data=StoredItem(filename, key)))
+            self._written[filename] = writer.info
             return results
 
         try:
@@ -201,6 +204,9 @@ class DCPWriter(StorageWriter):
         written = [r for rank in results for r in rank]
         headers = {}
         for name in sorted({r.storage_data.file for r in written}):
+            if name in self._written:  # written here: what its writer returned, not its header read back
+                headers[name] = _WrittenShard(self._written[name])
+                continue
             with ShardReader(os.path.join(pending.tmp_path, name), self.engine, verify=False) as reader:
                 headers[name] = reader
         items: dict[str, dict[str, Any]] = {"tensors": {}, "objects": {}}
@@ -232,6 +238,20 @@ class DCPWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class _WrittenShard:
+    """A shard file this process wrote, as :meth:`DCPWriter.finish` reads its header:
+    re-parsing 4096 tensors' header took 0.18 s of a 1 s save."""
+
+    def __init__(self, info: ShardInfo) -> None:
+        self._info = info
+        self.tensors = info.tensors
+        # The data section ends the file, packed from its start without holes.
+        self.data_start = info.size - max((t.end for t in info.tensors.values()), default=0)
+
+    def shard_info(self) -> ShardInfo:
+        return self._info
 
 
 def _planned_bytes(item: WriteItem) -> int:
