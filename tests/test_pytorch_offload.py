@@ -6,6 +6,7 @@ import copy
 import ctypes
 import errno
 import os
+from typing import Callable
 
 import pytest
 
@@ -502,3 +503,90 @@ def test_budget_is_checked_when_the_optimizer_is_built(tmp_path):
     train_embedding(model, wrapped, 2)
     assert wrapped.peak_resident_bytes <= 3 * (200 << 10)
     wrapped.close()
+
+
+class FP32Masters:
+    """The reference for ``master_weights``: a plain optimizer stepping fp32 copies of bf16
+    parameters from the gradients cast to fp32, the parameters then set to the copies."""
+
+    def __init__(self, params: list[torch.nn.Parameter], make: Callable) -> None:
+        self.params = params
+        self.masters = [p.detach().float().requires_grad_() for p in params]
+        self.optimizer = make(self.masters)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam-foreach", "sgd-momentum"])
+def test_master_weights_keep_fp32_state_for_bf16_parameters(tmp_path, name):
+    plain, offloaded = embedding_model().bfloat16(), embedding_model().bfloat16()
+    reference = FP32Masters(list(plain.parameters()), ELEMENTWISE[name])
+    budget = 3 * (2000 * 64 * 4)  # the embedding's master and state (12 bytes per element) in slices
+    wrapped = OffloadedOptimizer(ELEMENTWISE[name](offloaded.parameters()), tmp_path, resident_bytes=budget,
+                                 master_weights=True)
+    assert len(wrapped._params()) > len(list(offloaded.parameters()))  # the embedding is stepped in slices
+    train_embedding(plain, reference, 3)
+    train_embedding(offloaded, wrapped, 3)
+    assert_same_params(plain, offloaded)
+    assert wrapped.peak_resident_bytes <= budget
+    saved = wrapped.state_dict()
+    for index, (p, m) in enumerate(zip(plain.parameters(), reference.masters)):
+        assert saved["state"][index]["master"].dtype == torch.float32
+        assert torch.equal(saved["state"][index]["master"], m)
+        for entry, value in reference.optimizer.state[m].items():
+            assert torch.equal(saved["state"][index][entry], value), entry  # fp32, not cast to bf16
+
+    # Resumed from the state dict: the masters and their state come back fp32, training goes on alike.
+    resumed = embedding_model(seed=3).bfloat16()
+    resumed.load_state_dict(offloaded.state_dict())
+    fresh = OffloadedOptimizer(ELEMENTWISE[name](resumed.parameters()), tmp_path, resident_bytes=budget,
+                               master_weights=True)
+    fresh.load_state_dict(saved)
+    train_embedding(plain, reference, 2)
+    train_embedding(resumed, fresh, 2)
+    assert_same_params(plain, resumed)
+    for o in (wrapped, fresh):
+        o.close()
+
+
+def test_parameters_must_be_on_one_cpu_or_cuda_device(tmp_path):
+    on_meta = torch.nn.Linear(4, 4, device="meta")
+    with pytest.raises(ValueError, match="CPU or a CUDA device"):
+        OffloadedOptimizer(torch.optim.AdamW(on_meta.parameters()), tmp_path)
+    with pytest.raises(ValueError, match="CPU or a CUDA device"):
+        stream_weights(on_meta, tmp_path)
+    mixed = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4, device="meta"))]
+    with pytest.raises(ValueError, match="one device"):
+        OffloadedOptimizer(torch.optim.AdamW(mixed), tmp_path)
+    wrapped = OffloadedOptimizer(torch.optim.AdamW(mlp().parameters()), tmp_path)
+    with pytest.raises(ValueError, match="CPU or a CUDA device"):
+        wrapped.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4, device="meta"))]})
+    wrapped.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_stream_weights_generate_of_a_transformers_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    prompt = torch.randint(0, 128, (2, 6))
+    options = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        expected = model.generate(prompt, **options)
+        layer = 64 * 128 * 4  # an MLP projection, the largest weight but the embedding and head
+        with stream_weights(model, tmp_path, resident_bytes=2 * 128 * 64 * 4 + 4 * layer) as handle:
+            got = model.generate(prompt, **options)
+            assert handle.peak_resident_bytes <= handle.resident_bytes
+    assert torch.equal(got, expected)

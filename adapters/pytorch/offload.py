@@ -364,6 +364,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             share of the budget in slices, with the same result, and the budget is
             checked when the wrapper is built; others need the largest parameter's state
             to fit a chunk.
+        master_weights: mixed precision, as DeepSpeed's NVMe offload does it: each bf16 or
+            fp16 parameter gets an fp32 master copy, kept with its state (as the state entry
+            ``"master"``) in the store. The wrapped optimizer steps the master, from the
+            gradient cast to fp32, so its state is fp32 too, and the parameter becomes the
+            master rounded to its dtype. The first step makes the master from the parameter.
 
     Example::
 
@@ -374,7 +379,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, store_dir: PathLike, *,
                  resident_bytes: int = 1 << 30, prefetch: int = 1, engine: Engine | None = None,
-                 elementwise: bool | None = None) -> None:
+                 elementwise: bool | None = None, master_weights: bool = False) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError(f"expected a torch optimizer to wrap, got {type(optimizer).__name__}")
         if resident_bytes <= 0:
@@ -400,6 +405,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.prefetch = prefetch
         self.store = OffloadStore(store_dir, engine, max_pool_bytes=0)
         self.elementwise = isinstance(optimizer, _ELEMENTWISE) if elementwise is None else elementwise
+        self.master_weights = master_weights
         # What the optimizer steps: each parameter itself, or views of its slices
         # (parameter -> [(view, start element)]), each with a store key given on first sight.
         self._keys: dict[torch.Tensor, str] = {}
@@ -474,13 +480,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
         def step_chunk(chunk: list[torch.Tensor]) -> None:
             ids = {id(p) for p in chunk}
+            masters = self._masters_to_step(chunk)
             try:
                 for group, pieces in zip(groups, stepped):
-                    group["params"] = [p for p in pieces if id(p) in ids]
+                    group["params"] = [masters.get(id(p), p) for p in pieces if id(p) in ids]
                 raw_step(inner)
             finally:
                 for group, full in zip(groups, members):
                     group["params"] = full
+                self._masters_stepped(chunk, masters)
 
         for p, pieces in self._slices.items():
             for view, start in pieces:
@@ -527,6 +535,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a (wrapped or plain) optimizer state dict into the wrapped optimizer and offloads it."""
         self.optimizer.load_state_dict(state_dict)
+        if self.master_weights:
+            # torch casts a parameter's state to its dtype: masters and their state stay fp32.
+            saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            for index, p in zip(saved, params):
+                for name, value in state_dict["state"].get(index, {}).items():
+                    if self._has_master(p) and isinstance(value, torch.Tensor) and value.is_floating_point():
+                        self.optimizer.state[p][name] = value.detach().to(self.optimizer.state[p][name].device,
+                                                                            copy=True)
         for key in list(self._layouts):
             self.store.delete(key)
         self._layouts.clear()
@@ -564,6 +581,37 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Host memory for state on its way to or from the drive: pinned for a CUDA device."""
         return aligned_empty(nbytes) if self._streams is None else _pinned_empty(nbytes)
 
+    def _has_master(self, p: torch.Tensor) -> bool:
+        return self.master_weights and p.dtype in (torch.bfloat16, torch.float16)
+
+    def _masters_to_step(self, chunk: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """For each parameter of the chunk with a master and a gradient: its fp32 master (from
+        its state, or made from it on the first step), with the gradient cast to fp32 and its
+        state moved to the master, which the wrapped optimizer steps in its place."""
+        masters = {}
+        for p in chunk:
+            if not self._has_master(p) or p.grad is None:
+                continue
+            held = dict(self.optimizer.state.pop(p, {}))
+            master = held.pop("master", None)
+            if master is None:
+                master = p.detach().float()
+            master.grad = p.grad.float()
+            if held:
+                self.optimizer.state[master] = held
+            masters[id(p)] = master
+        return masters
+
+    def _masters_stepped(self, chunk: list[torch.Tensor], masters: dict[int, torch.Tensor]) -> None:
+        """Puts each master, with its state, back under its parameter, which takes its value."""
+        for p in chunk:
+            master = masters.get(id(p))
+            if master is None:
+                continue
+            master.grad = None
+            self.optimizer.state[p] = {**self.optimizer.state.pop(master, {}), "master": master}
+            p.copy_(master)
+
     def _unique_params(self) -> list[torch.Tensor]:
         """Every parameter once, in param-group order."""
         seen: dict[int, torch.Tensor] = {}
@@ -591,7 +639,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             return
         size = self._sizes.get((index, p.dtype))
         if size is None:
-            size = self._sizes[(index, p.dtype)] = _probe_state_size(self.optimizer, group, p.dtype, self.device)
+            if self._has_master(p):  # the state of an fp32 parameter, and the fp32 master
+                size = _probe_state_size(self.optimizer, group, torch.float32, self.device)
+                size = _StateSize(size.per_element + 4, size.fixed + _ALIGN)
+            else:
+                size = _probe_state_size(self.optimizer, group, p.dtype, self.device)
+            self._sizes[(index, p.dtype)] = size
         elements = p.numel()
         if size.of(elements) > self._chunk_budget() and p.is_contiguous() and elements > _SLICE_ELEMENTS:
             fits = int((self._chunk_budget() - size.fixed - _PAGE) / max(size.per_element, 1e-9))

@@ -213,8 +213,9 @@ def stage_state_dict(state_dict: Any, pool: PinnedPool | None = None) -> Any:
     for i, copy in zip(positions, snapshot(local, pool)):
         leaf = leaves[i]
         if isinstance(leaf, DTensor):
-            copy = DTensor.from_local(copy, leaf.device_mesh, leaf.placements, run_check=False,
-                                      shape=leaf.shape, stride=leaf.stride())
+            # As torch's own staging does: the same spec around a host local tensor
+            # (DTensor.from_local would move it back to the mesh's device).
+            copy = DTensor(copy, leaf._spec, requires_grad=False)
         leaves[i] = copy
     return tree_unflatten(leaves, spec)
 
