@@ -329,7 +329,7 @@ class Engine:
             why = ("this engine has use_gds=False" if self.config.use_gds is False
                    else f"kvikio is not installed: {gds.GDS_EXTRA}")
             raise gds.refusal(why)
-        _, size = gds.device_nbytes(buffer)
+        address, size = gds.device_nbytes(buffer)
         if nbytes is None:
             nbytes = size
         elif nbytes < 0 or nbytes > size:
@@ -347,13 +347,14 @@ class Engine:
             if self._cufiles is None:
                 self._cufiles = gds.CuFileCache(gds.load_kvikio())
         handle = self._cufiles.handle(path, is_write)
+        device_bytes = gds.DeviceBytes(buffer, address, size)
         if is_write:
-            request = gds.CuFileRequest(lambda: handle.pwrite(buffer, nbytes, offset), nbytes, offset,
+            request = gds.CuFileRequest(lambda: handle.pwrite(device_bytes, nbytes, offset), nbytes, offset,
                                         f"kvikio pwrite ({mode})")
         else:
-            request = gds.CuFileRequest(lambda: handle.pread(buffer, nbytes, offset), nbytes, offset,
+            request = gds.CuFileRequest(lambda: handle.pread(device_bytes, nbytes, offset), nbytes, offset,
                                         f"kvikio pread ({mode})")
-        future = IOFuture([request], keepalive=buffer, paths=[path])
+        future = IOFuture([request], keepalive=device_bytes, paths=[path])
         self._track(future)
         return future
 

@@ -32,13 +32,11 @@ _CUDA_DEVICES = (KDL_CUDA, KDL_CUDA_MANAGED)
 
 
 def is_device_buffer(buffer: Any) -> bool:
-    """Whether ``buffer`` lives in CUDA device memory (``__cuda_array_interface__``, or a
-    DLPack device of type CUDA or CUDA-managed). Host memory, pinned host memory
-    included, is not. Memory of any other accelerator raises TypeError."""
+    """Whether ``buffer`` lives in CUDA device memory (a DLPack device of type CUDA or
+    CUDA-managed, or else a ``__cuda_array_interface__``). Host memory, pinned host
+    memory included, is not. Memory of any other accelerator raises TypeError."""
     if isinstance(buffer, (bytes, bytearray, memoryview)):
         return False
-    if hasattr(buffer, "__cuda_array_interface__"):
-        return True
     if hasattr(buffer, "__dlpack_device__"):
         kind = int(buffer.__dlpack_device__()[0])
         if kind in _CUDA_DEVICES:
@@ -46,14 +44,32 @@ def is_device_buffer(buffer: Any) -> bool:
         if kind not in _HOST_DEVICES:
             raise TypeError(f"{type(buffer).__name__} lives on DLPack device type {kind}; tensorferry reads "
                             "and writes host memory and CUDA device memory only")
-    return False
+        return False
+    return _cuda_interface(buffer) is not None
+
+
+def _cuda_interface(buffer: Any) -> dict[str, Any] | None:
+    try:
+        return buffer.__cuda_array_interface__
+    except AttributeError:
+        return None
+    except (KeyError, TypeError, ValueError, RuntimeError):
+        # torch raises these for device tensors it cannot describe so (bf16, fp8, a
+        # tensor that requires grad): device memory all the same.
+        return {}
 
 
 def device_nbytes(buffer: Any) -> tuple[int, int]:
     """``(address, nbytes)`` of a C-contiguous device buffer, from its
-    ``__cuda_array_interface__``. Raises TypeError without one, ValueError if strided."""
-    interface = getattr(buffer, "__cuda_array_interface__", None)
-    if interface is None:
+    ``__cuda_array_interface__``, or for a tensor that has none for its dtype (torch's
+    bf16 and fp8) from ``data_ptr()`` and ``nbytes``. Raises ValueError if strided,
+    TypeError if neither describes it."""
+    interface = _cuda_interface(buffer)
+    if not interface:
+        if callable(getattr(buffer, "data_ptr", None)) and callable(getattr(buffer, "is_contiguous", None)):
+            if not buffer.is_contiguous():
+                raise ValueError(f"{type(buffer).__name__} is not contiguous; pass a contiguous copy")
+            return int(buffer.data_ptr()), int(buffer.nbytes)
         raise TypeError(f"{type(buffer).__name__} is device memory without __cuda_array_interface__; "
                         "kvikio needs it (torch, cupy, numba and jax CUDA arrays have it)")
     shape = tuple(interface["shape"])
@@ -71,6 +87,21 @@ def device_nbytes(buffer: Any) -> tuple[int, int]:
     for dim in shape:
         count *= dim
     return int(interface["data"][0]), count * itemsize
+
+
+class DeviceBytes:
+    """A range of device memory as kvikio takes it (a uint8 ``__cuda_array_interface__``),
+    keeping its owner alive: kvikio cannot describe every dtype (bf16, fp8), bytes it can."""
+
+    __slots__ = ("owner", "address", "nbytes")
+
+    def __init__(self, owner: Any, address: int, nbytes: int) -> None:
+        self.owner, self.address, self.nbytes = owner, address, nbytes
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.address, False), "strides": None,
+                "version": 3}
 
 
 _kvikio_lock = threading.Lock()
@@ -206,5 +237,5 @@ class CuFileCache:
             self._handles.clear()
 
 
-__all__ = ["GDS_EXTRA", "GDS_MODES", "CuFileCache", "CuFileRequest", "device_nbytes", "is_device_buffer",
+__all__ = ["GDS_EXTRA", "GDS_MODES", "CuFileCache", "CuFileRequest", "DeviceBytes", "device_nbytes", "is_device_buffer",
            "kvikio_mode", "load_kvikio", "resolve_mode"]

@@ -10,6 +10,7 @@ proof that a device path works.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import errno
 import gc
 import os
@@ -83,6 +84,36 @@ def test_device_buffers_are_told_from_host_buffers() -> None:
     assert not gds.is_device_buffer(Dlpack(gds.KDL_CUDA_HOST)), "pinned host memory is host memory"
     with pytest.raises(TypeError, match="DLPack device type 10"):
         gds.is_device_buffer(Dlpack(10))  # ROCm
+
+
+class TorchLikeBf16:
+    """What a CUDA bf16 torch tensor shows: DLPack says CUDA, __cuda_array_interface__
+    raises (no typestr for bf16), data_ptr/nbytes/is_contiguous describe it."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array, self.nbytes = array, array.nbytes
+
+    def __dlpack_device__(self):
+        return (gds.KDL_CUDA, 0)
+
+    @property
+    def __cuda_array_interface__(self):
+        raise KeyError("torch.bfloat16")
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def is_contiguous(self) -> bool:
+        return self.array.flags.c_contiguous
+
+
+def test_device_tensors_without_an_interface_for_their_dtype_are_still_device_memory() -> None:
+    a = np.zeros(64, np.uint16)
+    bf16 = TorchLikeBf16(a)
+    assert gds.is_device_buffer(bf16)
+    assert gds.device_nbytes(bf16) == (a.ctypes.data, 128)
+    with pytest.raises(ValueError, match="not contiguous"):
+        gds.device_nbytes(TorchLikeBf16(np.zeros((4, 4), np.uint16)[:, ::2]))
 
 
 def test_device_buffer_size_and_layout_come_from_its_interface() -> None:
@@ -210,16 +241,22 @@ class RecordingKvikio:
                 self.fd = os.open(path, os.O_RDWR if "+" in flags else os.O_RDONLY)
 
             def pwrite(self, buf, size, file_offset):
-                view = buf.array.reshape(-1).view(np.uint8)[:size]
+                view = over(buf)[:size]
                 return KvikioFuture(lambda: os.pwrite(self.fd, view, file_offset))
 
             def pread(self, buf, size, file_offset):
-                view = buf.array.reshape(-1).view(np.uint8)[:size]
+                view = over(buf)[:size]
                 return KvikioFuture(lambda: os.preadv(self.fd, [view], file_offset))
 
             def close(self) -> None:
                 os.close(self.fd)
                 outer.closed += 1
+
+        def over(buf) -> np.ndarray:
+            interface = buf.__cuda_array_interface__
+            assert interface["typestr"] == "|u1" and interface["strides"] is None, "kvikio is given plain bytes"
+            (count,), (address, _) = interface["shape"], interface["data"]
+            return np.ctypeslib.as_array((ctypes.c_uint8 * count).from_address(address))
 
         self.CuFile = CuFile
 
@@ -248,11 +285,14 @@ def test_engine_dispatches_device_buffers_to_kvikio_handles(monkeypatch: pytest.
             os.close(fd)
         with pytest.raises(ValueError, match="buffer too small"):
             engine.write(DeviceArray(data), tmp_path / "keep.bin", nbytes=8193)
+        half = np.arange(100, 164, dtype=np.uint16)  # a bf16 tensor's 128 bytes, say
+        assert engine.write(TorchLikeBf16(half), tmp_path / "keep.bin", 4096 + 8192) == 128
     assert kvikio.opened == [("keep.bin", "r+"), ("keep.bin", "r")], "one handle per file and direction"
     assert kvikio.closed == 2, "the engine's close closes its handles"
     content = (tmp_path / "keep.bin").read_bytes()
     assert content[16:100] == b"k" * 84, "a path is opened for writing without truncation"
-    assert content[:16] == bytes(range(16)) and content[4096:] == data.tobytes()
+    assert content[:16] == bytes(range(16)) and content[4096:4096 + 8192] == data.tobytes()
+    assert content[4096 + 8192:] == half.tobytes()
 
 
 # --- the pinned pool, registered with CUDA -------------------------------------------------
@@ -539,6 +579,11 @@ def test_engine_reads_and_writes_device_memory_through_kvikio(tmp_path) -> None:
             host = np.empty(8 << 20, np.uint8)
             engine.read(host, f, 4096)
         assert np.array_equal(host, data.cpu().numpy())
+        bf16 = torch.randn(4096, device="cuda").to(torch.bfloat16)  # no __cuda_array_interface__ for bf16
+        assert engine.write(bf16, tmp_path / "h.bin") == 8192
+        back16 = torch.empty_like(bf16)
+        engine.read(back16, tmp_path / "h.bin")
+        assert torch.equal(back16, bf16)
 
 
 @pytest.mark.cuda
@@ -585,3 +630,34 @@ def test_a_forked_child_does_not_register_with_the_parents_runtime() -> None:
     os.close(write)
     assert pool.registered and len(registrations.live) == 1
     pool.clear()
+
+
+def test_device_tensors_are_saved_through_deferred_copies_in_write_order(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path) -> None:
+    # Off-CPU tensors (meta here: no data, so no device) take save's device path; only the
+    # copy itself is replaced, by one that makes each tensor's bytes from its shape.
+    copied: list[tuple[int, ...]] = []
+
+    def copy(t: torch.Tensor, pool: PinnedPool):
+        copied.append(tuple(t.shape))
+        host = staging.leased(pool, t.numel() * t.element_size())
+        host[:] = t.shape[0] % 251
+        return host, lambda: None
+
+    monkeypatch.setattr(staging, "copy_to_host_async", copy)
+    state = {"small16": torch.empty(300, 2, dtype=torch.bfloat16, device="meta"),
+             "big32": torch.empty(70000, dtype=torch.float32, device="meta"),
+             "host": torch.arange(5), "n": np.arange(3), "step": 7,
+             "mid64": torch.empty(1000, dtype=torch.float64, device="meta")}
+    save(state, tmp_path / "s.safetensors")
+    assert copied == [(1000,), (70000,), (300, 2)], "copied in the order the writer writes: 8-byte items first"
+    loaded = load(tmp_path / "s.safetensors")
+    for name in ("small16", "big32", "mid64"):
+        raw = loaded[name].reshape(-1).view(torch.uint8)
+        assert loaded[name].shape == state[name].shape and bool((raw == state[name].shape[0] % 251).all())
+    assert torch.equal(loaded["host"], torch.arange(5)) and loaded["step"] == 7
+    copied.clear()
+    save_checkpoint(tmp_path / "ckpt", state, max_shard_bytes=4096)  # several files, written concurrently
+    assert sorted(copied) == sorted([(1000,), (70000,), (300, 2)])
+    assert tensorferry.verify_checkpoint(tmp_path / "ckpt") == []
+    assert bool((load(tmp_path / "ckpt")["big32"].view(torch.uint8) == 70000 % 251).all())

@@ -21,6 +21,7 @@ that those readers stop with an error that says what the folder is and how to re
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import io
 import math
@@ -43,7 +44,7 @@ from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_proces
 from ...engine import Engine
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
 from ...layouts.dcp import DCP_METADATA, ITEMS_KEY
-from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardReader, gc_paused, write_order
+from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardInfo, ShardReader, gc_paused, write_order
 from .staging import DeviceToHost, leased, stage_state_dict, staging_pool
 from .tensors import FROM_SAFETENSORS, safetensors_dtype, writable_bytes
 
@@ -114,13 +115,17 @@ class DCPWriter(StorageWriter):
         self.overwrite = overwrite
         self.buffer_size = buffer_size
         self._pending: PendingCheckpoint | None = None
+        self._written: dict[str, ShardInfo] = {}  # the files this process wrote, by name
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
             self.path = os.path.abspath(os.fspath(checkpoint_id))
         if self.path is None:
             raise ValueError("DCPWriter needs a path: DCPWriter(path) or dcp.save(..., checkpoint_id=path)")
+        if self._pending is not None:  # a save that failed before finish(): torch does not tell us
+            self._pending.abort()
         self._pending = None
+        self._written = {}
 
     # torch's AsyncStager protocol: ``dcp.async_save`` snapshots the state through this
     # writer rather than its default stager, which copies into pageable memory.
@@ -180,10 +185,17 @@ class DCPWriter(StorageWriter):
                     _add_item(writer, key, item, planner, source_of.get(key))
                     results.append(WriteResult(index=item.index, size_in_bytes=sizes[key],
                                                storage_data=StoredItem(filename, key)))
+            self._written[filename] = writer.info
             return results
 
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(groups)) as pool:
-            per_file = list(pool.map(write_file, range(len(groups))))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=len(groups)) as pool:
+                per_file = list(pool.map(write_file, range(len(groups))))
+        except BaseException:
+            for number in range(len(groups)):  # this rank's finished files: the save will not commit
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(pending.tmp_path, f"{where.prefix}-{number:03d}.safetensors"))
+            raise
         return _done([r for results in per_file for r in results])
 
     @gc_paused()
@@ -192,6 +204,9 @@ class DCPWriter(StorageWriter):
         written = [r for rank in results for r in rank]
         headers = {}
         for name in sorted({r.storage_data.file for r in written}):
+            if name in self._written:  # written here: what its writer returned, not its header read back
+                headers[name] = _WrittenShard(self._written[name])
+                continue
             with ShardReader(os.path.join(pending.tmp_path, name), self.engine, verify=False) as reader:
                 headers[name] = reader
         items: dict[str, dict[str, Any]] = {"tensors": {}, "objects": {}}
@@ -211,13 +226,32 @@ class DCPWriter(StorageWriter):
             entry["chunks"].append([where.file, where.key, [int(o) for o in r.index.offset], list(stored.shape)])
             metadata.storage_data[r.index] = _StorageInfo(where.file, offset, stored.nbytes, (NOT_TORCH_SAVE,))
         write_durably(os.path.join(pending.tmp_path, DCP_METADATA), pickle.dumps(metadata))
-        pending.commit([h.shard_info() for h in headers.values()],
-                       {"written_by": "tensorferry.adapters.pytorch.DCPWriter", "dcp_metadata": DCP_METADATA,
-                        ITEMS_KEY: items}, overwrite=self.overwrite)
+        self._pending = None
+        try:
+            pending.commit([h.shard_info() for h in headers.values()],
+                           {"written_by": "tensorferry.adapters.pytorch.DCPWriter", "dcp_metadata": DCP_METADATA,
+                            ITEMS_KEY: items}, overwrite=self.overwrite)
+        except BaseException:
+            pending.abort()
+            raise
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class _WrittenShard:
+    """A shard file this process wrote, as :meth:`DCPWriter.finish` reads its header:
+    re-parsing 4096 tensors' header took 0.18 s of a 1 s save."""
+
+    def __init__(self, info: ShardInfo) -> None:
+        self._info = info
+        self.tensors = info.tensors
+        # The data section ends the file, packed from its start without holes.
+        self.data_start = info.size - max((t.end for t in info.tensors.values()), default=0)
+
+    def shard_info(self) -> ShardInfo:
+        return self._info
 
 
 def _planned_bytes(item: WriteItem) -> int:

@@ -24,7 +24,7 @@ from ...engine import Engine
 from ...errors import CorruptCheckpointError
 from ...layouts.huggingface import INDEX_SUFFIX
 from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse_json
-from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, write_order
+from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, gc_paused, write_order
 from .staging import DeviceToHost, read_to_device
 from .tensors import from_array, host_array, safetensors_dtype
 
@@ -145,6 +145,7 @@ def _to_tensors(arrays: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
     return tensors
 
 
+@gc_paused()
 def save(obj: Any, path: str | os.PathLike, *, metadata: dict[str, str] | None = None,
          engine: Engine | None = None) -> None:
     """Saves a state dict (or any nesting of dicts, lists, tuples, tensors, numpy arrays and
@@ -182,6 +183,7 @@ def _writable(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, Any
     return writable
 
 
+@gc_paused()
 def load(path: str | os.PathLike, map_location: str | torch.device | None = None, *,
          engine: Engine | None = None, verify: bool = True) -> Any:
     """Loads what :func:`save` (a file) or :func:`save_checkpoint` (a directory) wrote, no
@@ -242,6 +244,7 @@ def _host_names(structure: Any) -> set[str]:
     return found
 
 
+@gc_paused()
 def save_checkpoint(directory: str | os.PathLike, obj: Any, metadata: Mapping[str, Any] | None = None, *,
                     engine: Engine | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                     buffer_size: int = DEFAULT_BUFFER_SIZE, overwrite: bool = False) -> str:
@@ -261,6 +264,7 @@ def save_checkpoint(directory: str | os.PathLike, obj: Any, metadata: Mapping[st
                            buffer_size=buffer_size, overwrite=overwrite, shard_metadata=TORCH_FORMAT, hf_index=True)
 
 
+@gc_paused()
 def load_checkpoint(directory: str | os.PathLike, map_location: str | torch.device | None = None, *,
                     names: Iterable[str] | None = None, out: Mapping[str, torch.Tensor] | None = None,
                     engine: Engine | None = None, verify: bool = True) -> Any:
