@@ -661,3 +661,23 @@ def test_device_tensors_are_saved_through_deferred_copies_in_write_order(monkeyp
     assert sorted(copied) == sorted([(1000,), (70000,), (300, 2)])
     assert tensorferry.verify_checkpoint(tmp_path / "ckpt") == []
     assert bool((load(tmp_path / "ckpt")["big32"].view(torch.uint8) == 70000 % 251).all())
+
+
+def test_dcp_writer_copies_device_items_through_the_stager(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    copied = []
+
+    def copy(t: torch.Tensor, pool: PinnedPool):
+        copied.append(tuple(t.shape))
+        host = staging.leased(pool, t.numel() * t.element_size())
+        host[:] = 7
+        return host, lambda: None
+
+    monkeypatch.setattr(staging, "copy_to_host_async", copy)
+    state = {"w": torch.empty(64, 64, dtype=torch.bfloat16, device="meta"), "b": torch.ones(3)}
+    dcp.save(state, storage_writer=DCPWriter(tmp_path / "c", files_per_rank=2))
+    assert copied == [(64, 64)]
+    into = {"w": torch.zeros(64, 64, dtype=torch.bfloat16), "b": torch.zeros(3)}
+    dcp.load(into, storage_reader=DCPReader(tmp_path / "c"))
+    assert bool((into["w"].view(torch.uint8) == 7).all()) and torch.equal(into["b"], torch.ones(3))
