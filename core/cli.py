@@ -653,8 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     known = ("a tensorferry checkpoint, a safetensors file, a Hugging Face model folder (shards and\n"
-             "model.safetensors.index.json), a torch DCP directory (torch's writer or tensorferry's) or an\n"
-             "Orbax checkpoint (items of tensorferry's handler; others with orbax-checkpoint installed)")
+             "model.safetensors.index.json, or torch's distributed HuggingFaceStorageWriter's shards), a torch\n"
+             "DCP directory (torch's writer or tensorferry's) or an Orbax checkpoint (items of tensorferry's\n"
+             "handler; others with orbax-checkpoint installed)")
     p = add("inspect", "what a checkpoint holds and whether it is complete",
             f"Lists the tensors (shape, dtype, size), files, ranks and metadata of {known},\n"
             "and says whether it is complete. Exit status 1 if it is not.")
