@@ -148,6 +148,12 @@ class PendingCheckpoint:
         release(self._lock)
         self._lock = None
 
+    def __del__(self) -> None:
+        # Dropped neither committed nor aborted (a framework that gave up on the save):
+        # the temporary becomes a leftover that the next save or prune removes.
+        release(self._lock)
+        self._lock = None
+
 
 OLD_MARKER = f"{TMP_MARKER}old-"
 _RENAME_EXCHANGE = 2
@@ -358,6 +364,20 @@ def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = 
             with foreign.open(engine=engine, verify=verify) as source:
                 return source.read(names, out)
     manifest = read_manifest(directory)
+    try:
+        return _load_as_listed(directory, manifest, names, out, engine, verify)
+    except (CorruptCheckpointError, OSError):
+        # An overwrite may have replaced the checkpoint between its manifest and its
+        # files: then, and only then, the new one is read (once).
+        directory = resolve_checkpoint(directory)
+        again = read_manifest(directory)
+        if (again["files"], again.get("committed_at")) == (manifest["files"], manifest.get("committed_at")):
+            raise
+    return _load_as_listed(directory, again, names, out, engine, verify)
+
+
+def _load_as_listed(directory: str, manifest: Mapping[str, Any], names: Iterable[str] | None,
+                    out: Mapping[str, Any] | None, engine: Engine | None, verify: bool) -> dict[str, np.ndarray]:
     tensors = manifest["tensors"]
     out = dict(out or {})
     wanted = list(names) if names is not None else list(out) if out else list(tensors)
@@ -401,8 +421,23 @@ def _check_destination(directory: str, name: str, entry: Mapping[str, Any], dest
     if shape is not None and tuple(shape) != tuple(entry["shape"]):
         raise ValueError(f"{directory}: tensor {name!r} has shape {tuple(entry['shape'])}, "
                          f"the destination {tuple(shape)}")
-    if isinstance(dest, np.ndarray) and dest.dtype != to_numpy_dtype(entry["dtype"]):
-        raise ValueError(f"{directory}: tensor {name!r} is {entry['dtype']}, the destination {dest.dtype}")
+    dtype = getattr(dest, "dtype", None)
+    expected = to_numpy_dtype(entry["dtype"])  # first: it makes ml_dtypes' names known to numpy
+    given = None if dtype is None else _numpy_dtype_of(dtype)
+    if given is not None and given != expected:  # not "in (None, ...)": numpy takes None for float64
+        raise ValueError(f"{directory}: tensor {name!r} is {entry['dtype']}, the destination {dtype}")
+
+
+def _numpy_dtype_of(dtype: Any) -> np.dtype | None:
+    """A destination's dtype as numpy's: numpy's and JAX's as they are, torch's by name
+    (``torch.float32`` is numpy's ``float32``; bf16 and fp8 through ml_dtypes); None for
+    one numpy cannot name (its byte size is still checked)."""
+    for candidate in (dtype, str(dtype).rpartition(".")[2]):
+        try:
+            return np.dtype(candidate)
+        except TypeError:
+            continue
+    return None
 
 
 def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, engine: Engine | None = None,

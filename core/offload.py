@@ -19,6 +19,7 @@ from .buffers import PinnedPool, byte_view
 from .engine import Engine, IOFuture, PathLike
 from .engine import open as open_file
 from .errors import EngineClosedError, TensorferryIOError
+from .temporaries import hold, release, remove_if_stale
 
 
 @dataclasses.dataclass
@@ -58,6 +59,37 @@ class _Slot:
         if self.write is None or not self.write.done():
             return None
         return self.write.exception()
+
+
+_STORE_PREFIX = "tensorferry-offload-"
+
+
+def _remove_store(path: str, lock: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    release(lock)
+
+
+def _reclaim_dead_stores(directory: str) -> None:
+    """Removes the swap directories of stores whose process died without closing them
+    (killed): those whose lock is free and whose process is gone. A store of a running
+    process is left alone, even one of an older tensorferry that took no lock."""
+    for entry in os.scandir(directory):
+        if not entry.name.startswith(_STORE_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        pid = entry.name[len(_STORE_PREFIX):].partition("-")[0]
+        if pid.isdigit() and _process_alive(int(pid)):
+            continue
+        remove_if_stale(entry.path)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class OffloadStore:
@@ -103,12 +135,14 @@ class OffloadStore:
             raise FileNotFoundError(errno.ENOENT, "offload directory does not exist", directory)
         if not os.path.isdir(directory):
             raise NotADirectoryError(errno.ENOTDIR, "offload directory is not a directory", directory)
+        _reclaim_dead_stores(directory)
         try:
-            self.path = tempfile.mkdtemp(prefix=f"tensorferry-offload-{os.getpid()}-", dir=directory)
+            self.path = tempfile.mkdtemp(prefix=f"{_STORE_PREFIX}{os.getpid()}-", dir=directory)
         except OSError as exc:
             raise type(exc)(exc.errno, f"cannot create the offload store's files in {directory}: "
                                        f"{exc.strerror}", directory) from exc
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.path, True)
+        lock = hold(self.path)  # while held, no other process takes this store for a dead one's
+        self._cleanup = weakref.finalize(self, _remove_store, self.path, lock)
         self.max_pool_bytes = max_pool_bytes
         self._engine = engine if engine is not None else Engine()
         self._owns_engine = engine is None

@@ -35,7 +35,7 @@ def release(fd: int | None) -> None:
         os.close(fd)
 
 
-def _remove_if_stale(path: str) -> bool:
+def remove_if_stale(path: str) -> bool:
     """Removes ``path`` unless a live writer holds its lock; True if it went."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -95,7 +95,7 @@ def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
     """Removes the leftovers of killed saves under ``root`` (those of ``target``, a name
     in ``root``, only, if given), never a temporary a live writer holds nor one in
     ``keep``; returns what went."""
-    return [path for path in stale_temporaries(root, target, keep) if _remove_if_stale(path)]
+    return [path for path in stale_temporaries(root, target, keep) if remove_if_stale(path)]
 
 
-__all__ = ["TMP_MARKER", "hold", "release", "remove_stale_temporaries", "stale_temporaries"]
+__all__ = ["TMP_MARKER", "hold", "release", "remove_if_stale", "remove_stale_temporaries", "stale_temporaries"]

@@ -424,3 +424,76 @@ def test_closed_files_hold_no_descriptors_once_their_io_is_done(tmp_path, backen
         load(tmp_path / "f.tf", engine=engine)
         tensorferry.verify_checkpoint(path, engine=engine)
         assert open_under(tmp_path) == []
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_failed_dcp_save_leaves_nothing_behind(tmp_path, monkeypatch) -> None:
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    from tensorferry.adapters.pytorch import DCPWriter
+    from tensorferry.adapters.pytorch import dcp as ferry_dcp
+    real_add_item = ferry_dcp._add_item
+
+    def disk_full_at_b(writer, key, *args):
+        if key.startswith("b"):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", writer.path)
+        return real_add_item(writer, key, *args)
+
+    state = {"a": torch.ones(1000), "b": torch.zeros(1000), "c": torch.arange(10)}
+    writer = DCPWriter(tmp_path / "ckpt", files_per_rank=3)
+    monkeypatch.setattr(ferry_dcp, "_add_item", disk_full_at_b)
+    with pytest.raises(BaseException) as failed:  # torch wraps it in a CheckpointException
+        dcp.save(state, storage_writer=writer)
+    assert "No space left" in str(failed.value) + repr(getattr(failed.value, "failures", ""))
+    (leftover,) = os.listdir(tmp_path)  # the coordinator's temporary, emptied of this rank's files
+    assert ".tmp-" in leftover and os.listdir(tmp_path / leftover) == []
+    monkeypatch.setattr(ferry_dcp, "_add_item", real_add_item)
+    dcp.save(state, storage_writer=writer)
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_a_destination_of_another_dtype_of_the_same_size_is_refused(checkpoint) -> None:
+    for wrong in (torch.zeros((2, 3), dtype=torch.int32), np.zeros((2, 3), np.int32)):
+        with pytest.raises(ValueError, match="F32"):
+            tensorferry.load_checkpoint(checkpoint, out={"a": wrong})
+        assert not wrong.any()
+    right = torch.zeros((2, 3), dtype=torch.float32)
+    tensorferry.load_checkpoint(checkpoint, out={"a": right})
+    assert torch.equal(right, torch.arange(6, dtype=torch.float32).reshape(2, 3))
+
+
+def test_a_load_racing_an_overwrite_reads_the_new_checkpoint(checkpoint, monkeypatch) -> None:
+    """The overwrite lands between the load's reading of the manifest and of the files
+    it lists (made to happen there, every time, by running it from open_shard)."""
+    from tensorferry import checkpoint as module
+    real_open_shard = module.open_shard
+    raced = []
+
+    def overwritten_first(*args, **kwargs):
+        if not raced:
+            raced.append(True)
+            tensorferry.save_checkpoint(checkpoint, {"a": np.full((2, 3), 7, np.float32)}, overwrite=True)
+        return real_open_shard(*args, **kwargs)
+
+    monkeypatch.setattr(module, "open_shard", overwritten_first)
+    loaded = tensorferry.load_checkpoint(checkpoint)
+    assert raced and list(loaded) == ["a"] and (loaded["a"] == 7).all()
+
+
+def test_a_killed_offload_store_is_reclaimed_by_the_next(tmp_path) -> None:
+    import subprocess
+    import sys
+    script = ("import os, sys, numpy as np, tensorferry\n"
+              "store = tensorferry.OffloadStore(sys.argv[1])\n"
+              "store.swap_out('x', np.ones(1 << 16)).result()\n"
+              "os._exit(9)\n")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 9, run.stderr
+    (dead,) = os.listdir(tmp_path)
+    with tensorferry.OffloadStore(tmp_path) as live:
+        assert os.listdir(tmp_path) == [os.path.basename(live.path)], "the dead store's swap files remain"
+        with tensorferry.OffloadStore(tmp_path) as other:  # a live store is never taken for a dead one
+            assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in (live.path, other.path))
+    assert os.listdir(tmp_path) == []

@@ -21,6 +21,7 @@ that those readers stop with an error that says what the folder is and how to re
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import io
 import math
@@ -121,6 +122,8 @@ class DCPWriter(StorageWriter):
             self.path = os.path.abspath(os.fspath(checkpoint_id))
         if self.path is None:
             raise ValueError("DCPWriter needs a path: DCPWriter(path) or dcp.save(..., checkpoint_id=path)")
+        if self._pending is not None:  # a save that failed before finish(): torch does not tell us
+            self._pending.abort()
         self._pending = None
         self._written = {}
 
@@ -185,8 +188,14 @@ class DCPWriter(StorageWriter):
             self._written[filename] = writer.info
             return results
 
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(groups)) as pool:
-            per_file = list(pool.map(write_file, range(len(groups))))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=len(groups)) as pool:
+                per_file = list(pool.map(write_file, range(len(groups))))
+        except BaseException:
+            for number in range(len(groups)):  # this rank's finished files: the save will not commit
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(pending.tmp_path, f"{where.prefix}-{number:03d}.safetensors"))
+            raise
         return _done([r for results in per_file for r in results])
 
     @gc_paused()
@@ -217,9 +226,14 @@ class DCPWriter(StorageWriter):
             entry["chunks"].append([where.file, where.key, [int(o) for o in r.index.offset], list(stored.shape)])
             metadata.storage_data[r.index] = _StorageInfo(where.file, offset, stored.nbytes, (NOT_TORCH_SAVE,))
         write_durably(os.path.join(pending.tmp_path, DCP_METADATA), pickle.dumps(metadata))
-        pending.commit([h.shard_info() for h in headers.values()],
-                       {"written_by": "tensorferry.adapters.pytorch.DCPWriter", "dcp_metadata": DCP_METADATA,
-                        ITEMS_KEY: items}, overwrite=self.overwrite)
+        self._pending = None
+        try:
+            pending.commit([h.shard_info() for h in headers.values()],
+                           {"written_by": "tensorferry.adapters.pytorch.DCPWriter", "dcp_metadata": DCP_METADATA,
+                            ITEMS_KEY: items}, overwrite=self.overwrite)
+        except BaseException:
+            pending.abort()
+            raise
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
