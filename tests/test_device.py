@@ -630,3 +630,54 @@ def test_a_forked_child_does_not_register_with_the_parents_runtime() -> None:
     os.close(write)
     assert pool.registered and len(registrations.live) == 1
     pool.clear()
+
+
+def test_device_tensors_are_saved_through_deferred_copies_in_write_order(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path) -> None:
+    # Off-CPU tensors (meta here: no data, so no device) take save's device path; only the
+    # copy itself is replaced, by one that makes each tensor's bytes from its shape.
+    copied: list[tuple[int, ...]] = []
+
+    def copy(t: torch.Tensor, pool: PinnedPool):
+        copied.append(tuple(t.shape))
+        host = staging.leased(pool, t.numel() * t.element_size())
+        host[:] = t.shape[0] % 251
+        return host, lambda: None
+
+    monkeypatch.setattr(staging, "copy_to_host_async", copy)
+    state = {"small16": torch.empty(300, 2, dtype=torch.bfloat16, device="meta"),
+             "big32": torch.empty(70000, dtype=torch.float32, device="meta"),
+             "host": torch.arange(5), "n": np.arange(3), "step": 7,
+             "mid64": torch.empty(1000, dtype=torch.float64, device="meta")}
+    save(state, tmp_path / "s.safetensors")
+    assert copied == [(1000,), (70000,), (300, 2)], "copied in the order the writer writes: 8-byte items first"
+    loaded = load(tmp_path / "s.safetensors")
+    for name in ("small16", "big32", "mid64"):
+        raw = loaded[name].reshape(-1).view(torch.uint8)
+        assert loaded[name].shape == state[name].shape and bool((raw == state[name].shape[0] % 251).all())
+    assert torch.equal(loaded["host"], torch.arange(5)) and loaded["step"] == 7
+    copied.clear()
+    save_checkpoint(tmp_path / "ckpt", state, max_shard_bytes=4096)  # several files, written concurrently
+    assert sorted(copied) == sorted([(1000,), (70000,), (300, 2)])
+    assert tensorferry.verify_checkpoint(tmp_path / "ckpt") == []
+    assert bool((load(tmp_path / "ckpt")["big32"].view(torch.uint8) == 70000 % 251).all())
+
+
+def test_dcp_writer_copies_device_items_through_the_stager(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    copied = []
+
+    def copy(t: torch.Tensor, pool: PinnedPool):
+        copied.append(tuple(t.shape))
+        host = staging.leased(pool, t.numel() * t.element_size())
+        host[:] = 7
+        return host, lambda: None
+
+    monkeypatch.setattr(staging, "copy_to_host_async", copy)
+    state = {"w": torch.empty(64, 64, dtype=torch.bfloat16, device="meta"), "b": torch.ones(3)}
+    dcp.save(state, storage_writer=DCPWriter(tmp_path / "c", files_per_rank=2))
+    assert copied == [(64, 64)]
+    into = {"w": torch.zeros(64, 64, dtype=torch.bfloat16), "b": torch.zeros(3)}
+    dcp.load(into, storage_reader=DCPReader(tmp_path / "c"))
+    assert bool((into["w"].view(torch.uint8) == 7).all()) and torch.equal(into["b"], torch.ones(3))

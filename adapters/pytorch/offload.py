@@ -853,13 +853,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     for p, _, _ in placed:
                         del self.optimizer.state[p]
                     self._resident -= arena.nbytes
+                del on_device  # the device copy goes before the next chunk's comes
                 while len(writes) > (1 if write_back and reads else 0):
                     failed += self._finish_write(writes.popleft())
         finally:
             # On an exception, let the I/O in flight finish before its buffers go.
             while writes:
                 failed += self._finish_write(writes.popleft())
-            on_device = None
             for _, arena, _, futures in reads:
                 for future in futures:
                     future.wait()
