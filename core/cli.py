@@ -653,10 +653,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     known = ("a tensorferry checkpoint, a safetensors file, a Hugging Face model folder (shards and\n"
-             "model.safetensors.index.json), a torch DCP directory (torch's writer or tensorferry's) or an\n"
-             "Orbax checkpoint (items of tensorferry's handler; others with orbax-checkpoint installed)")
+             "model.safetensors.index.json, or torch's distributed HuggingFaceStorageWriter's shards), a torch\n"
+             "DCP directory (torch's writer or tensorferry's) or an Orbax checkpoint (items of tensorferry's\n"
+             "handler; others with orbax-checkpoint installed)")
     p = add("inspect", "what a checkpoint holds and whether it is complete",
-            f"Lists the tensors (shape, dtype, size), files, ranks and metadata of {known},\n"
+            f"Lists the tensors (shape, dtype, size), files, ranks and metadata of\n{known},\n"
             "and says whether it is complete. Exit status 1 if it is not.")
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or file")
     p.add_argument("--limit", type=int, default=50, help="tensors to list in the text output (0: all; default 50)")
@@ -672,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     p = add("convert", "any checkpoint layout -> a tensorferry checkpoint or one safetensors file",
-            f"Reads {known},\n"
+            f"Reads\n{known},\n"
             "and writes one safetensors file (--to safetensors) or a tensorferry checkpoint (--to tensorferry).\n"
             "Items that are not tensors (DCP's pickled objects, Orbax scalars) are left out. Metadata keys of\n"
             "string values stay where they were; others travel as JSON under 'tensorferry.metadata'.\n"

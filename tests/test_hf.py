@@ -94,6 +94,25 @@ def test_torchs_huggingface_storage_writer_folders_load(tmp_path: Path) -> None:
     assert cli("verify", tmp_path / "hf")["ok"]
 
 
+
+def test_torchs_distributed_huggingface_writer_folders_load_2_ranks(tmp_path: Path) -> None:
+    """HuggingFaceStorageWriter(save_distributed=True) on 2 gloo ranks, row-sharded
+    DTensors: each rank's file holds its chunks, their offsets in the header; no index."""
+    from test_pytorch import run
+
+    run(2, str(tmp_path), "hf_distributed")
+    expected = torch.load(tmp_path / "expected.pt")
+    folder = tmp_path / "hf"
+    assert layouts.detect(folder).kind == "huggingface-shards"
+    assert len(list(folder.glob("shard-*.safetensors"))) == 2
+    assert same_tensors(tf_torch.load(folder), expected)
+    info = cli("inspect", folder)
+    assert info["complete"] and {t["name"]: t["shards"] for t in info["tensors"]} == {"w": 2, "b": 2}
+    cli("convert", folder, tmp_path / "one.safetensors", "--to", "safetensors")
+    from safetensors.torch import load_file
+    assert same_tensors(load_file(str(tmp_path / "one.safetensors")), expected)
+
+
 def test_from_pretrained_opens_what_tensorferry_writes(tmp_path: Path) -> None:
     model = tiny_llama()
     expected = model.state_dict()

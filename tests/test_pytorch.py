@@ -376,6 +376,19 @@ def scenario_load_sharded(rank: int, world: int, root: str) -> None:
         assert torch.equal(v, expected[k]), k
 
 
+def scenario_hf_distributed(rank: int, world: int, root: str) -> None:
+    """torch's HuggingFaceStorageWriter, every rank writing its row shards (for test_hf)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    full = {"w": torch.arange(48.0).reshape(8, 6), "b": torch.arange(4, dtype=torch.int64)}
+    state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(os.path.join(root, "hf"), save_distributed=True))
+    if rank == 0:
+        torch.save(full, os.path.join(root, "expected.pt"))
+
+
 def scenario_dcp_plain(rank: int, world: int, root: str) -> None:
     """dcp.save of a plain (replicated) state dict with a process group, then load."""
     state = {"w": torch.arange(100.0).reshape(10, 10), "step": 5}

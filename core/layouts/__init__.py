@@ -322,15 +322,15 @@ def verify_files(directory: str, files: Iterable[str], progress: Callable[[int],
 
 
 from .dcp import DCPFolder  # noqa: E402  (the layouts build on the classes above)
-from .huggingface import HuggingFaceFolder  # noqa: E402
+from .huggingface import HuggingFaceFolder, HuggingFaceShards  # noqa: E402
 from .orbax import OrbaxStep  # noqa: E402
 from .safetensors import SafetensorsFile, SafetensorsFiles  # noqa: E402
 from .tensorferry import TensorferryCheckpoint  # noqa: E402
 
 # Tried in order: the first that recognises a path is its layout (DCP before tensorferry,
 # since a DCPWriter checkpoint has a manifest too; loose safetensors files last).
-LAYOUTS: list[type[Layout]] = [DCPFolder, TensorferryCheckpoint, HuggingFaceFolder, OrbaxStep, SafetensorsFile,
-                               SafetensorsFiles]
+LAYOUTS: list[type[Layout]] = [DCPFolder, TensorferryCheckpoint, HuggingFaceFolder, HuggingFaceShards, OrbaxStep,
+                               SafetensorsFile, SafetensorsFiles]
 
 
 def register(layout: type[Layout], *, before: type[Layout] | None = None) -> None:
@@ -379,6 +379,7 @@ def open_layout(path: str | os.PathLike, *, verify: bool = True, engine: Any = N
     return detect(path).open(verify=verify, engine=engine)
 
 
-__all__ = ["Chunk", "ChunkSource", "DCPFolder", "HuggingFaceFolder", "LAYOUTS", "Layout", "OBJECT", "OrbaxStep",
-           "SafetensorsFile", "SafetensorsFiles", "ShardSource", "TensorEntry", "TensorSource", "TensorferryCheckpoint",
-           "UnknownLayoutError", "Verification", "describe", "detect", "foreign_layout", "open_layout", "register", "tensor_entry"]
+__all__ = ["Chunk", "ChunkSource", "DCPFolder", "HuggingFaceFolder", "HuggingFaceShards", "LAYOUTS", "Layout", "OBJECT",
+           "OrbaxStep", "SafetensorsFile", "SafetensorsFiles", "ShardSource", "TensorEntry", "TensorSource",
+           "TensorferryCheckpoint", "UnknownLayoutError", "Verification", "describe", "detect", "foreign_layout",
+           "open_layout", "register", "tensor_entry"]

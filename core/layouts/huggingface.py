@@ -5,13 +5,16 @@ single ``model.safetensors``."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import CorruptCheckpointError
 from ..schema import member_path, parse_json, read_small_file
 from ..shard import ShardInfo, ShardReader
-from . import Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row, size_problems, verify_files
+from . import (Chunk, ChunkSource, Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row,
+               size_problems, tensor_entry, verify_files)
 from .safetensors import entries_of, read_header, trailing_bytes
 
 INDEX = "model.safetensors.index.json"
@@ -127,3 +130,79 @@ class HuggingFaceFolder(Layout):
             raise CorruptCheckpointError(f"{self.path}: " + "; ".join(problems))
         return ShardSource({e.name: e for e in entries}, lambda file: self._reader(file, engine, verify),
                            file_metadata)
+
+
+# torch's HuggingFaceStorageWriter(save_distributed=True) before consolidation: each rank's
+# files hold its chunks, their offsets in the header's metadata, and there is no index.
+SHARDED_FILE = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
+SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+class HuggingFaceShards(Layout):
+    kind = "huggingface-shards"
+    title = "folder of torch's distributed Hugging Face writer (not consolidated)"
+
+    @classmethod
+    def recognise(cls, path: str) -> bool:
+        return os.path.isdir(path) and any(SHARDED_FILE.fullmatch(n) for n in os.listdir(path))
+
+    def _files(self) -> list[str]:
+        return sorted(n for n in os.listdir(self.path) if SHARDED_FILE.fullmatch(n))
+
+    def _survey(self) -> tuple[list[TensorEntry], list[dict[str, Any]], list[str], dict[str, str]]:
+        """Every tensor, assembled from the chunks the files hold; the files, the problems,
+        and the files' own metadata."""
+        chunks: dict[str, list[Chunk]] = {}
+        dtypes: dict[str, str] = {}
+        files = [file_row(self.path, n) for n in self._files()]
+        problems: list[str] = []
+        metadata: dict[str, str] = {}
+        for f in files:
+            try:
+                with read_header(os.path.join(self.path, f["name"])) as reader:
+                    sharding = parse_json(reader.metadata.get(SHARDING_KEY, "{}"), SHARDING_KEY, reader.path)
+                    metadata.update((k, v) for k, v in reader.metadata.items() if k != SHARDING_KEY)
+                    for name, t in reader.tensors.items():
+                        offsets = _offsets(sharding, name, len(t.shape), reader.path)
+                        chunks.setdefault(name, []).append(Chunk(f["name"], name, offsets, t.shape))
+                        dtypes[name] = t.dtype
+            except CorruptCheckpointError as exc:
+                problems.append(f"{f['name']}: {exc}")
+        entries = []
+        for name, pieces in chunks.items():
+            shape = tuple(max(c.offsets[d] + c.sizes[d] for c in pieces) for d in range(len(pieces[0].sizes)))
+            entry = tensor_entry(name, dtypes[name], shape, chunks=tuple(pieces),
+                                 more={"shards": len(pieces), "files": sorted({c.file for c in pieces})})
+            if sum(math.prod(c.sizes) for c in pieces) != math.prod(shape):
+                problems.append(f"{name}: its chunks do not cover the tensor once")
+            entries.append(entry)
+        return entries, files, problems, metadata
+
+    def describe(self) -> dict[str, Any]:
+        entries, files, problems, metadata = self._survey()
+        return self.description(entries, files, problems, metadata)
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> Verification:
+        _, _, problems, _ = self._survey()
+        found = verify_files(self.path, self._files(), progress,
+                             lambda file: read_header(os.path.join(self.path, file), verify=True))
+        return Verification(found.files, found.nbytes, list(dict.fromkeys(problems + found.problems)), found.checked)
+
+    def open(self, *, verify: bool = True, engine: Any = None) -> TensorSource:
+        entries, _, problems, metadata = self._survey()
+        if problems:
+            raise CorruptCheckpointError(f"{self.path}: " + "; ".join(problems))
+        return ChunkSource({e.name: e for e in entries},
+                           lambda file: read_header(os.path.join(self.path, file), engine, verify), metadata,
+                           where=self.path)
+
+
+def _offsets(sharding: Any, name: str, ndim: int, where: str) -> tuple[int, ...]:
+    """Where a file's tensor ``name`` lies in the whole tensor, as its DCP_SHARDING_INFO says
+    (at the origin if it says nothing)."""
+    entry = sharding.get(name) if isinstance(sharding, dict) else None
+    offsets = entry.get("saved_offsets") if isinstance(entry, dict) else [0] * ndim
+    if not (isinstance(offsets, list) and len(offsets) == ndim
+            and all(type(o) is int and o >= 0 for o in offsets)):
+        raise CorruptCheckpointError(f"{where}: {SHARDING_KEY} gives {name!r} the offsets {offsets!r}")
+    return tuple(offsets)
