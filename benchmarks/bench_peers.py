@@ -79,17 +79,21 @@ class Contender:
     ``prepare`` makes the file a load-only contender reads, untimed (a safetensors file
     for the Run:ai streamer and fastsafetensors). With ``in_place``, ``read`` gets, in
     place of the saved state, tensors like it to load into (a model's, made before the
-    clock starts), as DCP loads."""
+    clock starts), as DCP loads. ``convert`` turns the state into another framework's
+    arrays first (JAX's), untimed."""
 
     def __init__(self, name: str, path: str, read: Callable[[str, dict], object],
                  write: Callable[[dict, str], object] | None = None,
-                 prepare: Callable[[dict, str], object] | None = None, *, in_place: bool = False) -> None:
+                 prepare: Callable[[dict, str], object] | None = None, *, in_place: bool = False,
+                 convert: Callable[[dict], dict] | None = None) -> None:
         self.name, self.path, self.read, self.write, self.prepare = name, path, read, write, prepare
-        self.in_place = in_place
+        self.in_place, self.convert = in_place, convert
 
     def run(self, directory: str, state: dict[str, torch.Tensor], label: str) -> Rows:
         path = os.path.join(directory, self.path)
         nbytes = sum(t.nbytes for t in state.values())
+        if self.convert is not None:  # into the framework's arrays, before the clock starts
+            state = self.convert(state)
         remove(path)
         rows = []
         try:
@@ -136,6 +140,29 @@ def ours() -> list[Contender]:
         Contender("tensorferry DCPWriter/DCPReader", "tf-dcp", _dcp_read(DCPReader),
                   lambda s, p: _quiet(lambda: dcp.save(s, storage_writer=DCPWriter(p))), in_place=True),
     ]
+
+
+def jax_contender(skipped: dict[str, str]) -> list[Contender]:
+    """``FerryCheckpointHandler`` under Orbax's ``Checkpointer``: the JAX save and restore."""
+    try:
+        import jax
+        import orbax.checkpoint as ocp
+
+        from tensorferry.adapters.jax import FerryCheckpointHandler, FerryRestore, FerrySave
+    except ImportError as exc:
+        skipped["tensorferry FerryCheckpointHandler (JAX)"] = f"not installed ({exc})"
+        return []
+    checkpointer = ocp.Checkpointer(FerryCheckpointHandler())
+
+    def convert(state: dict) -> dict:
+        return {k: jax.device_put(v.numpy()) for k, v in state.items()}
+
+    def read(path: str, state: dict) -> None:
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
+        jax.block_until_ready(checkpointer.restore(path, args=FerryRestore(target)))
+
+    return [Contender("tensorferry FerryCheckpointHandler (JAX)", "tf-jax", read,
+                      lambda s, p: checkpointer.save(p, args=FerrySave(s)), convert=convert)]
 
 
 def peers(skipped: dict[str, str]) -> list[Contender]:
@@ -253,7 +280,7 @@ def _deepspeed_handle(block_size: int, queue_depth: int) -> Any:
 def state_rounds(directory: str, states: dict[str, dict[str, torch.Tensor]], repeat: int,
                  skipped: dict[str, str], progress: Callable[[str], None]) -> Rows:
     """Every contender on every state, fio included, in interleaved rounds."""
-    contenders = [*ours(), *peers(skipped)]
+    contenders = [*ours(), *jax_contender(skipped), *peers(skipped)]
     rows: Rows = []
     for label, state in states.items():
         nbytes = sum(t.nbytes for t in state.values())

@@ -200,6 +200,8 @@ def test_cuda_device_in_workers_warns_and_returns_host_tensors(tmp_path: Path, c
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(data_module, "_gds_usable", lambda *_: False)
+    # The pretence must not reach CUDA's registration of the shared staging pool.
+    monkeypatch.setattr(data_module, "staging_pool", tensorferry.PinnedPool)
     paths, contents = _files(tmp_path, n=6)
     dataset = GDSDataset(paths, device="cuda")
     assert dataset.device == torch.device("cuda", 0) and not dataset.uses_gds

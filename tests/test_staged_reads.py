@@ -76,3 +76,21 @@ def test_corrupt_byte_in_a_staged_read_is_caught(stored, monkeypatch, piece: int
     with ShardReader(path, verify=False) as r:  # without verification the bytes come as stored
         r.read_many([], out)
     assert out[victim][-1] == byte[0] ^ 0xFF
+
+
+def test_small_read_buffers_share_slabs_at_the_right_phase(stored) -> None:
+    path, arrays = stored
+    with ShardReader(path) as r:
+        taken = []
+        for _ in range(40):  # more than one slab's worth
+            for name, a in arrays.items():
+                if 0 < a.nbytes < 1 << 20:
+                    buffer = r.buffer_for(name, 0, a.nbytes)
+                    assert buffer.ctypes.data % ALIGNMENT == (r.data_start + r.info(name).begin) % ALIGNMENT
+                    taken.append((buffer.ctypes.data, buffer.nbytes))
+        spans = sorted(taken)
+        assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))  # no two overlap
+        assert len({id(b.base) for b in [r.buffer_for("t1", 0, 3000) for _ in range(3)]}) == 1
+        boxes = {name: r.read_box(name, [0], [a.size]).result() for name, a in arrays.items()}
+    for name, a in arrays.items():
+        np.testing.assert_array_equal(boxes[name], a)

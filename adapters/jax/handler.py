@@ -31,7 +31,7 @@ from ...checkpoint import encode_manifest, open_shard, read_manifest, read_manif
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
-from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter, aligned_copies
+from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter, aligned_copies, gc_paused
 
 INDEX_FORMAT = "tensorferry.jax"
 _SCALARS = (bool, int, float, str)
@@ -304,6 +304,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             arrays[i] = (arrays[i][0], copy)
         return metadata, _to_host([(key, array) for key, array in arrays])
 
+    @gc_paused()
     def _write(self, directory: str, metadata: dict[str, Any], arrays: list[tuple[str, np.ndarray]]) -> None:
         process = metadata["process"]
         os.makedirs(directory, exist_ok=True)
@@ -337,6 +338,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         self._write(os.fspath(directory), metadata, arrays)
 
     # ---- restore ----------------------------------------------------------------
+    @gc_paused()
     def restore(self, directory: Any, item: Any = None, args: "FerryRestore | None" = None) -> Any:
         """Restores into the shapes, dtypes and shardings of ``args.item`` (an abstract
         tree of ``jax.ShapeDtypeStruct`` or concrete arrays); without one, arrays come
