@@ -525,3 +525,23 @@ def test_a_dcp_checkpoints_metadata_is_covered_by_the_manifest(tmp_path) -> None
     target = {"a": torch.zeros(10), "step": 0}
     with pytest.raises(BaseException, match="damaged"):
         dcp.load(target, storage_reader=DCPReader(tmp_path / "ckpt"))
+
+
+def test_the_cli_cleans_leftovers_and_keeps_what_is_held(tmp_path, capsys) -> None:
+    from tensorferry.cli import main
+    from tensorferry.temporaries import hold, release
+    tensorferry.save_checkpoint(tmp_path / "step_1", {"x": np.arange(3)})
+    (tmp_path / "step_2.tmp-dead").mkdir()
+    (tmp_path / "model.tf.tmp-dead").write_bytes(b"x")
+    (tmp_path / "model.tf.tmp-live").write_bytes(b"y")
+    lock = hold(str(tmp_path / "model.tf.tmp-live"))
+    try:
+        assert main(["clean", "--dry-run", str(tmp_path)]) == 0
+        assert "would remove 2 leftovers" in capsys.readouterr().out
+        assert len(os.listdir(tmp_path)) == 4
+        assert main(["clean", str(tmp_path)]) == 0
+        assert sorted(os.listdir(tmp_path)) == ["model.tf.tmp-live", "step_1"]
+    finally:
+        release(lock)
+    assert main(["clean", str(tmp_path)]) == 0
+    assert os.listdir(tmp_path) == ["step_1"]
