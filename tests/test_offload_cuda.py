@@ -12,7 +12,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tensorferry.adapters.pytorch import OffloadedOptimizer, stream_weights  # noqa: E402
-from test_pytorch_offload import assert_same_params  # noqa: E402
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")]
@@ -39,6 +38,11 @@ def train(model: torch.nn.Module, optimizer: Callable | torch.optim.Optimizer, s
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+
+
+def assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    different = [name for (name, x), y in zip(a.named_parameters(), b.parameters()) if not torch.equal(x, y)]
+    assert not different, f"parameters differ: {different}"
 
 
 def largest_bytes(model: torch.nn.Module) -> int:
