@@ -377,6 +377,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         opt = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), "/nvme/tmp",
                                  resident_bytes=2 << 30)
         loss.backward(); opt.step(); opt.zero_grad()
+
+        # bf16 parameters on the GPU, fp32 masters and AdamW state on NVMe:
+        model = model.to("cuda", torch.bfloat16)
+        opt = OffloadedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), "/nvme/tmp",
+                                 resident_bytes=4 << 30, master_weights=True)
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, store_dir: PathLike, *,
