@@ -58,6 +58,15 @@ def timed(action: Callable[[], Any], device: torch.device) -> float:
     return timed_result(action, device)[0]
 
 
+def timed_rounds(action: Callable[[], Any], device: torch.device, rounds: int) -> tuple[list[float], Any]:
+    """Seconds of each of ``rounds`` runs of ``action``, and what the last returned."""
+    times, result = [], None
+    for _ in range(rounds):
+        seconds, result = timed_result(action, device)
+        times.append(seconds)
+    return times, result
+
+
 def fio(directory: str, nbytes: int) -> dict[str, dict[str, Any]] | None:
     if not bench.fio_available():
         return None
@@ -127,18 +136,13 @@ def stream_figure(directory: str, nbytes: int, quick: bool, device: torch.device
         prompt = tokens[:1, :32]
         options = {"max_new_tokens": 2 if quick else 4, "do_sample": False, "pad_token_id": 0}
         model.generate(prompt, **options)
-        generated = [timed(lambda: model.generate(prompt, **options), device) for _ in range(rounds)]
-        expected_text = model.generate(prompt, **options)
+        generated, expected_text = timed_rounds(lambda: model.generate(prompt, **options), device, rounds)
         new_tokens = options["max_new_tokens"]
         with stream_weights(model, directory, resident_bytes=budget, prefetch=2) as handle:
             forward(one)()  # the first forward learns the order of the layers
             io = [timed(forward(one), device) for _ in range(rounds)]
-            wall = []
-            for _ in range(rounds):
-                seconds, got = timed_result(forward(tokens), device)
-                wall.append(seconds)
-            streamed_gen = [timed(lambda: model.generate(prompt, **options), device) for _ in range(rounds)]
-            got_text = model.generate(prompt, **options)
+            wall, got = timed_rounds(forward(tokens), device, rounds)
+            streamed_gen, got_text = timed_rounds(lambda: model.generate(prompt, **options), device, rounds)
             peak = handle.peak_resident_bytes
     if not torch.equal(got, expected) or not torch.equal(got_text, expected_text):
         raise AssertionError("the streamed model's outputs differ from the model's in GPU memory")

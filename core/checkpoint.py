@@ -99,14 +99,21 @@ class PendingCheckpoint:
         return ShardWriter(os.path.join(self.tmp_path, filename), engine, **kwargs)
 
     def commit(self, shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None = None,
-               *, overwrite: bool = False) -> str:
+               *, overwrite: bool = False, other_files: Iterable[str] = ()) -> str:
         """Writes the manifest and renames the directory into place; returns its path.
 
         With ``overwrite``, an existing checkpoint of the same name is replaced only
-        after the new one is complete.
+        after the new one is complete. ``other_files`` are names of further files in
+        the temporary directory (a framework's metadata) that the manifest lists with
+        their size and checksum, so that :func:`read_other_file` and verification
+        cover them too.
         """
         shards = list(shards)
-        manifest = encode_manifest(shards, metadata)
+        others = {}
+        for name in other_files:
+            data = read_small_file(member_path(self.tmp_path, name))
+            others[name] = {"size": len(data), "checksum": digest(data)}
+        manifest = encode_manifest(shards, metadata, other_files=others)
         for shard in shards:
             path = os.path.join(self.tmp_path, os.path.basename(shard.path))
             if not os.path.isfile(path) or os.path.getsize(path) != shard.size:
@@ -212,9 +219,11 @@ def resolve_checkpoint(directory: str | os.PathLike) -> str:
     return recoverable_checkpoints(parent).get(name, directory)
 
 
-def encode_manifest(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None = None) -> bytes:
+def encode_manifest(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None = None, *,
+                    other_files: Mapping[str, Mapping[str, Any]] | None = None) -> bytes:
     """The manifest for these shard files, JSON-encoded: files with size and checksum,
-    where each tensor lives, the user's metadata."""
+    where each tensor lives, the user's metadata (and ``other_files``, name: size and
+    checksum, if any)."""
     shards = list(shards)
     files: dict[str, Any] = {}
     file_of: dict[str, str] = {}
@@ -230,7 +239,8 @@ def encode_manifest(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | N
     # times slower (people read manifests through `tensorferry inspect`).
     head = json.dumps({"format": "tensorferry", "format_version": FORMAT_VERSION,
                        "checksum_algorithm": CHECKSUM_ALGORITHM, "committed_at": time.time(),
-                       "files": files, "metadata": dict(metadata or {})}, separators=(",", ":"))
+                       "files": files, **({"other_files": dict(other_files)} if other_files else {}),
+                       "metadata": dict(metadata or {})}, separators=(",", ":"))
     tensors = ",".join(shard.manifest_entries for shard in shards if shard.tensors)
     return seal_manifest(f'{head[:-1]},"tensors":{{{tensors}}}}}'.encode())
 
@@ -334,10 +344,12 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=writers) as pool:
             infos = list(pool.map(write, range(len(groups))))
+        others = []
         if hf_index:
             from .layouts.huggingface import INDEX, encode_index
             write_durably(os.path.join(pending.tmp_path, INDEX), encode_index(infos))
-        return pending.commit(infos, metadata, overwrite=overwrite)
+            others.append(INDEX)  # checksummed by the manifest, so verify covers it too
+        return pending.commit(infos, metadata, overwrite=overwrite, other_files=others)
     except BaseException:
         pending.abort()
         raise
@@ -414,6 +426,23 @@ def _load_as_listed(directory: str, manifest: Mapping[str, Any], names: Iterable
         for r in readers:
             r.close()
     return {n: result[n] for n in dict.fromkeys([*wanted, *out])}
+
+
+def read_other_file(directory: str | os.PathLike, manifest: Mapping[str, Any], name: str) -> bytes:
+    """The contents of a file the manifest lists among ``other_files`` (a framework's
+    metadata), once its size and checksum match; a checkpoint written before
+    ``other_files`` existed gives the file as it is. Raises
+    :class:`CorruptCheckpointError` for a mismatch or a missing file."""
+    path = member_path(directory, name)
+    try:
+        data = read_small_file(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
+    entry = manifest.get("other_files", {}).get(name)
+    if entry is not None and (len(data) != entry["size"] or digest(data) != entry["checksum"]):
+        raise CorruptCheckpointError(f"{path} does not match the size and checksum the manifest gives it: "
+                                     "it is damaged")
+    return data
 
 
 def _check_destination(directory: str, name: str, entry: Mapping[str, Any], dest: Any) -> None:
@@ -578,10 +607,15 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
             problems.append(f"{filename}: {exc}")
         if progress is not None and entry["size"] > done:
             progress(entry["size"] - done)
+    for filename in manifest.get("other_files", {}):
+        try:
+            read_other_file(directory, manifest, filename)
+        except (CorruptCheckpointError, OSError) as exc:
+            problems.append(f"{filename}: {exc}")
     return problems
 
 
 __all__ = ["MANIFEST", "PendingCheckpoint", "build_manifest", "encode_manifest", "latest_checkpoint",
            "list_checkpoints", "load_checkpoint", "open_shard", "prune_checkpoints", "read_manifest",
-           "read_manifest_file", "recoverable_checkpoints", "resolve_checkpoint",
+           "read_manifest_file", "read_other_file", "recoverable_checkpoints", "resolve_checkpoint",
            "save_checkpoint", "verify_checkpoint", "verify_shard", "digest", "write_durably"]

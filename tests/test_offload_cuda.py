@@ -41,8 +41,8 @@ def train(model: torch.nn.Module, optimizer: Callable | torch.optim.Optimizer, s
 
 
 def assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    for (name, x), y in zip(a.named_parameters(), b.parameters()):
-        assert torch.equal(x, y), name
+    different = [name for (name, x), y in zip(a.named_parameters(), b.parameters()) if not torch.equal(x, y)]
+    assert not different, f"parameters differ: {different}"
 
 
 def largest_bytes(model: torch.nn.Module) -> int:
@@ -83,7 +83,7 @@ def test_bit_identical_to_the_unwrapped_optimizer_on_the_device(tmp_path, name, 
 
 
 def test_device_memory_for_state_stays_within_resident_bytes(tmp_path):
-    model = mlp(width=2048, depth=8)  # 8 layers of 16 MiB: AdamW state 2 x 130 MiB
+    model = mlp(width=2048, depth=16)  # 16 layers of 16 MiB: AdamW state 2 x 260 MiB
     state_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     budget = 3 * (2 * largest_bytes(model) + 2 * 4096)
     assert budget * 4 < state_bytes
@@ -177,22 +177,3 @@ def test_stream_weights_identical_outputs_and_device_memory_within_budget(tmp_pa
     with torch.no_grad():
         assert torch.equal(model(x), expected)
     assert os.listdir(tmp_path) == []
-
-
-def test_stream_weights_generate_on_the_device(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128)
-    model = transformers.LlamaForCausalLM(config).to(CUDA).eval()
-    prompt = torch.randint(0, 512, (2, 8), device=CUDA)
-    options = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    budget = 2 * 512 * 256 * 4 + 4 * 256 * 768 * 4  # embedding and head, and the MLP's projections
-    assert budget < weights / 2
-    with torch.no_grad():
-        expected = model.generate(prompt, **options)
-        with stream_weights(model, tmp_path, resident_bytes=budget, prefetch=2) as handle:
-            got = model.generate(prompt, **options)
-            assert handle.peak_resident_bytes <= budget
-    assert torch.equal(got, expected)

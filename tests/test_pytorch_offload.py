@@ -575,18 +575,26 @@ def test_parameters_must_be_on_one_cpu_or_cuda_device(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_stream_weights_generate_of_a_transformers_model(tmp_path):
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_stream_weights_generate_of_a_transformers_model(tmp_path, device):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(config).eval()
-    prompt = torch.randint(0, 128, (2, 6))
+    model = transformers.LlamaForCausalLM(config).to(device).eval()
+    prompt = torch.randint(0, 128, (2, 6)).to(device)
     options = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    layer = 64 * 128 * 4  # an MLP projection, the largest weight but the embedding and head
+    budget = 2 * 128 * 64 * 4 + 4 * layer
+    assert budget < sum(p.numel() * p.element_size() for p in model.parameters()) / 2
     with torch.no_grad():
         expected = model.generate(prompt, **options)
-        layer = 64 * 128 * 4  # an MLP projection, the largest weight but the embedding and head
-        with stream_weights(model, tmp_path, resident_bytes=2 * 128 * 64 * 4 + 4 * layer) as handle:
+        with stream_weights(model, tmp_path, resident_bytes=budget, prefetch=2) as handle:
             got = model.generate(prompt, **options)
-            assert handle.peak_resident_bytes <= handle.resident_bytes
+            assert handle.peak_resident_bytes <= budget
+            assert all(p.device == prompt.device and p.numel() == 0 for p in model.parameters())
     assert torch.equal(got, expected)

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_process, open_shard, read_manifest,
-                           split_by_size, write_durably)
+                           read_other_file, split_by_size, write_durably)
 from ...engine import Engine
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
 from ...layouts.dcp import DCP_METADATA, ITEMS_KEY
@@ -230,7 +230,7 @@ class DCPWriter(StorageWriter):
         try:
             pending.commit([h.shard_info() for h in headers.values()],
                            {"written_by": "tensorferry.adapters.pytorch.DCPWriter", "dcp_metadata": DCP_METADATA,
-                            ITEMS_KEY: items}, overwrite=self.overwrite)
+                            ITEMS_KEY: items}, overwrite=self.overwrite, other_files=[DCP_METADATA])
         except BaseException:
             pending.abort()
             raise
@@ -319,8 +319,12 @@ class DCPReader(StorageReader):
         if not os.path.exists(dcp_metadata):
             raise CorruptCheckpointError(f"{self.path} is a tensorferry checkpoint without DCP metadata "
                                          "(not written by DCPWriter): use tensorferry.load_checkpoint")
-        with open(dcp_metadata, "rb") as f:
-            return pickle.load(f)
+        data = read_other_file(self.path, self._manifest, DCP_METADATA)  # checksummed by the manifest
+        try:
+            return pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001 - any error unpickling means the file is unreadable
+            raise CorruptCheckpointError(f"{dcp_metadata}: the DCP metadata cannot be read "
+                                         f"({type(exc).__name__}: {exc})") from None
 
     @gc_paused()
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -354,8 +354,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             included. A step holds up to ``max(prefetch + 2, 3)`` chunks (the chunk
             computing, those prefetched, the one being written; on the first step, the
             state the optimizer creates beside its packed copy). On a CUDA device it bounds
-            both the device memory of the state and the pinned host memory it goes through
-            (the optimizer's temporaries, which a plain step makes too, are not counted).
+            the device memory of the state (the optimizer's temporaries, which a plain step
+            makes too, are not counted); the pinned host memory the state goes through is
+            charged alike, though torch's pinned allocator rounds each block up to a power
+            of two and keeps freed blocks for reuse.
         prefetch: how many chunks to read ahead.
         engine: the :class:`tensorferry.Engine` to use; by default the store's own.
         elementwise: whether the optimizer updates each element from that element alone
@@ -375,6 +377,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         opt = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), "/nvme/tmp",
                                  resident_bytes=2 << 30)
         loss.backward(); opt.step(); opt.zero_grad()
+
+        # bf16 parameters on the GPU, fp32 masters and AdamW state on NVMe:
+        model = model.to("cuda", torch.bfloat16)
+        opt = OffloadedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), "/nvme/tmp",
+                                 resident_bytes=4 << 30, master_weights=True)
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, store_dir: PathLike, *,
@@ -1061,6 +1068,10 @@ class StreamedWeights:
         self._pending: dict[torch.nn.Parameter, tuple[torch.Tensor, IOFuture]] = {}  # being read
         # On a CUDA device: weights read ahead whose copy to the device has started.
         self._uploaded: dict[torch.nn.Parameter, tuple[torch.Tensor, torch.cuda.Event]] = {}
+        # On a CUDA device: weights of layers whose kernels may not have run yet, with the
+        # event that marks them run. They stay charged until then, so that the host, which
+        # runs ahead of the device, holds no more device memory than the budget.
+        self._releasing: collections.deque[tuple[torch.cuda.Event, list[torch.nn.Parameter]]] = collections.deque()
         self._order: list[torch.nn.Module] = list(self._units)  # last forward's order, for prefetch
         self._seen: list[torch.nn.Module] = []
         self._resident = 0
@@ -1192,12 +1203,15 @@ class StreamedWeights:
             self._seen = []
         self._seen.append(unit)
         need = sum(self._param_bytes(p) for p in self._missing(unit))
-        # Prefetches for layers the order predicted wrongly give way first.
+        self._reclaim()
+        # Prefetches for layers the order predicted wrongly give way first; then the
+        # host waits for the device to finish the layers before.
         for p in list(self._pending) + list(self._uploaded):
             if self._resident + need <= self.resident_bytes:
                 break
             if id(p) not in self._unit_ids[unit]:
                 self._discard(p)
+        self._reclaim(need)
         for p in self._missing(unit):
             self._start_read(p)
         for p in self._unit_params[unit]:
@@ -1211,9 +1225,23 @@ class StreamedWeights:
         self._prefetch_after(unit)
         self._upload_ready()
 
+    def _reclaim(self, need: int | None = None) -> None:
+        """Uncharges the weights of layers the device has run; with ``need``, waits for the
+        oldest until ``need`` more bytes fit in the budget (or none is left to wait for)."""
+        while self._releasing:
+            done, params = self._releasing[0]
+            if not done.query():
+                if need is None or self._resident + need <= self.resident_bytes:
+                    return
+                done.synchronize()
+            self._releasing.popleft()
+            for p in params:
+                self._release(p)
+
     def _prefetch_after(self, unit: torch.nn.Module) -> None:
         if unit not in self._order:
             return
+        self._reclaim()
         start = self._order.index(unit) + 1
         for ahead in self._order[start:start + self.prefetch]:
             missing = self._missing(ahead)
@@ -1223,13 +1251,23 @@ class StreamedWeights:
                 self._start_read(p)
 
     def _after(self, unit: torch.nn.Module, args: Any, output: Any) -> None:
+        freed = []
         for p in self._unit_params[unit]:
             count = self._loaded.pop(p, 0) - 1
             if count > 0:
                 self._loaded[p] = count
             else:
                 p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+                freed.append(p)
+        if self._streams is None:
+            for p in freed:
                 self._release(p)
+        elif freed:
+            # The memory is back with torch's allocator, which reuses it only after the
+            # kernels queued so far; it stays charged here until they have run.
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self._releasing.append((done, freed))
         self._upload_ready()
 
     def remove(self) -> None:
@@ -1241,6 +1279,7 @@ class StreamedWeights:
         _check_io(future for _, future in self._pending.values())
         self._pending.clear()
         self._uploaded.clear()
+        self._releasing.clear()
         # Each weight gets a page-aligned buffer of its own, read straight from the drive.
         for p in self._params:
             if p not in self._loaded:
@@ -1287,7 +1326,10 @@ def stream_weights(model: torch.nn.Module, store_dir: PathLike, *, resident_byte
             parameters become empty tensors (on that device) outside their layer's forward.
         store_dir: an existing directory on the drive.
         resident_bytes: bound on parameter memory held at once, prefetched layers included
-            (on a CUDA model, device memory and pinned host memory each);
+            (on a CUDA model, the device memory of the weights, counted until the device
+            has run the layer that used them; the pinned host memory they pass through is
+            charged alike, though torch's pinned allocator rounds each block up to a power
+            of two and keeps freed blocks for reuse);
             must hold the largest layer with the layers around it (a layer whose children
             also have weights holds its own while they run), which is checked here.
         prefetch: how many layers to read ahead.
