@@ -12,8 +12,8 @@ from .engine import DirectIOFallbackWarning, Engine, File, IOFuture, default_eng
 from .shard import ShardInfo, ShardReader, ShardWriter, TensorInfo
 from .data import FileSource
 from .offload import OffloadStore
-from .errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, EngineClosedError,
-                     GDSUnavailableError, TensorferryError, TensorferryIOError)
+from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, ConfigError, CorruptCheckpointError,
+                     DurabilityWarning, EngineClosedError, GDSUnavailableError, TensorferryError, TensorferryIOError)
 
 __version__ = "0.1.0"
 
@@ -25,4 +25,5 @@ __all__ = [
     "PendingCheckpoint", "ShardInfo", "ShardReader", "ShardWriter", "TensorInfo", "default_engine",
     "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prune_checkpoints", "read_manifest",
     "save_checkpoint", "verify_checkpoint", "FileSource", "OffloadStore", "GDSUnavailableError",
+    "CheckpointSkippedWarning", "DurabilityWarning",
 ]

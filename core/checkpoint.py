@@ -344,10 +344,12 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=writers) as pool:
             infos = list(pool.map(write, range(len(groups))))
+        others = []
         if hf_index:
             from .layouts.huggingface import INDEX, encode_index
             write_durably(os.path.join(pending.tmp_path, INDEX), encode_index(infos))
-        return pending.commit(infos, metadata, overwrite=overwrite)
+            others.append(INDEX)  # checksummed by the manifest, so verify covers it too
+        return pending.commit(infos, metadata, overwrite=overwrite, other_files=others)
     except BaseException:
         pending.abort()
         raise

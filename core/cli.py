@@ -31,11 +31,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import __version__, bench, layouts
-from .checkpoint import DEFAULT_SHARD_BYTES, MANIFEST, PendingCheckpoint, split_by_size
+from .checkpoint import DEFAULT_SHARD_BYTES, MANIFEST, PendingCheckpoint, recoverable_checkpoints, split_by_size
 from .config import parse_size
 from .errors import ConfigError, TensorferryError
 from .layouts.safetensors import to_file_metadata
 from .shard import ShardWriter, write_order
+from .temporaries import remove_stale_temporaries, stale_temporaries
 
 EXIT_OK, EXIT_FINDING, EXIT_ERROR = 0, 1, 2
 
@@ -396,6 +397,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_FINDING if problems else EXIT_OK
 
 
+# ---------------------------------------------------------------- clean
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    """Removes what killed saves left in a directory (temporaries no running save holds)."""
+    if not os.path.isdir(args.root):
+        raise CLIError(f"{args.root} is not a directory")
+    keep = recoverable_checkpoints(args.root).values()  # an interrupted overwrite's old checkpoint
+    if args.dry_run:
+        found = stale_temporaries(args.root, keep=keep)
+    else:
+        found = remove_stale_temporaries(args.root, keep=keep)
+    verb = "would remove" if args.dry_run else "removed"
+    text = [f"{args.root}: {verb} {plural(len(found), 'leftover')}"] + [f"  {p}" for p in found]
+    emit(args, {"path": args.root, "dry_run": args.dry_run, "removed": found}, "\n".join(text))
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------- convert
 
 # Tensors are read ahead in batches of about this many bytes: files read in parallel and
@@ -671,6 +689,14 @@ def build_parser() -> argparse.ArgumentParser:
             "Exit status 1, with the names of the bad files, on any mismatch or missing file.")
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or file")
     p.set_defaults(func=cmd_verify)
+
+    p = add("clean", "remove what killed saves left in a directory",
+            "Removes the temporaries (<name>.tmp-*) of interrupted saves under ROOT: files and checkpoint\n"
+            "directories that no running save holds (each save holds a lock on its own). An old checkpoint\n"
+            "that an interrupted overwrite moved aside, with nothing at its name, is kept: it is the checkpoint.")
+    p.add_argument("root", metavar="ROOT", help="the directory holding checkpoints or saved files")
+    p.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
+    p.set_defaults(func=cmd_clean)
 
     p = add("convert", "any checkpoint layout -> a tensorferry checkpoint or one safetensors file",
             f"Reads\n{known},\n"

@@ -24,9 +24,11 @@ def hold(path: str) -> int:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BaseException:
+    except BlockingIOError:
         os.close(fd)
         raise
+    except OSError:
+        pass  # a filesystem without flock: the save goes on, and no one can take it for a leftover
     return fd
 
 
@@ -46,8 +48,8 @@ def remove_if_stale(path: str) -> bool:
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # a save in progress
+        except OSError:
+            return False  # a save in progress (or no flock here: then no one can tell)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -83,8 +85,8 @@ def stale_temporaries(root: str | os.PathLike, target: str | None = None,
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             found.append(entry.path)
-        except BlockingIOError:
-            pass
+        except OSError:
+            pass  # held by a running save, or no flock on this filesystem
         finally:
             os.close(fd)
     return sorted(found)

@@ -22,6 +22,15 @@ def checksum(data: bytes) -> str:
     return format(xxhash.xxh3_64_intdigest(data, seed=0), "016x")
 
 
+def check_header_checksum(header: bytes) -> None:
+    """The header checksum, as docs/format.md defines it: the whole header with the
+    key's own 16 digits zeroed."""
+    mark = b'"tensorferry.header_checksum":"'
+    at = header.index(mark) + len(mark)
+    zeroed = header[:at] + b"0" * 16 + header[at + 16:]
+    assert checksum(zeroed) == header[at:at + 16].decode()
+
+
 def read_as_specified(directory: str) -> tuple[dict, dict[str, bytes]]:
     """The manifest and every tensor's bytes, following docs/format.md step by step."""
     with open(os.path.join(directory, "tensorferry.json"), "rb") as f:
@@ -40,6 +49,7 @@ def read_as_specified(directory: str) -> tuple[dict, dict[str, bytes]]:
         (n,) = struct.unpack("<Q", raw[:8])
         assert (8 + n) % 4096 == 0, "the data section starts on a 4096-byte boundary"
         assert checksum(raw[:8 + n]) == entry["checksum"], "the file checksum covers length, JSON and padding"
+        check_header_checksum(raw[:8 + n])
         header = json.loads(raw[8:8 + n].decode("utf-8"))
         raw[8:8 + n].decode("ascii")  # the writer escapes non-ASCII characters
         metadata = header.pop("__metadata__")
@@ -88,6 +98,7 @@ def test_the_structure_of_a_saved_state_dict_reads_as_specified(tmp_path) -> Non
           "betas": (0.9, 0.99), 3: None}, tmp_path / "state.safetensors")
     raw = (tmp_path / "state.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
+    check_header_checksum(raw[:8 + n])  # a single file vouches for its own header
     header = json.loads(raw[8:8 + n])
     structure = json.loads(header["__metadata__"]["tensorferry.structure"])
     assert [name for name in header if name != "__metadata__"] == ["model.a"], "a tied tensor is stored once"

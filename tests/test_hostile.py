@@ -525,3 +525,42 @@ def test_a_dcp_checkpoints_metadata_is_covered_by_the_manifest(tmp_path) -> None
     target = {"a": torch.zeros(10), "step": 0}
     with pytest.raises(BaseException, match="damaged"):
         dcp.load(target, storage_reader=DCPReader(tmp_path / "ckpt"))
+
+
+def test_the_cli_cleans_leftovers_and_keeps_what_is_held(tmp_path, capsys) -> None:
+    from tensorferry.cli import main
+    from tensorferry.temporaries import hold, release
+    tensorferry.save_checkpoint(tmp_path / "step_1", {"x": np.arange(3)})
+    (tmp_path / "step_2.tmp-dead").mkdir()
+    (tmp_path / "model.tf.tmp-dead").write_bytes(b"x")
+    (tmp_path / "model.tf.tmp-live").write_bytes(b"y")
+    lock = hold(str(tmp_path / "model.tf.tmp-live"))
+    try:
+        assert main(["clean", "--dry-run", str(tmp_path)]) == 0
+        assert "would remove 2 leftovers" in capsys.readouterr().out
+        assert len(os.listdir(tmp_path)) == 4
+        assert main(["clean", str(tmp_path)]) == 0
+        assert sorted(os.listdir(tmp_path)) == ["model.tf.tmp-live", "step_1"]
+    finally:
+        release(lock)
+    assert main(["clean", str(tmp_path)]) == 0
+    assert os.listdir(tmp_path) == ["step_1"]
+
+
+def test_a_disk_full_at_the_manifest_keeps_the_previous_checkpoint(small_tmpfs) -> None:
+    """ENOSPC after the reservation: the shard file fits exactly, its manifest does not."""
+    import errno
+    root = small_tmpfs
+    target = os.path.join(root, "step_1")
+    tensorferry.save_checkpoint(target, {"w": np.full(1000, 1.0, np.float32)})
+    new = {"w": np.full(100_000, 2.0, np.float32)}  # a 4096 + 400000-byte shard: 99 pages
+    page = os.statvfs(root).f_frsize
+    shard_pages = -(-(4096 + 400_000) // page)
+    free = os.statvfs(root).f_bavail * page
+    with open(os.path.join(root, "filler"), "wb") as f:
+        f.write(b"\0" * (free - shard_pages * page))
+    with pytest.raises(OSError) as info:
+        tensorferry.save_checkpoint(target, new, overwrite=True)
+    assert info.value.errno == errno.ENOSPC and "tensorferry.json" in str(info.value), info.value
+    assert sorted(os.listdir(root)) == ["filler", "step_1"]
+    assert (tensorferry.load_checkpoint(target)["w"] == 1.0).all()

@@ -133,18 +133,25 @@ class _Checkpoint:
                 self.structure = meta["structure"]
             for filename in index["files"]:
                 self.manifests[filename] = index
-            for name, rec in meta["leaves"].items():
-                leaf = self.leaves.get(name)
-                if leaf is None:
-                    leaf = self.leaves[name] = _Leaf(rec["kind"], tuple(rec.get("shape", ())), rec.get("dtype", ""),
-                                                     rec.get("was_jax", False), rec.get("value"))
-                for key, offsets, sizes in rec.get("chunks", []):
-                    leaf.chunks.append((rec["file"], key, tuple(offsets), tuple(sizes)))
+            try:
+                for name, rec in meta["leaves"].items():
+                    leaf = self.leaves.get(name)
+                    if leaf is None:
+                        leaf = self.leaves[name] = _Leaf(rec["kind"], tuple(rec.get("shape", ())),
+                                                         rec.get("dtype", ""), rec.get("was_jax", False),
+                                                         rec.get("value"))
+                    for key, offsets, sizes in rec.get("chunks", []):
+                        leaf.chunks.append((rec["file"], key, tuple(offsets), tuple(sizes)))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:  # sealed, yet not as written
+                raise CorruptCheckpointError(f"{path}: a leaf record is malformed ({type(exc).__name__}: "
+                                             f"{exc})") from None
         if self.structure is None:
             raise CorruptCheckpointError(f"{directory}: no process index holds the tree structure")
         self._readers: dict[str, ShardReader] = {}
 
     def reader(self, filename: str) -> ShardReader:
+        if filename not in self.manifests:
+            raise CorruptCheckpointError(f"{self.directory}: a leaf lies in {filename!r}, which no index lists")
         if filename not in self._readers:
             self._readers[filename] = open_shard(self.directory, self.manifests[filename], filename,
                                                  engine=self.engine, verify=self.verify)
