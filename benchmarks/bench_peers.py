@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -53,22 +52,6 @@ def touch(tensors: Any) -> None:
         int(raw[::PAGE].sum())
 
 
-def fsync_path(path: str) -> None:
-    for f in bench.files_under(path) if os.path.isdir(path) else [path]:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.unlink(path)
-
-
 def files_of(path: str) -> list[str]:
     return bench.files_under(path) if os.path.isdir(path) else [path]
 
@@ -94,21 +77,21 @@ class Contender:
         nbytes = sum(t.nbytes for t in state.values())
         if self.convert is not None:  # into the framework's arrays, before the clock starts
             state = self.convert(state)
-        remove(path)
+        bench.remove_path(path)
         rows = []
         try:
             if self.write is not None:
                 rows.append(bench.timed(f"{self.name} [{label}]", "write", nbytes,
-                                        lambda: (self.write(state, path), fsync_path(path))))
+                                        lambda: (self.write(state, path), bench.fsync_tree(path))))
             else:
                 self.prepare(state, path)
-                fsync_path(path)
+                bench.fsync_tree(path)
             target = destinations(state) if self.in_place else state
             bench.drop_cache(files_of(path))
             rows.append(bench.timed(f"{self.name} [{label}]", "read", nbytes, lambda: self.read(path, target)))
             del target
         finally:
-            remove(path)
+            bench.remove_path(path)
         return rows
 
 
@@ -325,7 +308,7 @@ def raw_rounds(directory: str, nbytes: int, repeat: int, skipped: dict[str, str]
         name = f"tensorferry Engine, {'defaults' if config is None else 'these settings'} [{label}]"
 
         def run() -> Rows:
-            remove(path)
+            bench.remove_path(path)
             with Engine(config) as e:
                 def write() -> None:
                     with open(path, "wb") as f:
@@ -335,22 +318,22 @@ def raw_rounds(directory: str, nbytes: int, repeat: int, skipped: dict[str, str]
                 bench.drop_cache([path])
                 rows.append(bench.timed(name, "read", nbytes,
                                         lambda: e.pread(data, path, 0).result()))
-            remove(path)
+            bench.remove_path(path)
             return rows
         return run
 
     def deepspeed(label: str, handle: Any) -> Callable[[], Rows]:
         def run() -> Rows:
-            remove(path)
+            bench.remove_path(path)
 
             def write() -> None:
                 handle.sync_pwrite(locked, path)
-                fsync_path(path)
+                bench.fsync_tree(path)
             rows = [bench.timed(f"DeepSpeed aio_handle [{label}]", "write", nbytes, write)]
             bench.drop_cache([path])
             rows.append(bench.timed(f"DeepSpeed aio_handle [{label}]", "read", nbytes,
                                     lambda: handle.sync_pread(locked, path)))
-            remove(path)
+            bench.remove_path(path)
             return rows
         return run
 
