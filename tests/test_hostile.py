@@ -564,3 +564,20 @@ def test_a_disk_full_at_the_manifest_keeps_the_previous_checkpoint(small_tmpfs) 
     assert info.value.errno == errno.ENOSPC and "tensorferry.json" in str(info.value), info.value
     assert sorted(os.listdir(root)) == ["filler", "step_1"]
     assert (tensorferry.load_checkpoint(target)["w"] == 1.0).all()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_torch_dcp_folder_naming_a_file_outside_is_refused(tmp_path) -> None:
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from tensorferry import layouts
+    dcp.save({"a": torch.arange(4.0)}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ckpt")))
+    path = tmp_path / "ckpt" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    for index, stored in list(metadata.storage_data.items()):
+        metadata.storage_data[index] = type(stored)("../outside.distcp", stored.offset, stored.length)
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CorruptCheckpointError, match="plain file"):
+        layouts.open_layout(str(tmp_path / "ckpt")).read()

@@ -129,11 +129,16 @@ class _CopyStreams:
         """A device copy of ``host`` (pinned), which the current stream waits for."""
         return self.use(*self.upload_async(host))
 
+    def mark(self) -> torch.cuda.Event:
+        """An event that fires when the work queued on the current stream so far is done."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     def to_host(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
         """Starts copying each ``(device, pinned host)`` pair to the host once the work queued
         on the current stream so far is done; returns the event that marks the copies done."""
-        after = torch.cuda.Event()
-        after.record(torch.cuda.current_stream(self.device))
+        after = self.mark()
         done = torch.cuda.Event()
         with torch.cuda.stream(self.download):
             self.download.wait_event(after)
@@ -1265,9 +1270,7 @@ class StreamedWeights:
         elif freed:
             # The memory is back with torch's allocator, which reuses it only after the
             # kernels queued so far; it stays charged here until they have run.
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            self._releasing.append((done, freed))
+            self._releasing.append((self._streams.mark(), freed))
         self._upload_ready()
 
     def remove(self) -> None:

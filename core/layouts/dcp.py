@@ -21,7 +21,7 @@ from ..buffers import byte_view
 from ..checkpoint import MANIFEST, open_shard, read_manifest, read_other_file, verify_checkpoint
 from ..dtypes import to_numpy_dtype
 from ..errors import CorruptCheckpointError, TensorferryError
-from ..schema import read_small_file
+from ..schema import member_path, read_small_file
 from . import (OBJECT, Chunk, ChunkSource, Layout, TensorEntry, TensorSource, Verification, file_row, size_problems,
                tensor_entry)
 
@@ -103,6 +103,7 @@ class DCPFolder(Layout):
         metadata = read_dcp_metadata(self.path)
         extents: dict[str, int] = {}
         for stored in metadata.storage_data.values():
+            member_path(self.path, stored.relative_path)  # torch's reader would open it: never outside
             extents[stored.relative_path] = max(extents.get(stored.relative_path, 0), stored.offset + stored.length)
         files = [file_row(self.path, n, extents[n]) for n in sorted(extents)]
         return _entries_from_torch(metadata), files, size_problems(files, by="the metadata", at_least=True), metadata
