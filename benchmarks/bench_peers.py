@@ -164,12 +164,25 @@ def peers(skipped: dict[str, str]) -> list[Contender]:
     except ImportError as exc:
         skipped["safetensors"] = f"not installed ({exc})"
         save_file = None
+    if save_file is not None:
+        found.append(_huggingface_folder(save_file))
     for make in (_runai, _fastsafetensors, _tensorizer, _fastpersist):
         try:
             found.append(make(save_file))
         except Exception as exc:  # an optional peer: why it cannot run is the result
             skipped[make.__doc__.split(":")[0]] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     return found
+
+
+def _huggingface_folder(save_file: Any) -> Contender:
+    """Our ``load_checkpoint`` of a Hugging Face folder: ``model.safetensors`` as the
+    safetensors package writes it, hence without checksums to verify."""
+    def prepare(state: dict, path: str) -> None:
+        os.makedirs(path)
+        save_file(state, os.path.join(path, "model.safetensors"))
+
+    return Contender("tensorferry load_checkpoint (Hugging Face folder)", "hf-folder",
+                     lambda p, s: load_checkpoint(p), prepare=prepare)
 
 
 def _runai(save_file: Any) -> Contender:
