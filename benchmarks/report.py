@@ -36,7 +36,10 @@ METHOD = """\
 - **Every byte touched on loads.** tensorferry hashes every tensor it loads (checksums
   on); the safetensors load is followed by hashing every array it returned, so that no
   loader is timed on pages it has not yet read. `torch.load` and DCP's reader copy
-  every byte into memory they own.
+  every byte into memory they own. In the peers benchmark every peer's load is followed
+  by reading one byte of every page it returned (the Run:ai streamer's tensors as they
+  stream: they are views of a buffer it reuses); DCP loads, ours and torch's, go into
+  tensors made before the clock starts, as a model's are.
 - **Memory warmed.** Before each timed step the benchmark touches and frees as much
   memory as the step moves, the same for every contender: on the development VM
   (Firecracker) memory the guest has not used lately costs 0.3-3 s per GiB on first

@@ -129,11 +129,16 @@ class _CopyStreams:
         """A device copy of ``host`` (pinned), which the current stream waits for."""
         return self.use(*self.upload_async(host))
 
+    def mark(self) -> torch.cuda.Event:
+        """An event that fires when the work queued on the current stream so far is done."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     def to_host(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
         """Starts copying each ``(device, pinned host)`` pair to the host once the work queued
         on the current stream so far is done; returns the event that marks the copies done."""
-        after = torch.cuda.Event()
-        after.record(torch.cuda.current_stream(self.device))
+        after = self.mark()
         done = torch.cuda.Event()
         with torch.cuda.stream(self.download):
             self.download.wait_event(after)
@@ -543,14 +548,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Loads a (wrapped or plain) optimizer state dict into the wrapped optimizer and offloads it."""
         self.optimizer.load_state_dict(state_dict)
         if self.master_weights:
-            # torch casts a parameter's state to its dtype: masters and their state stay fp32.
+            # torch casts a parameter's state to its dtype; a master's state is fp32 (from a
+            # state dict of a plain bf16 optimizer too, or the master's fp32 step would mix dtypes).
             saved = [i for g in state_dict["param_groups"] for i in g["params"]]
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
             for index, p in zip(saved, params):
                 for name, value in state_dict["state"].get(index, {}).items():
                     if self._has_master(p) and isinstance(value, torch.Tensor) and value.is_floating_point():
-                        self.optimizer.state[p][name] = value.detach().to(self.optimizer.state[p][name].device,
-                                                                            copy=True)
+                        device = self.optimizer.state[p][name].device
+                        self.optimizer.state[p][name] = value.detach().to(device, torch.float32, copy=True)
         for key in list(self._layouts):
             self.store.delete(key)
         self._layouts.clear()
@@ -1265,9 +1271,7 @@ class StreamedWeights:
         elif freed:
             # The memory is back with torch's allocator, which reuses it only after the
             # kernels queued so far; it stays charged here until they have run.
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            self._releasing.append((done, freed))
+            self._releasing.append((self._streams.mark(), freed))
         self._upload_ready()
 
     def remove(self) -> None:
