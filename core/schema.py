@@ -23,7 +23,7 @@ from .errors import CorruptCheckpointError
 
 MAX_NAME_BYTES = 255  # NAME_MAX of Linux filesystems
 MAX_SMALL_FILE_BYTES = 256 << 20  # a manifest of a million tensors is about 200 MiB
-MAX_DIMS = 64  # as many as torch allows; numpy allows fewer, and fails on more
+MAX_DIMS = 64  # numpy 2 allows no more (a 65-dimensional shape failed there, untyped)
 MAX_TENSOR_NAME_CHARS = 4096
 MAX_TENSORS = 10_000_000
 MANIFEST_VERSION = 2

@@ -598,3 +598,17 @@ def test_stream_weights_generate_of_a_transformers_model(tmp_path, device):
             assert handle.peak_resident_bytes <= budget
             assert all(p.device == prompt.device and p.numel() == 0 for p in model.parameters())
     assert torch.equal(got, expected)
+
+
+def test_master_weights_resume_from_a_plain_bf16_optimizer(tmp_path):
+    model = embedding_model().bfloat16()
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_embedding(model, plain, 2)  # bf16 state
+    wrapped = OffloadedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path,
+                                 resident_bytes=3 * (2000 * 64 * 4), master_weights=True)
+    wrapped.load_state_dict(plain.state_dict())
+    train_embedding(model, wrapped, 2)  # the masters start from the parameters, the state as fp32
+    state = wrapped.state_dict()["state"][0]
+    assert state["master"].dtype == state["exp_avg"].dtype == torch.float32
+    assert torch.equal(state["master"].bfloat16(), model[0].weight.detach())
+    wrapped.close()

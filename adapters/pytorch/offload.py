@@ -548,14 +548,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Loads a (wrapped or plain) optimizer state dict into the wrapped optimizer and offloads it."""
         self.optimizer.load_state_dict(state_dict)
         if self.master_weights:
-            # torch casts a parameter's state to its dtype: masters and their state stay fp32.
+            # torch casts a parameter's state to its dtype; a master's state is fp32 (from a
+            # state dict of a plain bf16 optimizer too, or the master's fp32 step would mix dtypes).
             saved = [i for g in state_dict["param_groups"] for i in g["params"]]
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
             for index, p in zip(saved, params):
                 for name, value in state_dict["state"].get(index, {}).items():
                     if self._has_master(p) and isinstance(value, torch.Tensor) and value.is_floating_point():
-                        self.optimizer.state[p][name] = value.detach().to(self.optimizer.state[p][name].device,
-                                                                            copy=True)
+                        device = self.optimizer.state[p][name].device
+                        self.optimizer.state[p][name] = value.detach().to(device, torch.float32, copy=True)
         for key in list(self._layouts):
             self.store.delete(key)
         self._layouts.clear()
