@@ -363,6 +363,7 @@ def raw_rounds(directory: str, nbytes: int, repeat: int, skipped: dict[str, str]
 
     runs = []
     for label, (block, depth) in RAW_SETTINGS.items():
+        block = min(block, nbytes)  # fio refuses blocks larger than the file
         runs += [fio(label, block, depth), engine(label, None)]
         runs.append(engine(label, default_config().replace(block_size=block, queue_depth=depth)))
         if label in handles:

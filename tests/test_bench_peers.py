@@ -1,0 +1,80 @@
+"""benchmarks/bench_peers.py: a real (tiny) run writes a result file that the report
+renders with the ratio to the best peer and the skipped peers with their reason."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+from tensorferry import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_tiny_run_measures_every_contender_and_the_report_renders_it(tmp_path, capsys) -> None:
+    peers, report = _module("bench_peers"), _module("report")
+    work, results = tmp_path / "work", tmp_path / "results"
+    assert peers.main(["--dir", str(work), "--size", "4M", "--counts", "4,64", "--repeat", "1",
+                       "--results", str(results)]) == 0
+    assert os.listdir(work) == [], "every contender removes what it wrote"
+    (path,) = results.iterdir()
+    document = json.loads(path.read_text())
+    names = {(m["name"], m["op"]) for m in document["measurements"]}
+    for ours in ("tensorferry save/load", "tensorferry save_checkpoint/load_checkpoint",
+                 "tensorferry DCPWriter/DCPReader"):
+        for label in ("4 arrays", "64 arrays"):
+            assert {(f"{ours} [{label}]", "write"), (f"{ours} [{label}]", "read")} <= names
+    assert ("tensorferry Engine, defaults [1 MiB blocks, depth 32]", "read") in names
+    assert all(m["seconds"] > 0 and m["cpu_seconds"] >= 0 for m in document["measurements"])
+    assert isinstance(document.get("skipped"), dict)  # optional peers: absent ones say why
+
+    out = tmp_path / "benchmarks.md"
+    assert report.main(["--results", str(results), "--out", str(out), "--readme", "", "--plot", ""]) == 0
+    page = out.read_text()
+    assert "### peers" in page and "| x best peer |" in page
+    for peer, why in document["skipped"].items():
+        assert f"Skipped {peer}: " in page
+
+
+def test_ratio_to_the_best_peer_leaves_out_fio_and_ours() -> None:
+    report = _module("report")
+    rows = [{"contender": "fio", "op": "read", "gbps": 9.0},
+            {"contender": "tensorferry load", "op": "read", "gbps": 8.0},
+            {"contender": "safetensors", "op": "read", "gbps": 2.0},
+            {"contender": "Run:ai model streamer", "op": "read", "gbps": 4.0},
+            {"contender": "torch.save", "op": "write", "gbps": 1.0}]
+    assert report.best_peers(rows) == {"read": 4.0, "write": 1.0}
+
+
+def test_touch_reads_every_page(tmp_path) -> None:
+    import ctypes
+    import mmap
+
+    import torch
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    bench.drop_cache([str(path)])
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+        mapped.madvise(mmap.MADV_RANDOM)  # no read-ahead: a page is in only if it was touched
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        resident = (ctypes.c_ubyte * (len(mapped) // 4096))()
+
+        def pages_in() -> int:
+            assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(mapped)), resident) == 0
+            return sum(b & 1 for b in resident)
+
+        assert pages_in() < len(resident)
+        tensor = torch.frombuffer(mapped, dtype=torch.uint8)
+        _module("bench_peers").touch([tensor])
+        assert pages_in() == len(resident), "every page of the mapping was read in"
+        del tensor
