@@ -201,7 +201,7 @@ def load(path: str | os.PathLike, map_location: str | torch.device | None = None
             check_structure(structure, os.fspath(path), reader.tensors)
         device = _cuda_device(map_location)
         if device is None:
-            arrays = reader.read_many()
+            arrays = reader.read_many(populate=False)  # one file, one thread: see read_many
         else:
             on_host = _host_names(structure)
             arrays = read_to_device(reader, [n for n in reader.tensors if n not in on_host], device)
