@@ -403,26 +403,45 @@ def main(argv: list[str] | None = None) -> int:
                               "settings": {"size": nbytes, "count": args.count, "rounds": args.rounds,
                                            "dir": directory},
                               "gpu": device_info(device), "machine": bench.machine_info(directory), "figures": []}
-    try:
+    run: Run | None = None
+
+    def figure(step: str) -> Callable[[], dict[str, Any]]:
+        return {"save": lambda: run.saves(), "load": lambda: run.loads(), "stall": lambda: run.stall(),
+                "gds": lambda: run.gds_vs_bounce(min(run.nbytes, 4 << 30)),
+                "dataset": lambda: run.dataset(min(run.nbytes, 2 << 30))}[step]
+
+    def start() -> None:
+        nonlocal run
         run = Run(directory, nbytes, args.count, args.rounds, device, log)
         record["settings"]["state_bytes"] = run.nbytes
         run.ceiling()
         record["fio"] = run.fio or None
-        steps_by_name = {"save": run.saves, "load": run.loads, "stall": run.stall,
-                         "gds": lambda: run.gds_vs_bounce(min(run.nbytes, 4 << 30)),
-                         "dataset": lambda: run.dataset(min(run.nbytes, 2 << 30))}
-        for step in steps:
+
+    return record_figures(record, args.out, started, directory if args.dir is None else None, start,
+                          {step: figure(step) for step in steps}, log)
+
+
+def record_figures(record: dict[str, Any], out: str, started: float, scratch: str | None, start: Callable[[], None],
+                   figures: dict[str, Callable[[], dict[str, Any]]], log: Callable[[str], None],
+                   after_each: Callable[[], None] = lambda: None) -> int:
+    """Runs each figure into ``record["figures"]`` (a failed one is recorded as its error,
+    so that the others' figures survive), writes the record to ``out`` whatever happens,
+    removes ``scratch`` if given; 1 if a figure failed."""
+    try:
+        start()
+        for name, figure in figures.items():
             try:
-                record["figures"].append(steps_by_name[step]())
+                record["figures"].append(figure())
             except Exception as exc:  # noqa: BLE001 - recorded: one failed step must not lose the others' figures
-                record["figures"].append({"figure": step, "error": f"{type(exc).__name__}: {exc}"})
-                log(f"{step} failed: {type(exc).__name__}: {exc}")
+                record["figures"].append({"figure": name, "error": f"{type(exc).__name__}: {exc}"})
+                log(f"{name} failed: {type(exc).__name__}: {exc}")
+            after_each()
     finally:
         record["seconds"] = round(time.time() - started, 1)
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(record, f, indent=1)
-        if args.dir is None:
-            shutil.rmtree(directory, ignore_errors=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     return 1 if any("error" in f for f in record["figures"]) else 0
 
 

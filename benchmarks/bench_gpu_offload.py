@@ -25,10 +25,8 @@ script where there is no GPU (its figures then mean nothing for a GPU).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -37,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench_gpu import device_info, row, sync
+from bench_gpu import device_info, record_figures, row, sync
 from tensorferry import bench, parse_size
 from tensorferry.adapters.pytorch import OffloadedOptimizer, stream_weights
 
@@ -264,23 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": device_info(device), "machine": bench.machine_info(directory), "figures": []}
     figures = {"stream": lambda: stream_figure(directory, nbytes // 2, args.quick, device, args.rounds, log),
                "optimizer": lambda: optimizer_figure(directory, nbytes, device, args.rounds, log)}
-    try:
-        for name in (args.only or "stream,optimizer").split(","):
-            try:
-                record["figures"].append(figures[name]())
-            except Exception as exc:  # noqa: BLE001 - recorded: one failed figure must not lose the other
-                record["figures"].append({"figure": name, "error": f"{type(exc).__name__}: {exc}"})
-                log(f"{name} failed: {type(exc).__name__}: {exc}")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    finally:
-        record["seconds"] = round(time.time() - started, 1)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
-        if args.dir is None:
-            shutil.rmtree(directory, ignore_errors=True)
-    return 1 if any("error" in f for f in record["figures"]) else 0
-
+    names = (args.only or "stream,optimizer").split(",")
+    return record_figures(record, args.out, started, directory if args.dir is None else None, lambda: None,
+                          {name: figures[name] for name in names}, log,
+                          after_each=torch.cuda.empty_cache if device.type == "cuda" else lambda: None)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,7 +26,6 @@ import time
 import warnings
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
