@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import sys
 import time
 import warnings
@@ -30,6 +31,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tensorferry import Engine, IOConfig, bench, default_config, parse_size
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
 from tensorferry.adapters.pytorch import DCPReader, DCPWriter, load, load_checkpoint, save, save_checkpoint
 
 Rows = list[bench.Measurement]
@@ -122,6 +126,87 @@ def ours() -> list[Contender]:
         Contender("tensorferry DCPWriter/DCPReader", "tf-dcp", _dcp_read(DCPReader),
                   lambda s, p: _quiet(lambda: dcp.save(s, storage_writer=DCPWriter(p))), in_place=True),
     ]
+
+
+class _NoBytesWriter(StorageWriter):
+    """A DCP storage writer that moves no tensor bytes: it keeps only DCP's metadata,
+    so that ``dcp.save`` through it measures torch's own planning and bookkeeping,
+    which any storage writer pays on top of its writes."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list) -> list:
+        return plans
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        future: Future = Future()
+        future.set_result([WriteResult(index=item.index, size_in_bytes=0, storage_data=None) for item in plan.items])
+        return future
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        os.makedirs(self.path)
+        with open(os.path.join(self.path, ".metadata"), "wb") as f:
+            pickle.dump(metadata, f)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+class _NoBytesReader(StorageReader):
+    """The reader of :class:`_NoBytesWriter`'s metadata: every item is resolved and
+    committed, as DCP's planner needs, with no bytes read."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+            return pickle.load(f)
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list) -> list:
+        return plans
+
+    def read_data(self, plan: Any, planner: Any) -> Future:
+        for item in plan.items:
+            planner.commit_tensor(item, planner.resolve_tensor(item))
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+def torch_dcp_alone() -> Contender:
+    """``dcp.save``/``dcp.load`` through a storage layer that moves no tensor bytes:
+    torch's own cost per save and load (planning, per-item bookkeeping, its debug
+    logger), the floor under every DCP storage writer and reader."""
+    return Contender("reference: torch DCP alone, a storage layer that moves no bytes", "dcp-alone",
+                     _dcp_read(_NoBytesReader),
+                     lambda s, p: _quiet(lambda: dcp.save(s, storage_writer=_NoBytesWriter(p))), in_place=True)
 
 
 def jax_contender(skipped: dict[str, str]) -> list[Contender]:
@@ -275,7 +360,7 @@ def _deepspeed_handle(block_size: int, queue_depth: int) -> Any:
 def state_rounds(directory: str, states: dict[str, dict[str, torch.Tensor]], repeat: int,
                  skipped: dict[str, str], progress: Callable[[str], None]) -> Rows:
     """Every contender on every state, fio included, in interleaved rounds."""
-    contenders = [*ours(), *jax_contender(skipped), *peers(skipped)]
+    contenders = [*ours(), torch_dcp_alone(), *jax_contender(skipped), *peers(skipped)]
     rows: Rows = []
     for label, state in states.items():
         nbytes = sum(t.nbytes for t in state.values())

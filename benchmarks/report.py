@@ -154,7 +154,9 @@ def _ratio(value: float | None) -> str:
 
 
 def _is_peer(contender: str) -> bool:
-    return contender != "fio" and not contender.startswith("tensorferry")
+    # fio is the ceiling, and a "reference:" row measures a part of a path (such as
+    # torch DCP's own cost), not a way to save or load.
+    return contender != "fio" and not contender.startswith(("tensorferry", "reference:"))
 
 
 def best_peers(rows: list[dict[str, Any]]) -> dict[str, float]:

@@ -29,7 +29,7 @@ def test_a_tiny_run_measures_every_contender_and_the_report_renders_it(tmp_path,
     document = json.loads(path.read_text())
     names = {(m["name"], m["op"]) for m in document["measurements"]}
     for ours in ("tensorferry save/load", "tensorferry save_checkpoint/load_checkpoint",
-                 "tensorferry DCPWriter/DCPReader"):
+                 "tensorferry DCPWriter/DCPReader", "reference: torch DCP alone, a storage layer that moves no bytes"):
         for label in ("4 arrays", "64 arrays"):
             assert {(f"{ours} [{label}]", "write"), (f"{ours} [{label}]", "read")} <= names
     assert ("tensorferry Engine, defaults [1 MiB blocks, depth 32]", "read") in names
@@ -50,6 +50,8 @@ def test_ratio_to_the_best_peer_leaves_out_fio_and_ours() -> None:
             {"contender": "tensorferry load", "op": "read", "gbps": 8.0},
             {"contender": "safetensors", "op": "read", "gbps": 2.0},
             {"contender": "Run:ai model streamer", "op": "read", "gbps": 4.0},
+            {"contender": "reference: torch DCP alone, a storage layer that moves no bytes", "op": "read",
+             "gbps": 20.0},
             {"contender": "torch.save", "op": "write", "gbps": 1.0}]
     assert report.best_peers(rows) == {"read": 4.0, "write": 1.0}
 
