@@ -142,6 +142,14 @@ def _described(label: str, settings: dict[str, Any]) -> str:
     return f"{_size(settings['size'])} in {count} arrays of {_size(settings['size'] // count)}"
 
 
+def _counted(label: str, settings: dict[str, Any]) -> str:
+    """``"4096 x 512 KiB"`` for the label ``"4096 arrays"``."""
+    match = re.fullmatch(r"(\d+) arrays", label)
+    if not match or "size" not in settings:
+        return label
+    return f"{match.group(1)} x {_size(settings['size'] // int(match.group(1)))}"
+
+
 def _size(nbytes: int) -> str:
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
@@ -228,8 +236,11 @@ def render_results(latest: dict[str, dict[str, Any]], plot: str | None, out_dir:
     lines = ["## Latest results", ""]
     if not latest:
         return lines + ["No result files yet: run a command above with `--results benchmarks/results`.", ""]
-    if plot:
-        lines += [f"![x fio per contender]({os.path.relpath(plot, out_dir)})", ""]
+    shown = readme_document(latest)
+    if plot and shown is not None:
+        lines += [f"![x fio per contender]({os.path.relpath(plot, out_dir)})", "",
+                  f"The {shown['benchmark']} run below: each contender's save and load as a ratio to fio's "
+                  "write and read in the same round (medians).", ""]
     order = [name for name, _, _ in COMMANDS]
     for name in sorted(latest, key=lambda n: order.index(n) if n in order else len(order)):
         document = latest[name]
@@ -262,26 +273,54 @@ def render_doc(latest: dict[str, dict[str, Any]], plot: str | None, out_dir: str
     return "\n".join(lines).rstrip() + "\n"
 
 
-def readme_table(latest: dict[str, dict[str, Any]]) -> str:
-    """The README's one table: the newest ``checkpoint`` run, every contender of each case."""
-    document = latest.get("checkpoint")
-    if document is None or not document.get("measurements"):
-        return "No checkpoint results yet (see docs/benchmarks.md).\n"
+# The README shows the newest run of the first of these that has one.
+README_RUNS = ("peers", "checkpoint")
+
+
+def readme_document(latest: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The run the README's table and the plot show: the newest ``peers`` run (every load
+    and save path against the peers), else the newest ``checkpoint`` run."""
+    for name in README_RUNS:
+        document = latest.get(name)
+        if document is not None and document.get("measurements"):
+            return document
+    return None
+
+
+def readme_cases(document: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The run's checkpoint states (labels ``"N arrays"``; all labels if none is), each
+    with its rows, fio first, then ours, then the peers, hashing left out."""
     groups = summarize(document)
-    labels = list(groups)
-    head = "| contender | op | " + " | ".join(f"{_described(l, document['settings'])}: GB/s, x fio, CPU-s/GB"
-                                              for l in labels) + " |"
-    lines = [head, "| --- | --- |" + " --- |" * len(labels)]
-    keys = list(dict.fromkeys((r["contender"], r["op"]) for l in labels for r in groups[l] if r["op"] != "hash"))
-    for contender, op in keys:
+    labels = [l for l in groups if re.fullmatch(r"\d+ arrays", l)] or list(groups)
+    order = lambda r: (r["contender"] != "fio", _is_peer(r["contender"]))  # noqa: E731
+    return {l: sorted((r for r in groups[l] if r["op"] != "hash"), key=order) for l in labels}
+
+
+def readme_table(latest: dict[str, dict[str, Any]]) -> str:
+    """The README's one table (:func:`readme_document`'s run): a row per contender, a
+    column per state and operation, each cell GB/s, x fio and CPU-s/GB."""
+    document = readme_document(latest)
+    if document is None:
+        return "No checkpoint results yet (see docs/benchmarks.md).\n"
+    cases = readme_cases(document)
+    columns = [(l, op) for l, rows in cases.items() for op in ("write", "read") if any(r["op"] == op for r in rows)]
+    head = "| contender | " + " | ".join(f"{_counted(l, document['settings'])}: {'save' if op == 'write' else 'load'}"
+                                        for l, op in columns) + " |"
+    lines = [head, "| --- |" + " --- |" * len(columns)]
+    contenders = list(dict.fromkeys(r["contender"] for rows in cases.values() for r in rows))
+    for contender in contenders:
         cells = []
-        for label in labels:
-            r = next((r for r in groups[label] if (r["contender"], r["op"]) == (contender, op)), None)
+        for label, op in columns:
+            r = next((r for r in cases[label] if (r["contender"], r["op"]) == (contender, op)), None)
             ratio = "1.00" if contender == "fio" else _ratio(r and r["fio_ratio"])
             cells.append("" if r is None else f"{r['gbps']:.2f}, {ratio}, {r['cpu_s_per_gb']:.2f}")
-        lines.append(f"| {contender} | {op} | " + " | ".join(cells) + " |")
-    rounds = max(r["rounds"] for l in labels for r in groups[l])
-    lines += ["", f"`{_command(document)}`, {document['started'][:10]}: medians of {rounds} interleaved rounds "
+        lines.append(f"| {contender} | " + " | ".join(cells) + " |")
+    rounds = max(r["rounds"] for rows in cases.values() for r in rows)
+    size = document["settings"].get("size")
+    lines += ["", f"{_size(size) + ' per state. ' if size else ''}Each cell: GB/s, median ratio to fio's write or read "
+              "in the same round, CPU-seconds per GB. "
+              f"`{_command(document)}`, {document['started'][:10]}, commit "
+              f"`{(document['machine'].get('commit') or 'unknown')[:7]}`: medians of {rounds} interleaved rounds "
               f"({document['machine'].get('cpus')} shared vCPUs, {document['machine'].get('filesystem')})."]
     return "\n".join(lines) + "\n"
 
@@ -300,29 +339,43 @@ def update_readme(path: str, table: str) -> bool:
 
 
 def draw_plot(latest: dict[str, dict[str, Any]], path: str) -> str | None:
-    """A bar chart of each contender's median ratio to fio in the newest checkpoint run;
-    None where matplotlib is not installed or there is nothing to draw."""
-    document = latest.get("checkpoint")
+    """Bars of each contender's median ratio to fio, save and load, per state, in the run
+    the README shows (:func:`readme_document`); None where matplotlib is not installed or
+    there is nothing to draw."""
+    document = readme_document(latest)
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    if document is None or not document.get("measurements"):
+    if document is None:
         return None
-    groups = summarize(document)
-    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
-    for ax, (label, rows) in zip(axes[0], groups.items()):
-        rows = [r for r in rows if r["fio_ratio"] is not None]
-        ax.barh([f"{r['contender']} ({r['op']})" for r in rows], [r["fio_ratio"] for r in rows],
-                color=["tab:orange" if r["contender"].startswith("tensorferry") else "tab:gray" for r in rows])
+    cases = readme_cases(document)
+    contenders = list(dict.fromkeys(r["contender"] for rows in cases.values() for r in rows))
+    fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 0.32 * len(contenders) + 1.6),
+                             squeeze=False, sharey=True)
+    height = 0.4
+    for ax, (label, rows) in zip(axes[0], cases.items()):
+        for shift, op, colour, name in ((-height / 2, "write", "tab:blue", "save (write)"),
+                                        (height / 2, "read", "tab:green", "load (read)")):
+            ratio = {r["contender"]: r["fio_ratio"] for r in rows if r["op"] == op}
+            ratio["fio"] = 1.0 if any(r["contender"] == "fio" and r["op"] == op for r in rows) else None
+            at = [i + shift for i, c in enumerate(contenders) if ratio.get(c) is not None]
+            ax.barh(at, [ratio[c] for c in contenders if ratio.get(c) is not None], height, color=colour, label=name)
         ax.axvline(1.0, color="black", linewidth=0.8)
-        ax.invert_yaxis()
+        ax.set_yticks(range(len(contenders)), contenders)
+        for tick, contender in zip(ax.get_yticklabels(), contenders):
+            tick.set_fontweight("bold" if contender.startswith("tensorferry") else "normal")
         ax.set_title(_described(label, document["settings"]))
         ax.set_xlabel("median same-round ratio to fio")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    axes[0][0].invert_yaxis()  # once: the panels share the axis
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="upper right", ncol=2, fontsize="small", frameon=False)
+    fig.suptitle(f"{document['benchmark']} run {document['started'][:10]} "
+                 f"({document['machine'].get('cpus')} vCPUs, {document['machine'].get('filesystem')})",
+                 fontsize="medium", x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
 
@@ -337,8 +390,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="where to draw the plot, if matplotlib is installed ('' to skip)")
     args = parser.parse_args(argv)
     latest = latest_results(args.results)
-    plot = draw_plot(latest, args.plot) if args.plot else None
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    if args.plot:
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+    plot = draw_plot(latest, args.plot) if args.plot else None
     with open(args.out, "w") as f:
         f.write(render_doc(latest, plot, os.path.dirname(os.path.abspath(args.out))))
     if args.readme and not update_readme(args.readme, readme_table(latest)):

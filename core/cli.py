@@ -1,4 +1,4 @@
-"""The tensorferry command: bench, tune, inspect, verify, convert and interval.
+"""The tensorferry command: bench, tune, inspect, verify, convert, clean and interval.
 
 inspect, verify and convert hold no format logic: they go through the layout registry
 (:mod:`tensorferry.layouts`), which recognises the checkpoint and reads it.

@@ -132,7 +132,7 @@ def test_report_renders_the_newest_result_of_each_benchmark(tmp_path) -> None:
     assert "1.00 (1.00)" not in page, "the older run is not shown"
     text = readme.read_text()
     assert "old table" not in text and text.startswith("intro\n") and text.endswith("rest\n")
-    assert "| tensorferry save | write | 3.00, 2.25, 0.30 |" in text
+    assert "| tensorferry save | 3.00, 2.25, 0.30 |" in text  # a row per contender, a column per state and op
 
 
 def test_bench_without_a_dir_removes_its_temporary_one() -> None:

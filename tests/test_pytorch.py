@@ -261,9 +261,12 @@ def test_checkpointer_single_process(tmp_path) -> None:
     for k, v in model.state_dict().items():
         assert torch.equal(v, expected[k])
     path = ckpt.save_consolidated(4)
+    from safetensors import safe_open
     from safetensors.torch import load_file
     consolidated = load_file(path)
     assert set(consolidated) == set(expected) and all(torch.equal(consolidated[k], expected[k]) for k in expected)
+    with safe_open(path, "pt") as f:  # transformers 4.x refuses a file without it
+        assert f.metadata()["format"] == "pt"
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int = 0) -> None:

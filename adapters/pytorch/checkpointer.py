@@ -18,6 +18,7 @@ from ...errors import CheckpointNotFoundError, TensorferryError, TensorferryIOEr
 from ...engine import Engine
 from ...shard import ShardWriter, write_order
 from .dcp import DCPReader, DCPWriter
+from .serialization import TORCH_FORMAT
 from .staging import DeviceToHost
 from .tensors import safetensors_dtype
 
@@ -179,7 +180,7 @@ class FSDPCheckpointer:
             stager = DeviceToHost([lambda name=name: full(name) for name in order], window=0)
             position = {name: i for i, name in enumerate(order)}
             try:
-                with ShardWriter(path, self.engine, atomic=True) as writer:
+                with ShardWriter(path, self.engine, atomic=True, metadata=TORCH_FORMAT) as writer:
                     for name in order:
                         dtype, shape = specs[name]
                         writer.add(name, dtype, shape, stager.source(position[name]))
