@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import errno
+import gc
+import multiprocessing
 import os
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -48,6 +51,17 @@ class CountingDataset(GDSDataset):
     def __getitems__(self, indices):
         self.batched_calls += 1
         return super().__getitems__(indices)
+
+
+@pytest.fixture(autouse=True)
+def workers_exited() -> Iterator[None]:
+    """Waits for the DataLoader workers a test started to exit: each removes its own
+    temporary directory (multiprocessing's ``pymp-*``) on its way out, which a worker
+    still shutting down when the test ends has not yet done."""
+    yield
+    gc.collect()  # an abandoned iterator shuts its workers down
+    for child in multiprocessing.active_children():
+        child.join(timeout=30)
 
 
 def _epoch(loader: DataLoader) -> list[bytes]:
