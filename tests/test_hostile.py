@@ -581,3 +581,48 @@ def test_a_torch_dcp_folder_naming_a_file_outside_is_refused(tmp_path) -> None:
     path.write_bytes(pickle.dumps(metadata))
     with pytest.raises(CorruptCheckpointError, match="plain file"):
         layouts.open_layout(str(tmp_path / "ckpt")).read()
+
+
+class _RunsCode:
+    """What a hostile writer pickles: unpickling it calls ``os.mkdir(marker)``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("writer", ["tensorferry", "torch"])
+def test_dcp_metadata_that_would_run_code_is_refused_unrun(tmp_path, writer: str) -> None:
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from tensorferry import layouts
+    from tensorferry.adapters.pytorch import DCPReader, DCPWriter
+    from tensorferry.checkpoint import encode_manifest, write_durably
+    ckpt = tmp_path / "ckpt"
+    storage = DCPWriter(ckpt) if writer == "tensorferry" else dcp.FileSystemWriter(str(ckpt))
+    dcp.save({"a": torch.arange(4.0)}, storage_writer=storage)
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())
+    marker = tmp_path / "ran"
+    metadata.planner_data = _RunsCode(str(marker))  # anywhere in the tree
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    if writer == "tensorferry":  # sealed again, as the hostile writer would: the checksum matches
+        manifest = tensorferry.read_manifest(ckpt)
+        shards = []
+        for name in manifest["files"]:
+            with tensorferry.ShardReader(ckpt / name, verify=False) as reader:
+                shards.append(reader.shard_info())
+        write_durably(str(ckpt / "tensorferry.json"), encode_manifest(shards, manifest["metadata"]))
+        with pytest.raises(CorruptCheckpointError, match="posix.mkdir, which DCP metadata does not hold"):
+            DCPReader(ckpt).read_metadata()
+        with layouts.open_layout(str(ckpt)) as source:  # the manifest's item list: .metadata is not read
+            assert source.read()["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    else:
+        with pytest.raises(CorruptCheckpointError, match="posix.mkdir, which DCP metadata does not hold"):
+            with layouts.open_layout(str(ckpt)) as source:
+                source.read()
+    assert not marker.exists()

@@ -43,7 +43,7 @@ from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_proces
                            read_other_file, split_by_size, write_durably)
 from ...engine import Engine
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
-from ...layouts.dcp import DCP_METADATA, ITEMS_KEY
+from ...layouts.dcp import DCP_METADATA, ITEMS_KEY, unpickle_dcp_metadata
 from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardInfo, ShardReader, gc_paused, write_order
 from .staging import DeviceToHost, leased, stage_state_dict, staging_pool
 from .tensors import FROM_SAFETENSORS, safetensors_dtype, writable_bytes
@@ -320,11 +320,7 @@ class DCPReader(StorageReader):
             raise CorruptCheckpointError(f"{self.path} is a tensorferry checkpoint without DCP metadata "
                                          "(not written by DCPWriter): use tensorferry.load_checkpoint")
         data = read_other_file(self.path, self._manifest, DCP_METADATA)  # checksummed by the manifest
-        try:
-            return pickle.loads(data)
-        except Exception as exc:  # noqa: BLE001 - any error unpickling means the file is unreadable
-            raise CorruptCheckpointError(f"{dcp_metadata}: the DCP metadata cannot be read "
-                                         f"({type(exc).__name__}: {exc})") from None
+        return unpickle_dcp_metadata(data, dcp_metadata)
 
     @gc_paused()
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

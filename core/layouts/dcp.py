@@ -44,6 +44,49 @@ def safetensors_name(torch_dtype: Any) -> str:
     return _TORCH_DTYPES[name]
 
 
+# Callables outside torch.distributed.checkpoint that DCP metadata may name: layouts
+# (torch.serialization._get_layout), paths given as checkpoint ids, and the StoredItem
+# of DCPWriters before issue 20.
+_METADATA_CALLABLES = {("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                       ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                       ("tensorferry.adapters.pytorch.dcp", "StoredItem")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles only what DCP metadata is made of: the classes of
+    ``torch.distributed.checkpoint``'s modules, torch's dtypes, layouts and memory
+    formats, ``torch.Size`` and :data:`_METADATA_CALLABLES`. A ``.metadata`` naming
+    anything else (``os.system``, say, from a hostile writer: the manifest's checksum
+    proves only who sealed it) is refused before anything it names is called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+        if "." not in name:  # a dotted name reaches through a module to anything
+            if (module, name) in _METADATA_CALLABLES:
+                return super().find_class(module, name)
+            if module == "torch":
+                value = getattr(torch, name, None)
+                if value is torch.Size or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                    return value
+            if module.startswith("torch.distributed.checkpoint."):
+                value = super().find_class(module, name)
+                if isinstance(value, type) and value.__module__ == module:
+                    return value
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP metadata does not hold")
+
+
+def unpickle_dcp_metadata(data: bytes, path: str) -> Any:
+    """torch's ``Metadata`` from the bytes of ``path`` (a ``.metadata`` file), through
+    :class:`_MetadataUnpickler`; :class:`CorruptCheckpointError` if it cannot be read."""
+    import io
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # any error unpickling means the file is unreadable
+        raise CorruptCheckpointError(f"{path}: the DCP metadata cannot be read ({type(exc).__name__}: {exc})") from None
+
+
 def read_dcp_metadata(directory: str) -> Any:
     """The unpickled ``.metadata`` (torch's ``Metadata``)."""
     try:
@@ -59,12 +102,7 @@ def read_dcp_metadata(directory: str) -> Any:
             data = read_small_file(path)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path} is missing") from None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return pickle.loads(data)
-    except Exception as exc:  # any error unpickling means the file is unreadable
-        raise CorruptCheckpointError(f"{path}: the DCP metadata cannot be read ({type(exc).__name__}: {exc})") from None
+    return unpickle_dcp_metadata(data, path)
 
 
 def _where(stored: Any) -> str:
