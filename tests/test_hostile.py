@@ -626,3 +626,18 @@ def test_dcp_metadata_that_would_run_code_is_refused_unrun(tmp_path, writer: str
             with layouts.open_layout(str(ckpt)) as source:
                 source.read()
     assert not marker.exists()
+
+
+def test_dcp_metadata_may_name_only_data_classes() -> None:
+    import pickle
+    from collections import OrderedDict
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from tensorferry.layouts.dcp import unpickle_dcp_metadata
+    fine = OrderedDict(index=MetadataIndex("a", torch.Size([0, 2])), dtype=torch.bfloat16, layout=torch.strided)
+    assert unpickle_dcp_metadata(pickle.dumps(fine), ".metadata") == fine
+    for hostile in (FileSystemWriter, os.system, pickle.loads):  # a writer acts when made
+        with pytest.raises(CorruptCheckpointError, match="which DCP metadata does not hold"):
+            unpickle_dcp_metadata(pickle.dumps(hostile), ".metadata")

@@ -47,14 +47,18 @@ def safetensors_name(torch_dtype: Any) -> str:
 # Callables outside torch.distributed.checkpoint that DCP metadata may name: layouts
 # (torch.serialization._get_layout), paths given as checkpoint ids, and the StoredItem
 # of DCPWriters before issue 20.
-_METADATA_CALLABLES = {("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+_METADATA_CALLABLES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                       ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
                        ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
                        ("tensorferry.adapters.pytorch.dcp", "StoredItem")}
+# Its classes are data (Metadata, MetadataIndex, TensorStorageMetadata, ...); other
+# modules of torch.distributed.checkpoint have classes that act when made (writers).
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles only what DCP metadata is made of: the classes of
-    ``torch.distributed.checkpoint``'s modules, torch's dtypes, layouts and memory
+    ``torch.distributed.checkpoint.metadata``, torch's dtypes, layouts and memory
     formats, ``torch.Size`` and :data:`_METADATA_CALLABLES`. A ``.metadata`` naming
     anything else (``os.system``, say, from a hostile writer: the manifest's checksum
     proves only who sealed it) is refused before anything it names is called."""
@@ -68,7 +72,7 @@ class _MetadataUnpickler(pickle.Unpickler):
                 value = getattr(torch, name, None)
                 if value is torch.Size or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
                     return value
-            if module.startswith("torch.distributed.checkpoint."):
+            if module == _METADATA_MODULE:
                 value = super().find_class(module, name)
                 if isinstance(value, type) and value.__module__ == module:
                     return value
