@@ -641,3 +641,17 @@ def test_dcp_metadata_may_name_only_data_classes() -> None:
     for hostile in (FileSystemWriter, os.system, pickle.loads):  # a writer acts when made
         with pytest.raises(CorruptCheckpointError, match="which DCP metadata does not hold"):
             unpickle_dcp_metadata(pickle.dumps(hostile), ".metadata")
+
+
+def test_a_load_to_cuda_checks_the_manifest_against_the_header_first(checkpoint, monkeypatch) -> None:
+    """The CUDA path of adapters.pytorch.load_checkpoint, up to the copy to the device
+    (no GPU here: that copy, read_to_device, is refused if reached)."""
+    from tensorferry.adapters.pytorch import serialization
+
+    def not_reached(*args, **kwargs):
+        raise AssertionError("read_to_device was reached with a manifest the header contradicts")
+
+    monkeypatch.setattr(serialization, "read_to_device", not_reached)
+    _edit_manifest(checkpoint, lambda m: m["tensors"]["a"].update(dtype="I32"))
+    with pytest.raises(CorruptCheckpointError, match="disagree"):
+        serialization._load_directory_to_device(checkpoint, None, None, torch.device("cuda", 0), None, True)
