@@ -1,3 +1,4 @@
+import json
 import os
 
 # Must precede the first import of jax in this process (another test module may
@@ -15,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from tensorferry.adapters.jax import (FerryCheckpointHandler, FerryRestore, FerrySave,  # noqa: E402
                                       load_pytree, save_pytree)
+from tensorferry.errors import CorruptCheckpointError  # noqa: E402
 
 
 
@@ -115,6 +117,35 @@ def test_restore_without_target_and_metadata(saved):
     target["host"] = np.zeros(10, np.int64)  # a numpy target restores as numpy (JAX would make it int32)
     assert_same(jax.tree_util.tree_map(np.asarray, state),
                 jax.tree_util.tree_map(np.asarray, ocp.Checkpointer(handler).restore(path, args=FerryRestore(target))))
+
+
+def _deep(depth):  # as JSON text: json.dumps itself recurses
+    return '{"list":[' * depth + '{"leaf":"[\'w0\']"}' + "]}" * depth
+
+
+@pytest.mark.parametrize("structure, message", [
+    (_deep(500), "nested too deeply|nests more than"),  # refused before a walk could reach the recursion limit
+    ({"leaf": "['nowhere']"}, "unreadable tree structure"),
+    ({"leaf": ["['w0']"]}, "unreadable tree structure"),
+    ({"dict": [["w0", {"leaf": "['w0']"}, 3]]}, "unreadable tree structure"),
+    ({"node": "X", "children": {"a": 1}}, "unreadable tree structure"),
+    ({"set": []}, "unreadable tree structure"),
+    ([], "unreadable tree structure"),
+], ids=["deep", "missing-leaf", "list-leaf", "bad-pair", "bad-children", "unknown-kind", "not-a-node"])
+def test_a_hostile_tree_structure_is_refused(saved, structure, message):
+    """The index is sealed again by the hostile writer: its checksum matches."""
+    from tensorferry.checkpoint import seal_manifest, unseal_manifest
+    _, path = saved
+    index = path / "process-0.json"
+    document = json.loads(unseal_manifest(index.read_bytes()))
+    document["metadata"]["structure"] = "@structure@"
+    text = json.dumps(document, separators=(",", ":"))
+    text = text.replace('"@structure@"', structure if isinstance(structure, str) else json.dumps(structure))
+    index.write_bytes(seal_manifest(text.encode()))
+    handler = FerryCheckpointHandler()
+    for action in (lambda: ocp.Checkpointer(handler).restore(path), lambda: handler.metadata(path)):
+        with pytest.raises(CorruptCheckpointError, match=message):
+            action()
 
 
 def test_only_replica_zero_written_and_partial_reads(saved):

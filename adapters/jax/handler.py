@@ -31,6 +31,7 @@ from ...checkpoint import encode_manifest, open_shard, read_manifest, read_manif
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
+from ...schema import MAX_STRUCTURE_DEPTH
 from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter, aligned_copies, gc_paused
 
 INDEX_FORMAT = "tensorferry.jax"
@@ -82,6 +83,33 @@ def _decode_structure(spec: Any, leaf: Any) -> Any:
     if "tuple" in spec:
         return tuple(_decode_structure(v, leaf) for v in spec["tuple"])
     return {k: _decode_structure(v, leaf) for k, v in spec["children"]}
+
+
+def _check_structure(structure: Any, where: str, leaves: Mapping[str, Any]) -> None:
+    """Raises :class:`CorruptCheckpointError` unless ``structure`` is a tree as
+    :func:`_encode_structure` writes it, naming only saved leaves, at most
+    ``MAX_STRUCTURE_DEPTH`` deep (walked without recursion, so that no depth of a
+    damaged index reaches Python's recursion limit before it is refused)."""
+    stack = [(structure, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_STRUCTURE_DEPTH:
+            raise CorruptCheckpointError(f"{where}: the tree structure nests more than {MAX_STRUCTURE_DEPTH} levels")
+        kind = next(iter(node), None) if isinstance(node, dict) else None
+        value = node.get(kind) if kind is not None else None
+        if kind == "none" and node == {"none": None} or kind == "leaf" and len(node) == 1 and isinstance(value, str) \
+                and value in leaves:
+            continue
+        if kind in ("list", "tuple") and len(node) == 1 and type(value) is list:
+            stack.extend((child, depth + 1) for child in value)
+            continue
+        pairs = node.get("children") if kind == "node" and len(node) == 2 else value if kind == "dict" \
+            and len(node) == 1 else None
+        if type(pairs) is list and all(type(p) is list and len(p) == 2 and type(p[0]) in (str, int) for p in pairs):
+            stack.extend((p[1], depth + 1) for p in pairs)
+            continue
+        shown = json.dumps(node)[:80] if isinstance(node, (dict, list, str, int, float, bool)) else repr(node)[:80]
+        raise CorruptCheckpointError(f"{where}: unreadable tree structure node {shown}")
 
 
 def _chunk_key(name: str, offsets: Iterable[int]) -> str:
@@ -147,6 +175,7 @@ class _Checkpoint:
                                              f"{exc})") from None
         if self.structure is None:
             raise CorruptCheckpointError(f"{directory}: no process index holds the tree structure")
+        _check_structure(self.structure, directory, self.leaves)
         self._readers: dict[str, ShardReader] = {}
 
     def reader(self, filename: str) -> ShardReader:
