@@ -216,8 +216,9 @@ def _entries_from_torch(metadata: Any) -> list[TensorEntry]:
 
 
 class _TorchSource(TensorSource):
-    """Tensors of a DCP folder from torch's own writer (torch.save'd items), loaded by ``dcp.load`` in batches of about ``TORCH_BATCH_BYTES``: the
-    metadata is unpickled once, not once per call (which made a conversion quadratic)."""
+    """Tensors of a DCP folder from torch's own writer (torch.save'd items), loaded by
+    ``dcp.load`` in batches of about ``TORCH_BATCH_BYTES``: the metadata is unpickled
+    once, not once per call (which made a conversion quadratic)."""
 
     def __init__(self, path: str, tensors: Mapping[str, TensorEntry], metadata: Any, skipped: int) -> None:
         super().__init__(tensors, skipped=skipped)
