@@ -368,16 +368,25 @@ def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = 
     given, and all of them otherwise. A folder of another layout tensorferry reads (a
     Hugging Face folder, torch's DCP, an Orbax step) is read through :mod:`tensorferry.layouts`.
     """
+    return load_with_manifest(directory, names, out=out, engine=engine, verify=verify)[1]
+
+
+def load_with_manifest(directory: str | os.PathLike, names: Iterable[str] | None = None, *,
+                       out: Mapping[str, Any] | None = None, engine: Engine | None = None,
+                       verify: bool = True) -> tuple[dict[str, Any] | None, dict[str, np.ndarray]]:
+    """:func:`load_checkpoint`, with the manifest the arrays were read by (None for a
+    folder of another layout): what an adapter needs to rebuild the saved structure
+    from the same checkpoint even if an overwrite replaces it meanwhile."""
     directory = resolve_checkpoint(directory)
     if not os.path.isfile(os.path.join(directory, MANIFEST)):
         from .layouts import foreign_layout
         foreign = foreign_layout(directory)  # a Hugging Face folder, say
         if foreign is not None:
             with foreign.open(engine=engine, verify=verify) as source:
-                return source.read(names, out)
+                return None, source.read(names, out)
     manifest = read_manifest(directory)
     try:
-        return _load_as_listed(directory, manifest, names, out, engine, verify)
+        return manifest, _load_as_listed(directory, manifest, names, out, engine, verify)
     except (CorruptCheckpointError, OSError):
         # An overwrite may have replaced the checkpoint between its manifest and its
         # files: then, and only then, the new one is read (once).
@@ -385,7 +394,7 @@ def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = 
         again = read_manifest(directory)
         if (again["files"], again.get("committed_at")) == (manifest["files"], manifest.get("committed_at")):
             raise
-    return _load_as_listed(directory, again, names, out, engine, verify)
+    return again, _load_as_listed(directory, again, names, out, engine, verify)
 
 
 def _load_as_listed(directory: str, manifest: Mapping[str, Any], names: Iterable[str] | None,

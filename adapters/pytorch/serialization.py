@@ -16,7 +16,8 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
-from ...checkpoint import DEFAULT_SHARD_BYTES, MANIFEST, MAX_CONCURRENT_SHARDS, open_shard, read_manifest
+from ...checkpoint import (DEFAULT_SHARD_BYTES, MANIFEST, MAX_CONCURRENT_SHARDS, load_with_manifest, open_shard,
+                           read_manifest)
 from ...checkpoint import load_checkpoint as _load_directory
 from ...checkpoint import save_checkpoint as _save_directory
 from ...dtypes import to_safetensors_dtype
@@ -277,14 +278,13 @@ def load_checkpoint(directory: str | os.PathLike, map_location: str | torch.devi
     """
     _check_map_location(map_location)
     device = _cuda_device(map_location, out)
-    ours = os.path.isfile(os.path.join(directory, MANIFEST))
-    if device is not None and ours:
-        arrays = _load_directory_to_device(directory, names, out, device, engine, verify)
+    if device is not None and os.path.isfile(os.path.join(directory, MANIFEST)):
+        manifest, arrays = _load_directory_to_device(directory, names, out, device, engine, verify)
     else:
         destinations = {name: host_array(t, writable=True) for name, t in (out or {}).items()}
-        arrays = _load_directory(directory, names, out=destinations, engine=engine, verify=verify)
+        manifest, arrays = load_with_manifest(directory, names, out=destinations, engine=engine, verify=verify)
         arrays = {name: out[name] if out and name in out else a for name, a in arrays.items()}
-    structure = read_manifest(directory)["metadata"].get(STRUCTURE_KEY) if ours else None
+    structure = manifest["metadata"].get(STRUCTURE_KEY) if manifest is not None else None
     if structure is None or names is not None or out:
         return _to_tensors(arrays, map_location)
     return _decode(structure, arrays, os.fspath(directory), map_location)
@@ -292,9 +292,10 @@ def load_checkpoint(directory: str | os.PathLike, map_location: str | torch.devi
 
 def _load_directory_to_device(directory: str | os.PathLike, names: Iterable[str] | None,
                               out: Mapping[str, torch.Tensor] | None, device: torch.device,
-                              engine: Engine | None, verify: bool) -> dict[str, Any]:
+                              engine: Engine | None, verify: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """:func:`load_checkpoint`'s tensors read into CUDA tensors, files in parallel (each
-    through :func:`read_to_device`); the structure's numpy arrays are read to the host."""
+    through :func:`read_to_device`), with the manifest they were read by; the
+    structure's numpy arrays are read to the host."""
     directory = os.fspath(directory)
     manifest = read_manifest(directory)
     tensors = manifest["tensors"]
@@ -325,7 +326,7 @@ def _load_directory_to_device(directory: str | os.PathLike, names: Iterable[str]
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(MAX_CONCURRENT_SHARDS, max(1, len(by_file)))) as pool:
         for part in pool.map(read, by_file):
             arrays.update(part)
-    return {n: arrays[n] for n in wanted}
+    return manifest, {n: arrays[n] for n in wanted}
 
 
 __all__ = ["load", "load_checkpoint", "save", "save_checkpoint"]
