@@ -95,6 +95,22 @@ def test_torchs_huggingface_storage_writer_folders_load(tmp_path: Path) -> None:
 
 
 
+def test_torchs_consolidated_huggingface_writer_folders_load_2_ranks(tmp_path: Path) -> None:
+    """HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True) on 2
+    gloo ranks: the consolidated files and their index are what loads."""
+    from test_pytorch import run
+
+    run(2, str(tmp_path), "hf_consolidated")
+    expected = torch.load(tmp_path / "expected.pt")
+    folder = tmp_path / "hf"
+    assert layouts.detect(folder).kind == "huggingface"
+    assert same_tensors(tf_torch.load(folder), expected)
+    assert same_tensors(tf_torch.load_checkpoint(folder), expected)
+    assert cli("verify", folder)["ok"]
+    info = cli("inspect", folder)
+    assert info["complete"] and {t["name"] for t in info["tensors"]} == {"w", "b", "e"}
+
+
 def test_torchs_distributed_huggingface_writer_folders_load_2_ranks(tmp_path: Path) -> None:
     """HuggingFaceStorageWriter(save_distributed=True) on 2 gloo ranks, row-sharded
     DTensors: each rank's file holds its chunks, their offsets in the header; no index."""

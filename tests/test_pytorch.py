@@ -392,6 +392,24 @@ def scenario_hf_distributed(rank: int, world: int, root: str) -> None:
         torch.save(full, os.path.join(root, "expected.pt"))
 
 
+def scenario_hf_consolidated(rank: int, world: int, root: str) -> None:
+    """torch's HuggingFaceStorageWriter with consolidation: row shards written by every
+    rank, then merged into Hugging Face files (for test_hf)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    # Floating tensors only: torch's consolidation calls torch.finfo on every dtype.
+    full = {"w": torch.arange(48.0).reshape(8, 6), "b": torch.arange(4.0, dtype=torch.float64),
+            "e": torch.arange(12.0).reshape(6, 2).to(torch.bfloat16)}
+    state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    writer = HuggingFaceStorageWriter(os.path.join(root, "hf"), save_distributed=True, enable_consolidation=True,
+                                      fqn_to_index_mapping={"w": 1, "b": 1, "e": 2})
+    dcp.save(state, storage_writer=writer)
+    if rank == 0:
+        torch.save(full, os.path.join(root, "expected.pt"))
+
+
 def scenario_dcp_plain(rank: int, world: int, root: str) -> None:
     """dcp.save of a plain (replicated) state dict with a process group, then load."""
     state = {"w": torch.arange(100.0).reshape(10, 10), "step": 5}
