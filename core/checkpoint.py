@@ -413,9 +413,7 @@ def _load_as_listed(directory: str, manifest: Mapping[str, Any], names: Iterable
     readers: list[ShardReader] = []
     try:
         for filename, names_here in by_file.items():
-            readers.append(open_shard(directory, manifest, filename, engine=engine, verify=verify))
-            for n in names_here:
-                check_index(readers[-1].path, tensors, n, readers[-1].tensors.get(n))
+            readers.append(open_shard(directory, manifest, filename, engine=engine, verify=verify, names=names_here))
     except BaseException:
         for r in readers:
             r.close()
@@ -479,8 +477,10 @@ def _numpy_dtype_of(dtype: Any) -> np.dtype | None:
 
 
 def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, engine: Engine | None = None,
-               verify: bool = True) -> ShardReader:
-    """A reader for one of a checkpoint's files, checked against the manifest."""
+               verify: bool = True, names: Iterable[str] = ()) -> ShardReader:
+    """A reader for one of a checkpoint's files, checked against the manifest: its size,
+    its header checksum, and for each tensor in ``names`` the manifest's entry against
+    the header's (:func:`check_index`)."""
     entry = manifest["files"].get(filename)
     path = os.fspath(member_path(directory, filename))
     if entry is None:
@@ -492,9 +492,14 @@ def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, en
         raise CorruptCheckpointError(f"{path} has {size} bytes, the manifest says {entry['size']}: "
                                      "truncated or replaced")
     reader = ShardReader(path, engine, verify=verify, header_vouched=True)
-    if verify and reader.checksum != entry["checksum"]:
+    try:
+        if verify and reader.checksum != entry["checksum"]:
+            raise CorruptCheckpointError(f"{path}: header checksum does not match the manifest")
+        for name in names:
+            check_index(reader.path, manifest["tensors"], name, reader.tensors.get(name))
+    except BaseException:
         reader.close()
-        raise CorruptCheckpointError(f"{path}: header checksum does not match the manifest")
+        raise
     return reader
 
 
@@ -603,9 +608,7 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
                 progress(nbytes)
 
         try:
-            with open_shard(directory, manifest, filename, engine=engine) as reader:
-                for name in placed.get(filename, ()):
-                    check_index(reader.path, manifest["tensors"], name, reader.tensors.get(name))
+            with open_shard(directory, manifest, filename, engine=engine, names=placed.get(filename, ())) as reader:
                 unlisted = set(reader.tensors) - set(placed.get(filename, ()))
                 if unlisted:
                     raise CorruptCheckpointError(f"{reader.path} holds {len(unlisted)} tensor(s) the manifest "

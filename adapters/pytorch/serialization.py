@@ -24,7 +24,7 @@ from ...dtypes import to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
 from ...layouts.huggingface import INDEX_SUFFIX
-from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_index, check_structure, parse_json
+from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse_json
 from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, gc_paused, write_order
 from .staging import DeviceToHost, read_to_device
 from .tensors import from_array, host_array, safetensors_dtype
@@ -317,10 +317,8 @@ def _load_directory_to_device(directory: str | os.PathLike, names: Iterable[str]
             by_file.setdefault(tensors[n]["file"], []).append(n)
 
     def read(filename: str) -> dict[str, torch.Tensor]:
-        with open_shard(directory, manifest, filename, engine=engine, verify=verify) as reader:
-            here = by_file[filename]
-            for n in here:  # as the host load does: the manifest and the header must agree
-                check_index(reader.path, tensors, n, reader.tensors.get(n))
+        here = by_file[filename]
+        with open_shard(directory, manifest, filename, engine=engine, verify=verify, names=here) as reader:
             return read_to_device(reader, here, device, out={n: out[n] for n in here if n in out})
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(MAX_CONCURRENT_SHARDS, max(1, len(by_file)))) as pool:
