@@ -170,10 +170,14 @@ def _ratio(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 
 
+# A row whose contender starts so measures a part of a path (such as torch DCP's own
+# cost), not a way to save or load.
+REFERENCE = "reference:"
+
+
 def _is_peer(contender: str) -> bool:
-    # fio is the ceiling, and a "reference:" row measures a part of a path (such as
-    # torch DCP's own cost), not a way to save or load.
-    return contender != "fio" and not contender.startswith(("tensorferry", "reference:"))
+    # fio is the ceiling; reference rows are parts of a path.
+    return contender != "fio" and not contender.startswith(("tensorferry", REFERENCE))
 
 
 def best_peers(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -303,7 +307,7 @@ def readme_cases(document: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     groups = summarize(document)
     labels = [l for l in groups if re.fullmatch(r"\d+ arrays", l)] or list(groups)
     order = lambda r: (r["contender"] != "fio", _is_peer(r["contender"]))  # noqa: E731
-    shown = lambda r: r["op"] != "hash" and not r["contender"].startswith("reference:")  # noqa: E731
+    shown = lambda r: r["op"] != "hash" and not r["contender"].startswith(REFERENCE)  # noqa: E731
     return {l: sorted(filter(shown, groups[l]), key=order) for l in labels}
 
 
