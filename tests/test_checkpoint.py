@@ -269,6 +269,50 @@ def test_read_box_checksums_cover_only_whole_tensors(box_file) -> None:
         assert r.read_box("v", (0,), (300,)).result()[200] != BOX_ARRAYS["v"][200]
 
 
+def test_whole_reads_start_each_run_with_its_first_tensor(engine, tmp_path) -> None:
+    arrays = {f"t{i}": sample(np.float32, (5000 + i,), i) for i in range(12)}
+    arrays["empty"] = np.zeros((0, 3), np.float32)
+    path = tmp_path / "runs.safetensors"
+    with ShardWriter(path) as w:
+        for name, a in arrays.items():
+            w.add(name, a)
+    submitted = []
+    original = engine.pread
+    engine.pread = lambda *args, **kw: submitted.append(args[2]) or original(*args, **kw)
+    with ShardReader(path, engine, chunk_size=3 * 20_100) as r:
+        asked = [n for n in arrays if n != "t5"]  # t5 is left out, so its neighbours are two runs
+        submitted.clear()  # the header's reads
+        whole = r.start_whole(asked)
+        assert "t5" not in whole and "empty" not in whole and submitted == []
+        finish_t7 = whole.start("t7")
+        assert len(submitted) == 1
+        finish_t6 = whole.start("t6")  # the run t7 started holds it: no new request
+        assert len(submitted) == 1
+        np.testing.assert_array_equal(finish_t6(), arrays["t6"])
+        np.testing.assert_array_equal(finish_t7(), arrays["t7"])
+        got = {n: whole.start(n)() for n in asked if n != "empty"}
+        assert 2 < len(submitted) < len(asked) - 1
+    for name, a in got.items():
+        np.testing.assert_array_equal(a, arrays[name])
+        assert a.dtype == np.float32 and a.shape == arrays[name].shape
+
+
+def test_whole_reads_verify_each_tensor(engine, tmp_path) -> None:
+    path = tmp_path / "bad.safetensors"
+    with ShardWriter(path) as w:
+        w.add("a", sample(np.float32, (1000,), 1))
+        w.add("b", sample(np.float32, (1000,), 2))
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x40  # in b, the last tensor
+    path.write_bytes(bytes(raw))
+    with ShardReader(path, engine) as r:
+        whole = r.start_whole(["a", "b"])
+        finish_a, finish_b = whole.start("a"), whole.start("b")
+        np.testing.assert_array_equal(finish_a(), sample(np.float32, (1000,), 1))
+        with pytest.raises(CorruptCheckpointError, match="tensor 'b'"):
+            finish_b()
+
+
 # --- corruption: every case is a clear CorruptCheckpointError ------------------------
 
 

@@ -395,3 +395,26 @@ def test_restore_reads_ahead_within_a_window(tmp_path, monkeypatch):
     boxes_per_leaf = 8  # one per device of the 2x4 mesh
     ahead = max(np.cumsum(events)) / boxes_per_leaf
     assert 3 <= ahead <= 4, ahead
+
+
+def test_leaves_saved_as_restored_are_read_with_their_neighbours(tmp_path, monkeypatch):
+    from tensorferry.shard import ShardReader
+    # The sharding they were saved with: each leaf is a whole stored chunk, and the
+    # chunks lying next to each other in the file come in a few large requests.
+    state = {f"w{i:02d}": jax.device_put(make(jnp.float32, (32, 32), seed=i)) for i in range(40)}
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    ckptr.save(tmp_path / "c", args=FerrySave(state))
+    runs = []
+    original = ShardReader._start_run
+
+    def counting(self, names, populate):
+        runs.append(len(names))
+        return original(self, names, populate)
+
+    monkeypatch.setattr(ShardReader, "_start_run", counting)
+    restored = ckptr.restore(tmp_path / "c", args=FerryRestore(abstract(state, lambda x: x.sharding)))
+    assert_same(state, restored)
+    assert runs == [40]
+    runs.clear()
+    as_numpy = ckptr.restore(tmp_path / "c")  # no target: host arrays, read the same way
+    assert runs == [40] and all(isinstance(v, np.ndarray) for v in as_numpy.values())

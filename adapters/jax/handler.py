@@ -32,7 +32,7 @@ from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
 from ...schema import MAX_STRUCTURE_DEPTH
-from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter, aligned_copies, gc_paused
+from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter, WholeReads, aligned_copies, gc_paused
 
 INDEX_FORMAT = "tensorferry.jax"
 _SCALARS = (bool, int, float, str)
@@ -116,7 +116,7 @@ def _chunk_key(name: str, offsets: Iterable[int]) -> str:
     return f"{name}@{','.join(str(int(o)) for o in offsets)}"
 
 
-def _box(index: tuple, shape: tuple[int, ...]) -> tuple[list[int], list[int]]:
+def _box(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets, sizes) of the box ``index`` (a tuple of slices) selects in ``shape``."""
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     starts, sizes = [], []
@@ -126,7 +126,7 @@ def _box(index: tuple, shape: tuple[int, ...]) -> tuple[list[int], list[int]]:
             raise ValueError(f"strided index {s} is not supported")
         starts.append(start)
         sizes.append(max(0, stop - start))
-    return starts, sizes
+    return tuple(starts), tuple(sizes)
 
 
 @dataclasses.dataclass
@@ -177,6 +177,7 @@ class _Checkpoint:
             raise CorruptCheckpointError(f"{directory}: no process index holds the tree structure")
         _check_structure(self.structure, directory, self.leaves)
         self._readers: dict[str, ShardReader] = {}
+        self._whole: dict[str, WholeReads] = {}
 
     def reader(self, filename: str) -> ShardReader:
         if filename not in self.manifests:
@@ -190,6 +191,20 @@ class _Checkpoint:
         for r in self._readers.values():
             r.close()
         self._readers.clear()
+        self._whole.clear()
+
+    def read_whole_chunks_together(self, boxes: Iterable[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> None:
+        """Of the boxes ``(leaf, offsets, sizes)`` a restore is about to start, those that
+        are a whole stored chunk (the sharding it was saved with) are then read with their
+        neighbours in the file, in few large requests, not one request each."""
+        per_file: dict[str, list[str]] = collections.defaultdict(list)
+        for name, offsets, sizes in boxes:
+            for filename, key, c_off, c_size in self.leaves[name].chunks:
+                if c_off == offsets and c_size == sizes:
+                    per_file[filename].append(key)
+                    break
+        for filename, keys in per_file.items():
+            self._whole[filename] = self.reader(filename).start_whole(keys)
 
     def start_box(self, name: str, offsets: list[int], sizes: list[int]) -> Callable[[], np.ndarray]:
         """Starts reading the box ``[offsets, offsets + sizes)`` of leaf ``name`` from the
@@ -204,6 +219,9 @@ class _Checkpoint:
                 # One stored chunk holds the whole box (the same sharding as at save time,
                 # say): a contiguous box comes back in its own aligned buffer, uncopied;
                 # a strided one is made compact so the envelope read need not stay alive.
+                whole = self._whole.get(filename)
+                if whole is not None and key in whole and tuple(sizes) == c_size:
+                    return whole.start(key)
                 rel = [o - c for o, c in zip(offsets, c_off)]
                 read = self.reader(filename).read_box(key, rel, sizes)
 
@@ -386,12 +404,11 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             if item is None:
                 names: list[str] = []
                 _decode_structure(ckpt.structure, names.append)
-                values = dict(zip(names, _in_window(lambda name=name: _start_host_value(ckpt, name)
-                                                    for name in names)))
+                values = dict(zip(names, _restore_leaves(ckpt, [_host_value(ckpt, name) for name in names])))
                 return _decode_structure(ckpt.structure, values.__getitem__)
             leaves, treedef = jax.tree_util.tree_flatten_with_path(item)
-            restored = _in_window(lambda path=path, target=target:
-                                  _start_leaf(ckpt, jax.tree_util.keystr(path), target) for path, target in leaves)
+            restored = _restore_leaves(ckpt, [_leaf_for(ckpt, jax.tree_util.keystr(path), target)
+                                              for path, target in leaves])
             return jax.tree_util.tree_unflatten(treedef, restored)
         finally:
             ckpt.close()
@@ -442,22 +459,46 @@ def _in_window(starts: Iterable[Callable[[], tuple[int, Callable[[], Any]]]]) ->
     return finished
 
 
-def _start_host_value(ckpt: _Checkpoint, name: str) -> tuple[int, Callable[[], Any]]:
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+@dataclasses.dataclass
+class _LeafRead:
+    """One leaf of a restore: the distinct boxes of it to read, and how the boxes, once
+    started, become the leaf."""
+
+    ckpt: _Checkpoint
+    name: str
+    boxes: list[Box]
+    nbytes: int
+    finish: Callable[[dict[Box, Callable[[], np.ndarray]]], Any]
+
+    def start(self) -> tuple[int, Callable[[], Any]]:
+        started = {box: self.ckpt.start_box(self.name, list(box[0]), list(box[1])) for box in self.boxes}
+        return self.nbytes, lambda: self.finish(started)
+
+
+def _restore_leaves(ckpt: _Checkpoint, reads: list[_LeafRead]) -> list[Any]:
+    ckpt.read_whole_chunks_together((r.name, *box) for r in reads for box in r.boxes)
+    return _in_window(r.start for r in reads)
+
+
+def _host_value(ckpt: _Checkpoint, name: str) -> _LeafRead:
     leaf = ckpt.leaves[name]
     if leaf.kind == "scalar":
-        return 0, lambda: leaf.value
-    box = ckpt.start_box(name, [0] * len(leaf.shape), list(leaf.shape))
-    return math.prod(leaf.shape) * to_numpy_dtype(leaf.dtype).itemsize, box
+        return _LeafRead(ckpt, name, [], 0, lambda started: leaf.value)
+    box = ((0,) * len(leaf.shape), leaf.shape)
+    return _LeafRead(ckpt, name, [box], math.prod(leaf.shape) * to_numpy_dtype(leaf.dtype).itemsize,
+                     lambda started: started[box]())
 
 
-def _start_leaf(ckpt: _Checkpoint, name: str, target: Any) -> tuple[int, Callable[[], Any]]:
-    """Starts reading what ``target`` needs of leaf ``name``: its byte count, and a
-    function that waits and returns the restored leaf."""
+def _leaf_for(ckpt: _Checkpoint, name: str, target: Any) -> _LeafRead:
+    """How leaf ``name`` is restored into the shape, dtype and sharding of ``target``."""
     leaf = ckpt.leaves.get(name)
     if leaf is None:
         raise KeyError(f"{ckpt.directory} holds no leaf {name!r} (saved: {', '.join(sorted(ckpt.leaves))})")
     if leaf.kind == "scalar":
-        return 0, lambda: leaf.value
+        return _LeafRead(ckpt, name, [], 0, lambda started: leaf.value)
     shape = tuple(getattr(target, "shape", leaf.shape))
     if shape != leaf.shape:
         raise ValueError(f"{name}: saved with shape {leaf.shape}, the target has {shape}")
@@ -465,34 +506,29 @@ def _start_leaf(ckpt: _Checkpoint, name: str, target: Any) -> tuple[int, Callabl
     itemsize = to_numpy_dtype(leaf.dtype).itemsize
     if isinstance(target, (np.ndarray, np.generic)) or (target is not None and not hasattr(target, "sharding")
                                                         and not isinstance(target, jax.ShapeDtypeStruct)):
-        box = ckpt.start_box(name, [0] * len(shape), list(shape))
-        return math.prod(shape) * itemsize, lambda: box().astype(dtype, copy=False)
+        whole = ((0,) * len(shape), shape)
+        return _LeafRead(ckpt, name, [whole], math.prod(shape) * itemsize,
+                         lambda started: started[whole]().astype(dtype, copy=False))
     sharding = getattr(target, "sharding", None)
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     # Replicated shardings ask for the same box on several devices: it is read once.
-    boxes: dict[tuple, Callable[[], np.ndarray]] = {}
-    for index in sharding.addressable_devices_indices_map(shape).values():
-        offsets, sizes = _box(index, shape)
-        key = (tuple(offsets), tuple(sizes))
-        if key not in boxes:
-            boxes[key] = ckpt.start_box(name, offsets, sizes)
-    nbytes = sum(math.prod(sizes) for _, sizes in boxes) * itemsize
+    indices = sharding.addressable_devices_indices_map(shape).values()
+    boxes = list(dict.fromkeys(_box(index, shape) for index in indices))
 
-    def finish() -> jax.Array:
-        done: dict[tuple, np.ndarray] = {}
+    def finish(started: dict[Box, Callable[[], np.ndarray]]) -> jax.Array:
+        done: dict[Box, np.ndarray] = {}
 
         def callback(index: tuple) -> np.ndarray:
-            offsets, sizes = _box(index, shape)
-            key = (tuple(offsets), tuple(sizes))
-            if key not in done:
-                box = boxes[key] if key in boxes else ckpt.start_box(name, offsets, sizes)
-                done[key] = box().astype(dtype, copy=False)
-            return done[key]
+            box = _box(index, shape)
+            if box not in done:
+                read = started.get(box) or ckpt.start_box(name, list(box[0]), list(box[1]))
+                done[box] = read().astype(dtype, copy=False)
+            return done[box]
 
         return jax.make_array_from_callback(shape, sharding, callback)
 
-    return nbytes, finish
+    return _LeafRead(ckpt, name, boxes, sum(math.prod(sizes) for _, sizes in boxes) * itemsize, finish)
 
 
 @checkpoint_args.register_with_handler(FerryCheckpointHandler, for_save=True)
