@@ -142,4 +142,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with bench.freed_memory_kept():
+        sys.exit(main())

@@ -135,4 +135,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with bench.freed_memory_kept():
+        main()

@@ -506,4 +506,5 @@ def _add_skipped(results_dir: str, skipped: dict[str, str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with bench.freed_memory_kept():
+        sys.exit(main())

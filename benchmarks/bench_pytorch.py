@@ -183,4 +183,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with bench.freed_memory_kept():
+        sys.exit(main())

@@ -11,6 +11,7 @@ writes the run as a JSON result file (see :func:`save_results`), from which
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -26,7 +27,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -838,23 +839,58 @@ def machine_info(directory: str) -> dict[str, Any]:
     return {"cpus": len(os.sched_getaffinity(0)), "cpu_model": first_line("/proc/cpuinfo", "model name"),
             "memory": memory, "kernel": platform.release(), "python": platform.python_version(),
             "filesystem": mount[1], "io_uring": io_uring_probe()[0], "versions": versions,
-            "commit": _source_commit(), "free_page_reporting": _free_page_reporting()}
+            "commit": _source_commit(), "free_page_reporting": _free_page_reporting(),
+            "free_page_reporting_during_run": _held_page_reporting}
+
+
+PAGE_REPORTING = "/sys/module/page_reporting/parameters"
+# While a benchmark runs, freed memory waits a minute before it is reported, and up to
+# 64 GiB of it may wait: what warm_memory touched is still the guest's when a step runs.
+HELD_PAGE_REPORTING = {"min_free_ms": "60000", "max_waiting_mib": "65536"}
+_held_page_reporting: dict[str, str] | None = None
 
 
 def _free_page_reporting() -> dict[str, str] | None:
     """A VM guest's free page reporting settings, or None where there is none. With it,
     memory a process frees goes back to the host (at once where ``min_free_ms`` is 0),
-    and whoever touches it next pays the host's faults: on the development VM a load
-    into new memory cost 0.2 or 1.0 CPU-s/GB from round to round, whatever the code."""
-    folder = "/sys/module/page_reporting/parameters"
+    and whoever touches it next pays the host's faults."""
     settings = {}
     for name in ("page_reporting_order", "min_free_ms", "max_waiting_mib"):
         try:
-            with open(os.path.join(folder, name)) as f:
+            with open(os.path.join(PAGE_REPORTING, name)) as f:
                 settings[name] = f.read().strip()
         except OSError:
             continue
     return settings or None
+
+
+@contextlib.contextmanager
+def freed_memory_kept() -> Iterator[dict[str, str] | None]:
+    """Holds a VM guest's free page reporting back while a benchmark runs (where this
+    process may change it: root), and puts the settings back after; yields those in
+    force. With reporting at once, the memory :func:`warm_memory` touched and freed went
+    back to the host before a loader took it, or not, by a race: on the development VM
+    a load into new memory cost 0.23 or 1.2 CPU-s/GB from round to round, the same code
+    on the same file, and held back 0.23 in every round (docs/benchmarks.md)."""
+    global _held_page_reporting
+    changed: dict[str, str] = {}
+    try:
+        for name, value in HELD_PAGE_REPORTING.items():
+            path = os.path.join(PAGE_REPORTING, name)
+            try:
+                with open(path) as f:
+                    before = f.read().strip()
+                with open(path, "w") as f:
+                    f.write(value)
+            except OSError:
+                continue
+            changed[name] = before
+        _held_page_reporting = _free_page_reporting() if changed else None
+        yield _held_page_reporting
+    finally:
+        for name, before in changed.items():
+            with contextlib.suppress(OSError), open(os.path.join(PAGE_REPORTING, name), "w") as f:
+                f.write(before)
 
 
 def _source_commit() -> str | None:

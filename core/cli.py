@@ -183,7 +183,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         note(args, "torch is not installed: torch.save and DCP are not measured")
     scratch = _scratch(directory, "bench")
     try:
-        with progress_bar(args, unit="step") as bar:
+        with bench.freed_memory_kept(), progress_bar(args, unit="step") as bar:
             results = bench.bench_engine(scratch, args.size, backends, progress=_stepper(bar))
             state = bench.make_state(args.size, args.count)
             results += bench.bench_checkpoint(scratch, state, fio=False, progress=_stepper(bar))

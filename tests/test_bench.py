@@ -144,3 +144,27 @@ def test_bench_without_a_dir_removes_its_temporary_one() -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert set(os.listdir(tempfile.gettempdir())) == before
+
+
+def test_free_page_reporting_is_held_back_during_a_run_and_restored(tmp_path, monkeypatch) -> None:
+    folder = tmp_path / "parameters"
+    folder.mkdir()
+    for name, value in {"min_free_ms": "0", "max_waiting_mib": "1024", "page_reporting_order": "9"}.items():
+        (folder / name).write_text(value + "\n")
+    monkeypatch.setattr(bench, "PAGE_REPORTING", str(folder))
+    with pytest.raises(RuntimeError, match="a failed run"):
+        with bench.freed_memory_kept() as held:
+            assert held == {"page_reporting_order": "9", **bench.HELD_PAGE_REPORTING}
+            assert (folder / "min_free_ms").read_text() == bench.HELD_PAGE_REPORTING["min_free_ms"]
+            raise RuntimeError("a failed run")
+    assert (folder / "min_free_ms").read_text() == "0" and (folder / "max_waiting_mib").read_text() == "1024"
+    info = bench.machine_info(str(tmp_path))
+    assert info["free_page_reporting"]["min_free_ms"] == "0"
+    assert info["free_page_reporting_during_run"] == held
+
+
+def test_without_free_page_reporting_nothing_is_held(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(bench, "PAGE_REPORTING", str(tmp_path / "absent"))
+    with bench.freed_memory_kept() as held:
+        assert held is None
+    assert bench.machine_info(str(tmp_path))["free_page_reporting"] is None
