@@ -49,10 +49,13 @@ METHOD = """\
   memory as the step moves, the same for every contender: on the development VM
   (Firecracker) memory the guest has not used lately costs 0.3-3 s per GiB on first
   touch, against 0.07 s recycled, and every contender but fio allocates what it loads.
-  That VM reports freed memory to its host at once (free page reporting, recorded in
-  each result file's `machine`), which undoes part of the warming: a load into new
-  memory cost about 0.2 CPU-s/GB in some rounds and 0.8-1.0 in others, the same code on
-  the same file, so its CPU-s/GB are medians of a two-valued spread.
+  That VM reports freed memory to its host at once (free page reporting), which undid
+  the warming by a race: a load into new memory cost 0.23 CPU-s/GB in some rounds and
+  1.2 in others, the same code on the same file, nearly all of it the kernel zeroing
+  pages the host had to fault in again. So the benchmarks hold reporting back while
+  they run (`min_free_ms=60000`, `max_waiting_mib=65536`, where they run as root) and
+  put it back after; each result file's `machine` records the settings in force
+  (`free_page_reporting_during_run`). Held back, the same load cost 0.23 in every round.
 - **fio in the same run.** The ceiling is fio (`--ioengine=io_uring --direct=1 --bs=1m
   --iodepth=32 --end_fsync=1`) writing and reading as many bytes, on the same directory,
   as one contender among the others in every round. Its CPU-s/GB include fio's start-up.

@@ -839,7 +839,7 @@ def machine_info(directory: str) -> dict[str, Any]:
     return {"cpus": len(os.sched_getaffinity(0)), "cpu_model": first_line("/proc/cpuinfo", "model name"),
             "memory": memory, "kernel": platform.release(), "python": platform.python_version(),
             "filesystem": mount[1], "io_uring": io_uring_probe()[0], "versions": versions,
-            "commit": _source_commit(), "free_page_reporting": _free_page_reporting(),
+            "commit": _source_commit(), "free_page_reporting": _outside_runs(_free_page_reporting()),
             "free_page_reporting_during_run": _held_page_reporting}
 
 
@@ -847,7 +847,8 @@ PAGE_REPORTING = "/sys/module/page_reporting/parameters"
 # While a benchmark runs, freed memory waits a minute before it is reported, and up to
 # 64 GiB of it may wait: what warm_memory touched is still the guest's when a step runs.
 HELD_PAGE_REPORTING = {"min_free_ms": "60000", "max_waiting_mib": "65536"}
-_held_page_reporting: dict[str, str] | None = None
+_held_page_reporting: dict[str, str] | None = None  # the settings the last run held
+_put_back_after_run: dict[str, str] = {}  # while a run holds them: what it found
 
 
 def _free_page_reporting() -> dict[str, str] | None:
@@ -864,6 +865,11 @@ def _free_page_reporting() -> dict[str, str] | None:
     return settings or None
 
 
+def _outside_runs(settings: dict[str, str] | None) -> dict[str, str] | None:
+    """``settings`` as they are when no benchmark holds reporting back."""
+    return None if settings is None else {**settings, **_put_back_after_run}
+
+
 @contextlib.contextmanager
 def freed_memory_kept() -> Iterator[dict[str, str] | None]:
     """Holds a VM guest's free page reporting back while a benchmark runs (where this
@@ -873,7 +879,7 @@ def freed_memory_kept() -> Iterator[dict[str, str] | None]:
     a load into new memory cost 0.23 or 1.2 CPU-s/GB from round to round, the same code
     on the same file, and held back 0.23 in every round (docs/benchmarks.md)."""
     global _held_page_reporting
-    changed: dict[str, str] = {}
+    changed = _put_back_after_run
     try:
         for name, value in HELD_PAGE_REPORTING.items():
             path = os.path.join(PAGE_REPORTING, name)
@@ -891,6 +897,7 @@ def freed_memory_kept() -> Iterator[dict[str, str] | None]:
         for name, before in changed.items():
             with contextlib.suppress(OSError), open(os.path.join(PAGE_REPORTING, name), "w") as f:
                 f.write(before)
+        changed.clear()
 
 
 def _source_commit() -> str | None:

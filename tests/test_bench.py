@@ -156,6 +156,8 @@ def test_free_page_reporting_is_held_back_during_a_run_and_restored(tmp_path, mo
         with bench.freed_memory_kept() as held:
             assert held == {"page_reporting_order": "9", **bench.HELD_PAGE_REPORTING}
             assert (folder / "min_free_ms").read_text() == bench.HELD_PAGE_REPORTING["min_free_ms"]
+            during = bench.machine_info(str(tmp_path))  # a result saved inside the run
+            assert during["free_page_reporting"]["min_free_ms"] == "0" and during["free_page_reporting_during_run"] == held
             raise RuntimeError("a failed run")
     assert (folder / "min_free_ms").read_text() == "0" and (folder / "max_waiting_mib").read_text() == "1024"
     info = bench.machine_info(str(tmp_path))
