@@ -8,7 +8,7 @@ import errno
 import os
 import threading
 import warnings
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 
@@ -289,6 +289,25 @@ class Engine:
         """
         return self._submit(buffer, file, offset, nbytes, is_write=False)
 
+    def pread_many(self, parts: Sequence[tuple[Any, int]], file: PathLike | File | int) -> IOFuture:
+        """Starts reading each ``(buffer, offset)`` of ``parts``: ``len(buffer)`` bytes
+        from ``offset`` of ``file``, all as one request, submitted at once (many tensors
+        read into memory that is already theirs, say). Host buffers only."""
+        self._check_usable()
+        views = []
+        for buffer, offset in parts:
+            if not isinstance(buffer, np.ndarray) and gds.is_device_buffer(buffer):
+                raise TypeError("pread_many takes host buffers; read a device buffer with pread")
+            if offset < 0:
+                raise ValueError(f"offset must not be negative, got {offset}")
+            views.append(byte_view(buffer, writable=True))
+        handle = self._file_handle(file, False)
+        request = self._native.submit_many(handle, False, [(v.ctypes.data, v.nbytes, offset)
+                                                           for v, (_, offset) in zip(views, parts)])
+        future = IOFuture([request], keepalive=(list(parts), views), paths=[handle.path])
+        self._track(future)
+        return future
+
     def write(self, buffer: Any, file: PathLike | File | int, offset: int = 0,
               nbytes: int | None = None) -> int:
         """Synchronous :meth:`pwrite`: returns the bytes written."""
@@ -301,11 +320,7 @@ class Engine:
 
     def _submit(self, buffer: Any, file: PathLike | File | int, offset: int, nbytes: int | None,
                 *, is_write: bool) -> IOFuture:
-        if self._closed:
-            raise EngineClosedError("I/O on a closed Engine")
-        if self._pid != os.getpid():
-            raise EngineClosedError("this Engine was made in the parent of a fork and has no I/O threads "
-                                    "here; make a new one in the child (default_engine() does)")
+        self._check_usable()
         if not isinstance(buffer, np.ndarray) and gds.is_device_buffer(buffer):
             return self._submit_device(buffer, file, offset, nbytes, is_write=is_write)
         view = byte_view(buffer, writable=not is_write)
@@ -321,6 +336,13 @@ class Engine:
         future = IOFuture([request], keepalive=(buffer, view), paths=[handle.path])
         self._track(future)
         return future
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise EngineClosedError("I/O on a closed Engine")
+        if self._pid != os.getpid():
+            raise EngineClosedError("this Engine was made in the parent of a fork and has no I/O threads "
+                                    "here; make a new one in the child (default_engine() does)")
 
     def _submit_device(self, buffer: Any, file: PathLike | File | int, offset: int, nbytes: int | None,
                        *, is_write: bool) -> IOFuture:

@@ -364,6 +364,7 @@ class _Header:
 
 
 COPY_PIECE = 1 << 20  # copied, then hashed while in the cache
+DIRECT_GROUP = 8 << 20  # bytes of destinations read straight into, per engine request
 
 
 class _Streamer:
@@ -880,6 +881,7 @@ class ShardReader:
         infos = {n: self.info(n) for n in [*names, *out]}
         results: dict[str, np.ndarray] = {}
         pending: list[tuple[IOFuture, list[tuple[str, np.ndarray]]]] = []
+        direct: list[tuple[str, np.ndarray]] = []
         staged: list[tuple[str, np.ndarray]] = []
         for name, target in out.items():
             t = infos[name]
@@ -888,11 +890,11 @@ class ShardReader:
                 raise ValueError(f"{self.path}: destination for {name!r} has {view.nbytes} bytes, "
                                  f"the tensor {t.nbytes}")
             results[name] = target
-            if self._direct_into(view, self.data_start + t.begin):
-                pending.append((self.engine.pread(view, self._file, self.data_start + t.begin, t.nbytes),
-                                [(name, view)]))
-            else:
-                staged.append((name, view))
+            (direct if self._direct_into(view, self.data_start + t.begin) else staged).append((name, view))
+        for group in self._direct_groups(direct):
+            future = self.engine.pread_many([(view, self.data_start + infos[n].begin) for n, view in group],
+                                            self._file)
+            pending.append((future, group))
         if staged:
             _StagedReads(self, staged).run()
         for run in self._chunks([n for n in names if n not in out]):
@@ -911,6 +913,21 @@ class ShardReader:
                 for n, v in views:
                     self.check_checksum(n, v)
         return results
+
+    def _direct_groups(self, targets: list[tuple[str, np.ndarray]]) -> list[list[tuple[str, np.ndarray]]]:
+        """Destinations read straight into, in file order, grouped into requests of about
+        ``DIRECT_GROUP`` bytes, one submission each (``Engine.pread_many``): ``DCPReader``
+        of 4096 x 512 KiB into page-aligned tensors, median 0.24 CPU-s/GB against 0.26 with
+        one request per tensor (docs/architecture.md)."""
+        groups: list[list[tuple[str, np.ndarray]]] = []
+        size = 0
+        for name, view in sorted(targets, key=lambda nv: self.tensors[nv[0]].begin):
+            if not groups or size + view.nbytes > DIRECT_GROUP:
+                groups.append([])
+                size = 0
+            groups[-1].append((name, view))
+            size += view.nbytes
+        return groups
 
     def _start_run(self, names: list[str], populate: bool) -> tuple[IOFuture, dict[str, np.ndarray]]:
         """Starts one read of neighbouring tensors (one of :meth:`_chunks`) into one new

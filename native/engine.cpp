@@ -145,43 +145,67 @@ std::shared_ptr<Request> Engine::submit(std::shared_ptr<File> file, bool is_writ
                                         uint64_t nbytes, uint64_t offset) {
   if (file->is_closed()) throw IOError{EBADF, file->path(), "I/O on a closed file", offset, nbytes};
   auto req = std::make_shared<Request>(file, is_write, offset, nbytes);
-  std::vector<Task> tasks;
-  const uint64_t end = offset + nbytes;
+  return start(std::move(req), *file, is_write, offset + nbytes, {Segment{ptr, nbytes, offset}});
+}
 
-  auto add_range = [&](int fd, uint64_t from, uint64_t to, uint64_t chunk, bool direct) {
-    for (uint64_t at = from; at < to; at += chunk) {
-      const uint64_t len = std::min(chunk, to - at);
-      char *p = ptr + (at - offset);
-      const bool misaligned = direct && reinterpret_cast<uintptr_t>(p) % file->mem_align() != 0;
-      tasks.push_back(Task{req, fd, p, at, len, misaligned});
-    }
-  };
-
-  const uint64_t align = file->offset_align();
-  const uint64_t lo = (offset + align - 1) / align * align;
-  const uint64_t hi = end / align * align;
-  if (file->direct() && lo < hi) {
-    if (is_write) {
-      try {
-        file->reserve(end);
-      } catch (const IOError &e) {  // a full disk shows up here: report it through the future
-        req->fail(e.err, e.offset, e.length, e.what.c_str());
-        req->task_finished();
-        return req;
-      }
-    }
-    const uint64_t chunk = std::max<uint64_t>(align, config_.block_size / align * align);
-    add_range(file->buffered_fd(), offset, lo, config_.block_size, false);
-    add_range(file->direct_fd(), lo, hi, chunk, true);
-    add_range(file->buffered_fd(), hi, end, config_.block_size, false);
-  } else {
-    add_range(file->buffered_fd(), offset, end, config_.block_size, false);
+std::shared_ptr<Request> Engine::submit_many(std::shared_ptr<File> file, bool is_write,
+                                             const std::vector<Segment> &segments) {
+  uint64_t first = segments.empty() ? 0 : segments.front().offset, end = 0, total = 0;
+  for (const auto &s : segments) {
+    first = std::min(first, s.offset);
+    end = std::max(end, s.offset + s.nbytes);
+    total += s.nbytes;
   }
+  if (file->is_closed()) throw IOError{EBADF, file->path(), "I/O on a closed file", first, total};
+  auto req = std::make_shared<Request>(file, is_write, first, total);
+  return start(std::move(req), *file, is_write, end, segments);
+}
 
+std::shared_ptr<Request> Engine::start(std::shared_ptr<Request> req, File &file, bool is_write, uint64_t end,
+                                       const std::vector<Segment> &segments) {
+  const uint64_t align = file.offset_align();
+  const bool any_direct = file.direct() && std::any_of(segments.begin(), segments.end(), [&](const Segment &s) {
+    return (s.offset + align - 1) / align * align < (s.offset + s.nbytes) / align * align;
+  });
+  if (is_write && any_direct) {
+    try {
+      file.reserve(end);
+    } catch (const IOError &e) {  // a full disk shows up here: report it through the future
+      req->fail(e.err, e.offset, e.length, e.what.c_str());
+      req->task_finished();
+      return req;
+    }
+  }
+  std::vector<Task> tasks;
+  for (const auto &s : segments) add_tasks(req, file, s.ptr, s.nbytes, s.offset, tasks);
   req->set_task_count(static_cast<int64_t>(tasks.size()));
   if (!tasks.empty()) backend_->submit(std::move(tasks));
   req->task_finished();  // releases the guard count taken at construction
   return req;
+}
+
+void Engine::add_tasks(const std::shared_ptr<Request> &req, File &file, char *ptr, uint64_t nbytes,
+                       uint64_t offset, std::vector<Task> &tasks) const {
+  const uint64_t end = offset + nbytes;
+  auto add_range = [&](int fd, uint64_t from, uint64_t to, uint64_t chunk, bool direct) {
+    for (uint64_t at = from; at < to; at += chunk) {
+      const uint64_t len = std::min(chunk, to - at);
+      char *p = ptr + (at - offset);
+      const bool misaligned = direct && reinterpret_cast<uintptr_t>(p) % file.mem_align() != 0;
+      tasks.push_back(Task{req, fd, p, at, len, misaligned});
+    }
+  };
+  const uint64_t align = file.offset_align();
+  const uint64_t lo = (offset + align - 1) / align * align;
+  const uint64_t hi = end / align * align;
+  if (file.direct() && lo < hi) {
+    const uint64_t chunk = std::max<uint64_t>(align, config_.block_size / align * align);
+    add_range(file.buffered_fd(), offset, lo, config_.block_size, false);
+    add_range(file.direct_fd(), lo, hi, chunk, true);
+    add_range(file.buffered_fd(), hi, end, config_.block_size, false);
+  } else {
+    add_range(file.buffered_fd(), offset, end, config_.block_size, false);
+  }
 }
 
 }  // namespace tf

@@ -173,11 +173,26 @@ class Engine {
   ~Engine();
   std::shared_ptr<Request> submit(std::shared_ptr<File> file, bool is_write, char *ptr,
                                   uint64_t nbytes, uint64_t offset);
+  // A buffer and the file offset it is read from or written to.
+  struct Segment {
+    char *ptr;
+    uint64_t nbytes;
+    uint64_t offset;
+  };
+  // One request for several segments of one file: one submission and one wake-up of
+  // the backend for all of them, however many buffers they are.
+  std::shared_ptr<Request> submit_many(std::shared_ptr<File> file, bool is_write,
+                                       const std::vector<Segment> &segments);
   void close();
   const char *backend_name() const { return backend_->name(); }
   const Config &config() const { return config_; }
 
  private:
+  // Appends the tasks of one segment: O_DIRECT for its aligned middle, buffered for the rest.
+  void add_tasks(const std::shared_ptr<Request> &req, File &file, char *ptr, uint64_t nbytes, uint64_t offset,
+                 std::vector<Task> &tasks) const;
+  std::shared_ptr<Request> start(std::shared_ptr<Request> req, File &file, bool is_write, uint64_t end,
+                                 const std::vector<Segment> &segments);
   Config config_;
   std::unique_ptr<Backend> backend_;
 };

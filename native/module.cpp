@@ -99,6 +99,17 @@ NB_MODULE(_native, m) {
              return e.submit(std::move(file), is_write, reinterpret_cast<char *>(address), nbytes, offset);
            },
            "file"_a, "is_write"_a, "address"_a, "nbytes"_a, "offset"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("submit_many",
+           [](tf::Engine &e, std::shared_ptr<tf::File> file, bool is_write,
+              const std::vector<std::tuple<uintptr_t, uint64_t, uint64_t>> &segments) {
+             std::vector<tf::Engine::Segment> parts;
+             parts.reserve(segments.size());
+             for (const auto &[address, nbytes, offset] : segments)
+               parts.push_back({reinterpret_cast<char *>(address), nbytes, offset});
+             nb::gil_scoped_release unlocked;
+             return e.submit_many(std::move(file), is_write, parts);
+           },
+           "file"_a, "is_write"_a, "segments"_a)
       .def("close", &tf::Engine::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("backend", &tf::Engine::backend_name);
 

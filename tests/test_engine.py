@@ -175,6 +175,32 @@ def test_read_past_end_of_file(engine: Engine, tmp_path) -> None:
     assert "end of file" in str(err)
 
 
+def test_pread_many_reads_every_part_as_one_request(engine: Engine, tmp_path) -> None:
+    data = random_bytes((5 << 20) + 777, seed=3)
+    path = tmp_path / "parts.bin"
+    path.write_bytes(data.tobytes())
+    base = np.empty(8 << 20, np.uint8)
+    aligned = base[(-base.ctypes.data) % 4096:][:3 << 20]  # page-aligned: O_DIRECT straight in
+    parts = [(aligned[:1 << 20], 4096), (np.empty(4097, np.uint8), 3), (bytearray(0), 99),
+             (aligned[1 << 20:][:2 << 20], 3 << 20), (base[-1001:], len(data) - 1001)]
+    with tensorferry.File(path, "r") as f:
+        future = engine.pread_many(parts, f)
+        assert future.result() == sum(len(b) for b, _ in parts)
+    for buffer, offset in parts:
+        np.testing.assert_array_equal(np.frombuffer(buffer, np.uint8), data[offset:offset + len(buffer)])
+
+
+def test_pread_many_names_the_failing_part(engine: Engine, tmp_path) -> None:
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(10_000))
+    with pytest.raises(TensorferryIOError) as info:
+        engine.pread_many([(np.empty(100, np.uint8), 0), (np.empty(500, np.uint8), 9_800)], path).result()
+    assert info.value.errno == errno.ENODATA and info.value.offset == 10_000
+    assert info.value.filename == str(path)
+    with pytest.raises(ValueError, match="negative"):
+        engine.pread_many([(np.empty(8, np.uint8), -1)], path)
+
+
 def test_missing_file_for_reading(engine: Engine, tmp_path) -> None:
     with pytest.raises(TensorferryIOError) as info:
         engine.read(bytearray(4), tmp_path / "absent.bin")
