@@ -154,6 +154,20 @@ def test_from_pretrained_opens_what_tensorferry_writes(tmp_path: Path) -> None:
     assert same_tensors(tf_torch.load(single), saved_weights(model))
 
 
+def test_an_edited_index_of_a_tensorferry_checkpoint_is_refused(tmp_path: Path) -> None:
+    state = saved_weights(tiny_llama())
+    folder = tmp_path / "ckpt"
+    tf_torch.save_checkpoint(folder, state, max_shard_bytes=100_000)
+    index_path = folder / "model.safetensors.index.json"
+    assert same_tensors(tf_torch.load_checkpoint(index_path), state)  # read as an index, checked
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["model.norm.weight"]  # a tensor left out: still a well-formed index
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(tensorferry.CorruptCheckpointError, match="does not match the size and checksum"):
+        tf_torch.load_checkpoint(index_path)
+    assert not cli("verify", index_path, expect=1)["ok"]
+
+
 def test_convert_keeps_a_files_own_metadata_keys_where_they_were(tmp_path: Path) -> None:
     from safetensors.torch import save_file
     from safetensors import safe_open
