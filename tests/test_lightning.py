@@ -115,3 +115,20 @@ def test_sharded_checkpoints_and_their_removal(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="object"):  # a failed background write is raised, not lost
         background.teardown()
     assert not (tmp_path / "z.ckpt").exists()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_module_is_made_from_a_checkpoint_as_load_from_checkpoint_does(tmp_path: Path, sharded: bool) -> None:
+    plugin = TensorferryCheckpointIO(sharded=sharded)
+    trained = train(tmp_path, 2, plugin)
+    last = tmp_path / "ckpts" / "last.ckpt"
+    model = plugin.load_from_checkpoint(Tiny, last)
+    assert isinstance(model, Tiny) and model.hparams.hidden == 16 and model.hparams.note == "tiny"
+    for (name, a), (_, b) in zip(trained.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name
+    changed = plugin.load_from_checkpoint(Tiny, last, note="changed")  # keyword arguments override
+    assert changed.hparams.note == "changed" and torch.equal(changed.net[0].weight, trained.net[0].weight)
+    with pytest.raises(RuntimeError, match="size mismatch"):  # the saved weights do not fit this shape
+        plugin.load_from_checkpoint(Tiny, last, hidden=32)
+    with pytest.raises(TypeError, match="neither"):
+        plugin.load_from_checkpoint(torch.nn.Linear, last)

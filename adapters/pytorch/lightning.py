@@ -49,8 +49,9 @@ class TensorferryCheckpointIO(CheckpointIO):
     :func:`tensorferry.adapters.pytorch.save` takes (tensors, numpy arrays, dicts with
     str or int keys, lists, tuples, numbers, strings, None); anything else (an object in
     the hyper-parameters, say) raises ``TypeError`` naming where it is. Lightning's
-    ``LightningModule.load_from_checkpoint`` reads with ``torch.load`` directly; restore
-    with ``Trainer.fit(ckpt_path=...)``, or read the file with :meth:`load_checkpoint`.
+    ``LightningModule.load_from_checkpoint`` reads with ``torch.load`` directly: make the
+    module with :meth:`load_from_checkpoint` instead, or resume with
+    ``Trainer.fit(ckpt_path=...)``.
     """
 
     def __init__(self, *, engine: Engine | None = None, verify: bool = True, sharded: bool = False,
@@ -117,6 +118,30 @@ class TensorferryCheckpointIO(CheckpointIO):
         if map_location is None or isinstance(map_location, (str, torch.device)):
             return load(path, map_location, engine=self.engine, verify=self.verify)
         return _relocate(load(path, engine=self.engine, verify=self.verify), map_location)
+
+    def load_from_checkpoint(self, cls: type, path: str | os.PathLike, map_location: MapLocation = None,
+                             strict: bool | None = None, **kwargs: Any) -> Any:
+        """``cls.load_from_checkpoint(path, ...)`` for a checkpoint this plugin wrote
+        (Lightning's own reads with ``torch.load``): a ``LightningModule`` (or
+        ``LightningDataModule``) subclass made from the saved hyper-parameters, ``kwargs``
+        overriding them, with its state loaded, on the device its tensors were loaded to.
+
+        Example::
+
+            model = TensorferryCheckpointIO().load_from_checkpoint(MyModel, "ckpts/last.ckpt")
+        """
+        import lightning.pytorch as pl
+        from lightning.pytorch.core.saving import _load_state  # what load_from_checkpoint does after torch.load
+
+        if not issubclass(cls, (pl.LightningModule, pl.LightningDataModule)):
+            raise TypeError(f"{cls.__name__} is neither a LightningModule nor a LightningDataModule")
+        checkpoint = self.load_checkpoint(path, map_location)
+        checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)
+        if issubclass(cls, pl.LightningDataModule):
+            return _load_state(cls, checkpoint, **kwargs)
+        model = _load_state(cls, checkpoint, strict=strict, **kwargs)
+        tensors = [t for t in checkpoint["state_dict"].values() if isinstance(t, torch.Tensor)]
+        return model.to(tensors[0].device) if tensors else model
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Deletes a checkpoint this plugin wrote (a file, or a directory with ``sharded``)."""
