@@ -632,16 +632,29 @@ class _StagedReads:
                 source = slot[at:at + length]
                 if digest(source) != expected:
                     raise reader._mismatch(name)
-                view[:] = source
+                _copy_out(view, source)
                 continue
             hasher = None if expected is None else hashers.setdefault(name, new_hasher())
             for step in range(0, length, self.STEP):
                 source = slot[at + step:at + min(length, step + self.STEP)]
                 if hasher is not None:
                     hasher.update(source)
-                view[first + step:first + step + source.nbytes] = source
+                _copy_out(view[first + step:first + step + source.nbytes], source)
             if hasher is not None and first + length == view.nbytes and hashers.pop(name).hexdigest() != expected:
                 raise reader._mismatch(name)
+
+
+def _copy_out(dest: np.ndarray, source: np.ndarray) -> None:
+    """``dest[:] = source`` (both contiguous bytes) into memory that is not read again
+    soon, a loaded tensor's: with streaming stores, which do not first read the
+    destination into the cache. Staged reads of 2 GiB in 512 KiB pieces, each hashed
+    then copied: 0.31 s of CPU with numpy's copy, 0.21 s (docs/architecture.md)."""
+    if dest.nbytes != source.nbytes:
+        raise ValueError(f"copying {source.nbytes} bytes into {dest.nbytes}")
+    if not (dest.flags.c_contiguous and source.flags.c_contiguous):
+        dest[...] = source
+        return
+    _native.copy_out(dest.ctypes.data, source.ctypes.data, source.nbytes)
 
 
 def aligned_empty(nbytes: int, phase: int = 0, *, populate: bool = False) -> np.ndarray:

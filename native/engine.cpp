@@ -8,6 +8,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace tf {
 
@@ -25,6 +28,28 @@ void populate_for_write(char *ptr, uint64_t len) {
   const uintptr_t end = (reinterpret_cast<uintptr_t>(ptr) + len + page - 1) & ~(page - 1);
   // Best effort: memory that cannot be populated this way is faulted in by the I/O.
   madvise(reinterpret_cast<void *>(begin), end - begin, MADV_POPULATE_WRITE);
+}
+
+void copy_out(char *dest, const char *source, uint64_t nbytes) {
+#if defined(__x86_64__) && defined(__SSE2__)
+  const uint64_t head = std::min<uint64_t>(nbytes, (16 - reinterpret_cast<uintptr_t>(dest) % 16) % 16);
+  std::memcpy(dest, source, head);
+  uint64_t at = head;
+  for (; at + 64 <= nbytes; at += 64) {
+    const __m128i *from = reinterpret_cast<const __m128i *>(source + at);
+    __m128i *to = reinterpret_cast<__m128i *>(dest + at);
+    const __m128i a = _mm_loadu_si128(from), b = _mm_loadu_si128(from + 1);
+    const __m128i c = _mm_loadu_si128(from + 2), d = _mm_loadu_si128(from + 3);
+    _mm_stream_si128(to, a);
+    _mm_stream_si128(to + 1, b);
+    _mm_stream_si128(to + 2, c);
+    _mm_stream_si128(to + 3, d);
+  }
+  std::memcpy(dest + at, source + at, nbytes - at);
+  _mm_sfence();  // the streamed stores are visible before anyone is told the copy is done
+#else
+  std::memcpy(dest, source, nbytes);
+#endif
 }
 
 Request::Request(std::shared_ptr<File> file, bool is_write, uint64_t offset, uint64_t nbytes)

@@ -121,6 +121,11 @@ NB_MODULE(_native, m) {
   }, "address"_a, "nbytes"_a, nb::call_guard<nb::gil_scoped_release>(),
         "Faults in memory that a read is about to fill.");
 
+  m.def("copy_out", [](uintptr_t dest, uintptr_t source, uint64_t nbytes) {
+    tf::copy_out(reinterpret_cast<char *>(dest), reinterpret_cast<const char *>(source), nbytes);
+  }, "dest"_a, "source"_a, "nbytes"_a, nb::call_guard<nb::gil_scoped_release>(),
+        "Copies bytes that will not be read again soon: streaming stores, no cache lines read for ownership.");
+
   m.def("masked_crc32c", [](uintptr_t address, uint64_t nbytes) {
     return tf::masked_crc32c(reinterpret_cast<const void *>(address), nbytes);
   }, "address"_a, "nbytes"_a, nb::call_guard<nb::gil_scoped_release>(),

@@ -94,3 +94,17 @@ def test_small_read_buffers_share_slabs_at_the_right_phase(stored) -> None:
         boxes = {name: r.read_box(name, [0], [a.size]).result() for name, a in arrays.items()}
     for name, a in arrays.items():
         np.testing.assert_array_equal(boxes[name], a)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 15, 16, 63, 64, 65, 4096 + 77, 300_001])
+@pytest.mark.parametrize("dest_phase", [0, 1, 15, 64])
+def test_copy_out_copies_every_byte_at_any_alignment(nbytes: int, dest_phase: int) -> None:
+    from tensorferry.shard import _copy_out
+    source = np.random.default_rng(nbytes).integers(0, 256, size=nbytes + 3, dtype=np.uint8)[3:]
+    canvas = np.full(nbytes + 3 * ALIGNMENT, 0xAB, np.uint8)
+    start = ALIGNMENT + (dest_phase - canvas.ctypes.data) % ALIGNMENT  # guard bytes on both sides
+    _copy_out(canvas[start:start + nbytes], source)
+    np.testing.assert_array_equal(canvas[start:start + nbytes], source)
+    assert (canvas[:start] == 0xAB).all() and (canvas[start + nbytes:] == 0xAB).all()
+    with pytest.raises(ValueError, match="bytes into"):
+        _copy_out(canvas[:nbytes + 1], source)
