@@ -315,7 +315,9 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
     written) as a checkpoint directory, atomically; returns its path.
 
     A state larger than ``max_shard_bytes`` is split over several shard files,
-    written concurrently; together they stage small tensors through at most
+    :func:`default_files_per_process` of them written at once (on 2 cores, one: four
+    writer threads there cost 0.26 CPU-s/GB against 0.21, at the same speed, in GIL
+    contention); together they stage small tensors through at most
     ``2 * buffer_size`` bytes of page-locked memory. ``metadata`` is any
     JSON-serialisable mapping. On any failure (a full disk, say) the temporary
     directory is removed and an existing checkpoint is left as it was.
@@ -327,7 +329,7 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
     json.dumps(dict(metadata or {}))  # fail before writing anything if it cannot be saved
     groups = split_by_size({n: a.nbytes if isinstance(a, Deferred) else np.asarray(a).nbytes
                             for n, a in arrays.items()}, max_shard_bytes)
-    writers = min(MAX_CONCURRENT_SHARDS, len(groups))
+    writers = min(default_files_per_process(), len(groups))
     pending = PendingCheckpoint.begin(directory)
     try:
         planning = threading.Lock()
