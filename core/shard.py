@@ -703,9 +703,9 @@ class WholeReads:
     started when the first of its tensors is asked for, so that a caller keeping a
     bounded window of reads in flight still reads neighbours together.
 
-    A JAX restore of 4096 leaves of 512 KiB, one request per leaf, cost 0.50 CPU-s/GB
-    (user 0.28, system 0.23: per-request Python, wake-ups and submissions), against
-    0.23 for :meth:`ShardReader.read_many` of the same file (docs/benchmarks.md).
+    A JAX restore of 4096 leaves of 512 KiB cost 0.44-0.50 CPU-s/GB with one request
+    per leaf (per-request Python, wake-ups and submissions), 0.33-0.35 this way;
+    :meth:`ShardReader.read_many` of the same file, 0.23 (docs/architecture.md).
     """
 
     def __init__(self, reader: "ShardReader", names: list[str], populate: bool) -> None:
