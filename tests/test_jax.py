@@ -418,3 +418,22 @@ def test_leaves_saved_as_restored_are_read_with_their_neighbours(tmp_path, monke
     runs.clear()
     as_numpy = ckptr.restore(tmp_path / "c")  # no target: host arrays, read the same way
     assert runs == [40] and all(isinstance(v, np.ndarray) for v in as_numpy.values())
+
+
+@pytest.mark.parametrize("restore_as", ["saved sharding", "host arrays"])
+def test_a_flipped_data_byte_fails_the_restore(saved, restore_as):
+    from tensorferry.shard import ShardReader
+    state, path = saved
+    shard_file = path / "process-0.safetensors"
+    with ShardReader(shard_file) as reader:
+        victim = next(n for n in reader.keys() if n.startswith("['rows']"))
+        at = reader.data_start + reader.info(victim).begin + 3
+    raw = bytearray(shard_file.read_bytes())
+    raw[at] ^= 0x10
+    shard_file.write_bytes(bytes(raw))
+    handler = FerryCheckpointHandler()
+    target = abstract(state, lambda x: x.sharding) if restore_as == "saved sharding" else None
+    with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch in tensor .*rows"):
+        ocp.Checkpointer(handler).restore(path, args=FerryRestore(target))
+    unchecked = ocp.Checkpointer(FerryCheckpointHandler(verify=False)).restore(path, args=FerryRestore(target))
+    assert not np.array_equal(np.asarray(unchecked["rows"]), np.asarray(state["rows"]))
