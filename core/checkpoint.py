@@ -454,6 +454,15 @@ def read_other_file(directory: str | os.PathLike, manifest: Mapping[str, Any], n
     return data
 
 
+def read_directory_file(directory: str | os.PathLike, name: str) -> bytes:
+    """A framework's file in ``directory`` (DCP's ``.metadata``, a Hugging Face index):
+    in a tensorferry checkpoint once it matches the manifest (:func:`read_other_file`),
+    elsewhere as it is (``FileNotFoundError`` if missing)."""
+    if os.path.isfile(os.path.join(directory, MANIFEST)):
+        return read_other_file(directory, read_manifest(directory), name)
+    return read_small_file(member_path(directory, name))
+
+
 def _check_destination(directory: str, name: str, entry: Mapping[str, Any], dest: Any) -> None:
     shape = getattr(dest, "shape", None)
     if shape is not None and tuple(shape) != tuple(entry["shape"]):

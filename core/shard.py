@@ -727,10 +727,7 @@ class WholeReads:
 
         def finish() -> np.ndarray:
             future.result()
-            raw = views[name]
-            if self.reader.verify:
-                self.reader.check_checksum(name, raw)
-            return self.reader._typed(name, raw)
+            return self.reader._typed(name, self.reader._verified(name, views[name], True))
         return finish
 
 

@@ -188,11 +188,11 @@ std::shared_ptr<Request> Engine::submit_many(std::shared_ptr<File> file, bool is
 
 std::shared_ptr<Request> Engine::start(std::shared_ptr<Request> req, File &file, bool is_write, uint64_t end,
                                        const std::vector<Segment> &segments) {
-  const uint64_t align = file.offset_align();
-  const bool any_direct = file.direct() && std::any_of(segments.begin(), segments.end(), [&](const Segment &s) {
-    return (s.offset + align - 1) / align * align < (s.offset + s.nbytes) / align * align;
-  });
-  if (is_write && any_direct) {
+  std::vector<Task> tasks;
+  for (const auto &s : segments) add_tasks(req, file, s.ptr, s.nbytes, s.offset, tasks);
+  auto is_direct = [&](const Task &t) { return t.fd == file.direct_fd(); };
+  const bool direct_writes = is_write && file.direct() && std::any_of(tasks.begin(), tasks.end(), is_direct);
+  if (direct_writes) {
     try {
       file.reserve(end);
     } catch (const IOError &e) {  // a full disk shows up here: report it through the future
@@ -201,8 +201,6 @@ std::shared_ptr<Request> Engine::start(std::shared_ptr<Request> req, File &file,
       return req;
     }
   }
-  std::vector<Task> tasks;
-  for (const auto &s : segments) add_tasks(req, file, s.ptr, s.nbytes, s.offset, tasks);
   req->set_task_count(static_cast<int64_t>(tasks.size()));
   if (!tasks.empty()) backend_->submit(std::move(tasks));
   req->task_finished();  // releases the guard count taken at construction

@@ -18,10 +18,10 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..buffers import byte_view
-from ..checkpoint import MANIFEST, open_shard, read_manifest, read_other_file, verify_checkpoint
+from ..checkpoint import MANIFEST, open_shard, read_directory_file, read_manifest, verify_checkpoint
 from ..dtypes import to_numpy_dtype
 from ..errors import CorruptCheckpointError, TensorferryError
-from ..schema import member_path, read_small_file
+from ..schema import member_path
 from . import (OBJECT, Chunk, ChunkSource, Layout, TensorEntry, TensorSource, Verification, file_row, size_problems,
                tensor_entry)
 
@@ -99,13 +99,10 @@ def read_dcp_metadata(directory: str) -> Any:
         raise TensorferryError("reading this torch DCP checkpoint needs torch: pip install 'tensorferry[torch]'") \
             from None
     path = os.path.join(directory, DCP_METADATA)
-    if os.path.isfile(os.path.join(directory, MANIFEST)):  # DCPWriter's: the manifest has its checksum
-        data = read_other_file(directory, read_manifest(directory), DCP_METADATA)
-    else:
-        try:
-            data = read_small_file(path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path} is missing") from None
+    try:
+        data = read_directory_file(directory, DCP_METADATA)  # DCPWriter's: checked against the manifest
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing") from None
     return unpickle_dcp_metadata(data, path)
 
 

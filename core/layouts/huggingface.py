@@ -10,9 +10,9 @@ import os
 import re
 from typing import Any, Callable, Iterable, Mapping
 
-from ..checkpoint import MANIFEST, read_manifest, read_other_file
+from ..checkpoint import read_directory_file
 from ..errors import CorruptCheckpointError
-from ..schema import member_path, parse_json, read_small_file
+from ..schema import member_path, parse_json
 from ..shard import ShardInfo, ShardReader
 from . import (Chunk, ChunkSource, Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row,
                size_problems, tensor_entry, verify_files)
@@ -67,7 +67,9 @@ class HuggingFaceFolder(Layout):
         if index_path is None:
             with read_header(os.path.join(self.directory, SINGLE)) as reader:
                 return dict.fromkeys(reader.tensors, SINGLE), {}
-        index = parse_json(self._index_bytes(index_path), "index", index_path)
+        # In a tensorferry checkpoint the index must match the manifest: an edited one
+        # could leave tensors out unnoticed.
+        index = parse_json(read_directory_file(self.directory, os.path.basename(index_path)), "index", index_path)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CorruptCheckpointError(f"{index_path} has no weight_map of tensor names to files")
@@ -75,18 +77,6 @@ class HuggingFaceFolder(Layout):
             member_path(self.directory, file)
         metadata = index.get("metadata")
         return weight_map, metadata if isinstance(metadata, dict) else {}
-
-    def _index_bytes(self, index_path: str) -> bytes:
-        """The index file; in a tensorferry checkpoint (``save_checkpoint`` of torch writes
-        one) once it matches the checksum the manifest gives it: read as an index, an
-        edited one could leave tensors out unnoticed."""
-        name = os.path.basename(index_path)
-        if os.path.samefile(os.path.dirname(os.path.abspath(index_path)), self.directory) and \
-                os.path.isfile(os.path.join(self.directory, MANIFEST)):
-            manifest = read_manifest(self.directory)
-            if name in manifest.get("other_files", {}):
-                return read_other_file(self.directory, manifest, name)
-        return read_small_file(index_path)
 
     def _files(self, weight_map: Mapping[str, str]) -> list[str]:
         return sorted(set(weight_map.values()))
