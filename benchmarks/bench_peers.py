@@ -20,6 +20,7 @@ skipped with the reason; none of them is a test dependency.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pickle
 import sys
@@ -30,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tensorferry import Engine, IOConfig, bench, default_config, parse_size
+from tensorferry import Engine, IOConfig, bench, default_config, gc_paused, parse_size
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -110,9 +111,19 @@ def _quiet(action: Callable[[], object]) -> object:
         return action()
 
 
-def _dcp_read(reader: Callable[[str], Any]) -> Callable[[str, dict], object]:
+def _dcp_read(reader: Callable[[str], Any], *, paused: bool = False) -> Callable[[str, dict], object]:
     # DCP loads in place: ``dest`` is the model's state, made before the clock starts.
-    return lambda path, dest: _quiet(lambda: dcp.load(dest, storage_reader=reader(path)))
+    def read(path: str, dest: dict) -> None:
+        with gc_paused() if paused else contextlib.nullcontext():
+            _quiet(lambda: dcp.load(dest, storage_reader=reader(path)))
+    return read
+
+
+def _dcp_write(writer: Callable[[str], Any], *, paused: bool = False) -> Callable[[dict, str], object]:
+    def write(state: dict, path: str) -> None:
+        with gc_paused() if paused else contextlib.nullcontext():
+            _quiet(lambda: dcp.save(state, storage_writer=writer(path)))
+    return write
 
 
 def ours() -> list[Contender]:
@@ -123,8 +134,12 @@ def ours() -> list[Contender]:
         Contender("tensorferry save/load", "tf.safetensors", read_file, lambda s, p: save(s, p)),
         Contender("tensorferry save_checkpoint/load_checkpoint", "tf-ckpt",
                   lambda p, s: load_checkpoint(p), lambda s, p: save_checkpoint(p, s)),
-        Contender("tensorferry DCPWriter/DCPReader", "tf-dcp", _dcp_read(DCPReader),
-                  lambda s, p: _quiet(lambda: dcp.save(s, storage_writer=DCPWriter(p))), in_place=True),
+        Contender("tensorferry DCPWriter/DCPReader", "tf-dcp", _dcp_read(DCPReader), _dcp_write(DCPWriter),
+                  in_place=True),
+        # As FSDPCheckpointer calls DCP, and as the README tells direct callers to: torch's
+        # planning of many tensors without Python's collector walking the whole process.
+        Contender("tensorferry DCPWriter/DCPReader, DCP under gc_paused", "tf-dcp-gc",
+                  _dcp_read(DCPReader, paused=True), _dcp_write(DCPWriter, paused=True), in_place=True),
     ]
 
 
@@ -205,8 +220,7 @@ def torch_dcp_alone() -> Contender:
     torch's own cost per save and load (planning, per-item bookkeeping, its debug
     logger), the floor under every DCP storage writer and reader."""
     return Contender("reference: torch DCP alone, a storage layer that moves no bytes", "dcp-alone",
-                     _dcp_read(_NoBytesReader),
-                     lambda s, p: _quiet(lambda: dcp.save(s, storage_writer=_NoBytesWriter(p))), in_place=True)
+                     _dcp_read(_NoBytesReader), _dcp_write(_NoBytesWriter), in_place=True)
 
 
 def jax_contender(skipped: dict[str, str]) -> list[Contender]:
@@ -238,7 +252,7 @@ def peers(skipped: dict[str, str]) -> list[Contender]:
         Contender("torch.save/torch.load", "peer.pt", lambda p, s: torch.load(p, map_location="cpu"),
                   lambda s, p: torch.save(s, p)),
         Contender("DCP FileSystemWriter/Reader", "peer-dcp", _dcp_read(dcp.FileSystemReader),
-                  lambda s, p: _quiet(lambda: dcp.save(s, storage_writer=dcp.FileSystemWriter(p))), in_place=True),
+                  _dcp_write(dcp.FileSystemWriter), in_place=True),
     ]
     try:
         from safetensors.torch import load_file, save_file

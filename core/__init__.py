@@ -9,7 +9,7 @@ from .config import IOConfig, config_override, default_config, parse_size
 from .checkpoint import (PendingCheckpoint, latest_checkpoint, list_checkpoints, load_checkpoint,
                          prune_checkpoints, read_manifest, save_checkpoint, verify_checkpoint)
 from .engine import DirectIOFallbackWarning, Engine, File, IOFuture, default_engine, io_uring_probe, open
-from .shard import ShardInfo, ShardReader, ShardWriter, TensorInfo
+from .shard import ShardInfo, ShardReader, ShardWriter, TensorInfo, gc_paused
 from .data import FileSource
 from .offload import OffloadStore
 from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, ConfigError, CorruptCheckpointError,
@@ -25,5 +25,5 @@ __all__ = [
     "PendingCheckpoint", "ShardInfo", "ShardReader", "ShardWriter", "TensorInfo", "default_engine",
     "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prune_checkpoints", "read_manifest",
     "save_checkpoint", "verify_checkpoint", "FileSource", "OffloadStore", "GDSUnavailableError",
-    "CheckpointSkippedWarning", "DurabilityWarning",
+    "CheckpointSkippedWarning", "DurabilityWarning", "gc_paused",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import random
@@ -12,6 +13,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import ml_dtypes
@@ -20,7 +22,7 @@ import pytest
 
 import tensorferry
 from tensorferry import CheckpointNotFoundError, CorruptCheckpointError, ShardReader, ShardWriter
-from tensorferry.shard import HEADER_CHECKSUM_KEY
+from tensorferry.shard import HEADER_CHECKSUM_KEY, gc_paused
 
 DTYPES = [np.float64, np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
           ml_dtypes.float8_e5m2, np.int64, np.int32, np.int16, np.int8, np.uint64, np.uint32,
@@ -61,6 +63,38 @@ def test_round_trip_every_dtype_and_shape(engine, tmp_path) -> None:
         assert r.metadata == {"note": "hi"}
         assert r.checksum == info.checksum
         assert_same(arrays, r.read_many())
+
+
+def test_gc_paused_puts_the_collector_back_as_it_found_it() -> None:
+    assert gc.isenabled()
+    with pytest.raises(ValueError):
+        with gc_paused():
+            assert not gc.isenabled()
+            raise ValueError("a failed read")
+    assert gc.isenabled()  # re-enabled after an error too
+    entered, leave = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        with gc_paused():
+            entered.set()
+            leave.wait()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    entered.wait()
+    with gc_paused():
+        pass
+    assert not gc.isenabled()  # the other thread's pause still holds
+    leave.set()
+    thread.join()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller who had disabled it keeps it disabled
+    finally:
+        gc.enable()
 
 
 def test_layout_is_aligned(tmp_path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import tempfile
 
@@ -249,10 +250,12 @@ def test_checkpointer_single_process(tmp_path) -> None:
     (tmp_path / "step_9").mkdir()  # a save that died before its commit
     with pytest.raises(CheckpointNotFoundError, match="not a complete checkpoint"):
         ckpt.load(9)  # FSDPCheckpointer raises tensorferry's own error, not DCP's wrapper
+    assert gc.isenabled()  # paused during the call (torch's many small objects), back on after an error
     (tmp_path / "step_9").rmdir()
     for step in range(1, 5):
         train_step(model, opt, step)
         ckpt.save_async(step) if step % 2 else ckpt.save(step)
+        assert gc.isenabled()
     ckpt.wait()
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step_3", "step_4"]
     expected = {k: v.clone() for k, v in model.state_dict().items()}

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from ...checkpoint import latest_checkpoint, prune_checkpoints, read_manifest
 from ...errors import CheckpointNotFoundError, TensorferryError, TensorferryIOError
 from ...engine import Engine
-from ...shard import ShardWriter, write_order
+from ...shard import ShardWriter, gc_paused, write_order
 from .dcp import DCPReader, DCPWriter
 from .serialization import TORCH_FORMAT
 from .staging import DeviceToHost
@@ -83,6 +83,7 @@ class FSDPCheckpointer:
     def _writer(self, step: int) -> DCPWriter:
         return DCPWriter(self.step_path(step), engine=self.engine, files_per_rank=self.files_per_rank)
 
+    @gc_paused()  # torch's state-dict helpers and DCP planning make many small objects
     def save(self, step: int) -> str:
         """Writes a sharded checkpoint of model and optimizer; returns its path once durable."""
         self.wait()
@@ -90,6 +91,7 @@ class FSDPCheckpointer:
         self._retain()
         return self.step_path(step)
 
+    @gc_paused()
     def save_async(self, step: int) -> Future:
         """Starts a sharded save and returns once the state is staged in host memory.
 
@@ -138,6 +140,7 @@ class FSDPCheckpointer:
         match = _STEP.match(os.path.basename(latest)) if latest else None
         return int(match.group(1)) if match else None
 
+    @gc_paused()
     def load(self, step: int | None = None) -> int:
         """Restores model and optimizer from ``step`` (default: the latest complete one); returns the step."""
         self.wait()
