@@ -900,16 +900,23 @@ def freed_memory_kept() -> Iterator[dict[str, str] | None]:
         changed.clear()
 
 
-def _source_commit() -> str | None:
+def _source_commit(source: str = __file__) -> str | None:
     """The git commit of the code measured (``+dirty`` with uncommitted changes), where
-    it runs from a git checkout."""
-    here = os.path.dirname(os.path.realpath(__file__))
+    it runs from a git checkout that tracks ``source``: an installed copy may lie inside
+    another repository (pyenv's, say), whose commit says nothing about this code."""
+    source = os.path.realpath(source)
+    here = os.path.dirname(source)
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", here, *args], capture_output=True, text=True)
+
     try:
-        head = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True)
+        if git("ls-files", "--error-unmatch", os.path.basename(source)).returncode != 0:
+            return None
+        head = git("rev-parse", "HEAD")
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     except OSError:
         return None
     return head.stdout.strip() + ("+dirty" if dirty else "")

@@ -170,3 +170,21 @@ def test_without_free_page_reporting_nothing_is_held(tmp_path, monkeypatch) -> N
     with bench.freed_memory_kept() as held:
         assert held is None
     assert bench.machine_info(str(tmp_path))["free_page_reporting"] is None
+
+
+def test_results_name_the_commit_only_of_a_checkout_that_holds_the_code(tmp_path) -> None:
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "another project")
+    installed = tmp_path / "site-packages" / "tensorferry" / "bench.py"  # an install inside pyenv's repo
+    installed.parent.mkdir(parents=True)
+    installed.write_text("")
+    assert bench._source_commit(str(installed)) is None
+    git("add", str(installed))
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "tracked")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert bench._source_commit(str(installed)) == head.strip()
+    installed.write_text("changed")
+    assert bench._source_commit(str(installed)) == head.strip() + "+dirty"
