@@ -19,7 +19,7 @@ import glob
 import json
 import math
 import os
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -116,8 +116,13 @@ def _chunk_key(name: str, offsets: Iterable[int]) -> str:
     return f"{name}@{','.join(str(int(o)) for o in offsets)}"
 
 
+_ALL = slice(None)
+
+
 def _box(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets, sizes) of the box ``index`` (a tuple of slices) selects in ``shape``."""
+    if all(s == _ALL for s in index):  # the whole array: one device, or replicated
+        return (0,) * len(shape), tuple(shape)
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     starts, sizes = [], []
     for s, dim in zip(index, shape):
@@ -178,6 +183,7 @@ class _Checkpoint:
         _check_structure(self.structure, directory, self.leaves)
         self._readers: dict[str, ShardReader] = {}
         self._whole: dict[str, WholeReads] = {}
+        self._whole_boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[WholeReads, str]] = {}
 
     def reader(self, filename: str) -> ShardReader:
         if filename not in self.manifests:
@@ -192,24 +198,35 @@ class _Checkpoint:
             r.close()
         self._readers.clear()
         self._whole.clear()
+        self._whole_boxes.clear()
 
     def read_whole_chunks_together(self, boxes: Iterable[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> None:
         """Of the boxes ``(leaf, offsets, sizes)`` a restore is about to start, those that
         are a whole stored chunk (the sharding it was saved with) are then read with their
         neighbours in the file, in few large requests, not one request each."""
         per_file: dict[str, list[str]] = collections.defaultdict(list)
+        box_keys = {}
         for name, offsets, sizes in boxes:
             for filename, key, c_off, c_size in self.leaves[name].chunks:
                 if c_off == offsets and c_size == sizes:
                     per_file[filename].append(key)
+                    box_keys[name, offsets, sizes] = filename, key
                     break
         for filename, keys in per_file.items():
             self._whole[filename] = self.reader(filename).start_whole(keys)
+        for box, (filename, key) in box_keys.items():
+            whole = self._whole[filename]
+            if key in whole:  # not an empty chunk
+                self._whole_boxes[box] = whole, key
 
-    def start_box(self, name: str, offsets: list[int], sizes: list[int]) -> Callable[[], np.ndarray]:
+    def start_box(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> Callable[[], np.ndarray]:
         """Starts reading the box ``[offsets, offsets + sizes)`` of leaf ``name`` from the
         stored chunks that overlap it, reading only the bytes needed; the function
         returned waits for the reads and returns the box."""
+        whole_chunk = self._whole_boxes.get((name, tuple(offsets), tuple(sizes)))
+        if whole_chunk is not None:  # the usual restore, settled by read_whole_chunks_together
+            whole, key = whole_chunk
+            return whole.start(key)
         leaf = self.leaves[name]
         dtype = to_numpy_dtype(leaf.dtype)
         if math.prod(sizes) == 0:
@@ -219,9 +236,6 @@ class _Checkpoint:
                 # One stored chunk holds the whole box (the same sharding as at save time,
                 # say): a contiguous box comes back in its own aligned buffer, uncopied;
                 # a strided one is made compact so the envelope read need not stay alive.
-                whole = self._whole.get(filename)
-                if whole is not None and key in whole and tuple(sizes) == c_size:
-                    return whole.start(key)
                 rel = [o - c for o, c in zip(offsets, c_off)]
                 read = self.reader(filename).read_box(key, rel, sizes)
 
@@ -474,7 +488,7 @@ class _LeafRead:
     finish: Callable[[dict[Box, Callable[[], np.ndarray]]], Any]
 
     def start(self) -> tuple[int, Callable[[], Any]]:
-        started = {box: self.ckpt.start_box(self.name, list(box[0]), list(box[1])) for box in self.boxes}
+        started = {box: self.ckpt.start_box(self.name, *box) for box in self.boxes}
         return self.nbytes, lambda: self.finish(started)
 
 
@@ -516,13 +530,20 @@ def _leaf_for(ckpt: _Checkpoint, name: str, target: Any) -> _LeafRead:
     indices = sharding.addressable_devices_indices_map(shape).values()
     boxes = list(dict.fromkeys(_box(index, shape) for index in indices))
 
+    if len(boxes) == 1:  # every device's index selects the same box (one device, or replicated)
+        def finish_one(started: dict[Box, Callable[[], np.ndarray]]) -> jax.Array:
+            data = started[boxes[0]]().astype(dtype, copy=False)
+            return jax.make_array_from_callback(shape, sharding, lambda index: data)
+
+        return _LeafRead(ckpt, name, boxes, math.prod(boxes[0][1]) * itemsize, finish_one)
+
     def finish(started: dict[Box, Callable[[], np.ndarray]]) -> jax.Array:
         done: dict[Box, np.ndarray] = {}
 
         def callback(index: tuple) -> np.ndarray:
             box = _box(index, shape)
             if box not in done:
-                read = started.get(box) or ckpt.start_box(name, list(box[0]), list(box[1]))
+                read = started.get(box) or ckpt.start_box(name, *box)
                 done[box] = read().astype(dtype, copy=False)
             return done[box]
 
