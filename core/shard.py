@@ -728,7 +728,7 @@ class WholeReads:
         self._runs = reader._chunks(names)
         self._run_of = {n: i for i, run in enumerate(self._runs) for n in run}
         self._started: dict[int, tuple[IOFuture, dict[str, np.ndarray]]] = {}
-        self._landed: dict[int, dict[str, np.ndarray]] = {}
+        self._landed: dict[int, dict[str, np.ndarray | CorruptCheckpointError]] = {}
 
     def __contains__(self, name: object) -> bool:
         return name in self._run_of
@@ -739,20 +739,31 @@ class WholeReads:
         number = self._run_of[name]
         if number not in self._started:
             self._started[number] = self.reader._start_run(self._runs[number], self.populate)
-        return lambda: self._verified_run(number)[name]
 
-    def _verified_run(self, number: int) -> dict[str, np.ndarray]:
-        """The tensors of run ``number``, typed, once it has landed and every one of them
-        is verified, one after another as they lie in memory: hashed leaf by leaf between
-        the caller's work on each, a JAX restore of 4096 x 512 KiB spent 0.18-0.20 s in
-        xxh3, as against 0.15 for ``read_many`` (docs/architecture.md)."""
+        def finish() -> np.ndarray:
+            tensor = self._verified_run(number)[name]
+            if isinstance(tensor, CorruptCheckpointError):
+                raise tensor
+            return tensor
+        return finish
+
+    def _verified_run(self, number: int) -> dict[str, np.ndarray | CorruptCheckpointError]:
+        """The tensors of run ``number``, typed, or for each that fails its checksum the
+        error, once the run has landed: all hashed one after another as they lie in
+        memory. Hashed leaf by leaf, between the caller's work on each, a JAX restore of
+        4096 x 512 KiB spent 0.18-0.20 s in xxh3, against 0.15 for ``read_many``
+        (docs/architecture.md)."""
         landed = self._landed.get(number)
         if landed is None:
             future, views = self._started[number]
             future.result()
-            reader = self.reader
-            landed = self._landed[number] = {n: reader._typed(n, reader._verified(n, v, True))
-                                             for n, v in views.items()}
+            landed = {}
+            for name, view in views.items():
+                try:
+                    landed[name] = self.reader._typed(name, self.reader._verified(name, view, True))
+                except CorruptCheckpointError as exc:
+                    landed[name] = exc
+            self._landed[number] = landed
         return landed
 
 

@@ -345,6 +345,12 @@ def test_whole_reads_verify_each_tensor(engine, tmp_path) -> None:
         np.testing.assert_array_equal(finish_a(), sample(np.float32, (1000,), 1))
         with pytest.raises(CorruptCheckpointError, match="tensor 'b'"):
             finish_b()
+        # One read holds both; hashed together as it lands, each still answers for itself.
+        whole = r.start_whole(["a", "b"])
+        finish_a, finish_b = whole.start("a"), whole.start("b")
+        with pytest.raises(CorruptCheckpointError, match="tensor 'b'"):
+            finish_b()
+        np.testing.assert_array_equal(finish_a(), sample(np.float32, (1000,), 1))
 
 
 # --- corruption: every case is a clear CorruptCheckpointError ------------------------
