@@ -336,10 +336,15 @@ def _tensorizer(save_file: Any) -> Contender:
 def _fastpersist(save_file: Any) -> Contender:
     """DeepSpeed FastPersist: ``torch.save`` into ``deepspeed.io.FastFileWriter``"""
     handle = _deepspeed_handle(8 << 20, 32)
+    import deepspeed.io.fast_file_writer as fast_file_writer
     from deepspeed.io import FastFileWriter, FastFileWriterConfig
-    from deepspeed.ops.op_builder import UtilsBuilder
+    from deepspeed.ops.op_builder.utils import UtilsBuilder
 
-    UtilsBuilder().load()  # FastFileWriter needs it; DeepSpeed's CPU accelerator has none
+    # FastFileWriter loads DeepSpeed's "utils" op (a byte cast, plain C++). Without a GPU,
+    # DeepSpeed's CPU accelerator names a builder that refuses to load it; the generic
+    # builder, the one a GPU machine uses, builds and runs it here.
+    fast_file_writer.UtilsBuilder = UtilsBuilder
+    UtilsBuilder().load()
 
     pinned = torch.zeros(64 << 20, dtype=torch.uint8).pin_memory() if torch.cuda.is_available() \
         else handle.new_cpu_locked_tensor(64 << 20, torch.empty(0, dtype=torch.uint8))
