@@ -143,10 +143,9 @@ def ours() -> list[Contender]:
     ]
 
 
-class _NoBytesWriter(StorageWriter):
-    """A DCP storage writer that moves no tensor bytes: it keeps only DCP's metadata,
-    so that ``dcp.save`` through it measures torch's own planning and bookkeeping,
-    which any storage writer pays on top of its writes."""
+class _NoBytesStorage:
+    """What :class:`_NoBytesWriter` and :class:`_NoBytesReader` share: a folder that
+    holds DCP's ``.metadata`` alone, and plans passed through untouched."""
 
     def __init__(self, path: str) -> None:
         super().__init__()
@@ -155,14 +154,24 @@ class _NoBytesWriter(StorageWriter):
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        pass
-
     def prepare_local_plan(self, plan: Any) -> Any:
         return plan
 
     def prepare_global_plan(self, plans: list) -> list:
         return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+class _NoBytesWriter(_NoBytesStorage, StorageWriter):
+    """A DCP storage writer that moves no tensor bytes: it keeps only DCP's metadata,
+    so that ``dcp.save`` through it measures torch's own planning and bookkeeping,
+    which any storage writer pays on top of its writes."""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
 
     def write_data(self, plan: Any, planner: Any) -> Future:
         future: Future = Future()
@@ -174,21 +183,10 @@ class _NoBytesWriter(StorageWriter):
         with open(os.path.join(self.path, ".metadata"), "wb") as f:
             pickle.dump(metadata, f)
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return True
 
-
-class _NoBytesReader(StorageReader):
+class _NoBytesReader(_NoBytesStorage, StorageReader):
     """The reader of :class:`_NoBytesWriter`'s metadata: every item is resolved and
     committed, as DCP's planner needs, with no bytes read."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.path = path
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        pass
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
@@ -197,22 +195,12 @@ class _NoBytesReader(StorageReader):
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def prepare_local_plan(self, plan: Any) -> Any:
-        return plan
-
-    def prepare_global_plan(self, plans: list) -> list:
-        return plans
-
     def read_data(self, plan: Any, planner: Any) -> Future:
         for item in plan.items:
             planner.commit_tensor(item, planner.resolve_tensor(item))
         future: Future = Future()
         future.set_result(None)
         return future
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return True
 
 
 def torch_dcp_alone() -> Contender:
