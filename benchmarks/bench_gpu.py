@@ -432,7 +432,11 @@ def record_figures(record: dict[str, Any], out: str, started: float, scratch: st
         for name, figure in figures.items():
             try:
                 record["figures"].append(figure())
-            except Exception as exc:  # noqa: BLE001 - recorded: one failed step must not lose the others' figures
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            # BaseException: DCP's CheckpointException is one. Recorded: one failed step
+            # must not lose the others' figures.
+            except BaseException as exc:  # noqa: BLE001
                 record["figures"].append({"figure": name, "error": f"{type(exc).__name__}: {exc}"})
                 log(f"{name} failed: {type(exc).__name__}: {exc}")
             after_each()

@@ -206,7 +206,11 @@ class CuFileRequest:
 
 
 def _errno_of(exc: BaseException) -> int:
-    return exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
+    if isinstance(exc, OSError) and exc.errno:
+        return exc.errno
+    # kvikio's compatibility mode reports a read past the end as a RuntimeError
+    # ("POSIX error on pread: EOF"): a short read, as the host engine names it.
+    return errno.ENODATA if ": EOF" in str(exc) else errno.EIO
 
 
 class CuFileCache:

@@ -109,12 +109,15 @@ class DeviceToHost:
     def take(self, index: int) -> np.ndarray:
         """Tensor ``index``'s bytes, once copied; each tensor is taken once."""
         with self._lock:
-            if index not in self._started:
+            # A made item is None: started, or taken out of order before the window reached it.
+            if self._items[index] is not None:
                 self._start(index)
             while self._next < len(self._items) and self._ahead < self.window:
-                if self._next not in self._started:
+                if self._items[self._next] is not None:
                     self._start(self._next)
                 self._next += 1
+            if index not in self._started:
+                raise KeyError(f"tensor {index} was already taken")
             host, wait = self._started.pop(index)
             self._ahead -= host.nbytes
         wait()
