@@ -61,6 +61,8 @@ step() {
 }
 
 cd "$ROOT" || exit 2
+# fio as gpu_wheels.sh builds it, where the machine has none.
+[ -x .whl/fio/fio ] && ! command -v fio >/dev/null && export PATH=$ROOT/.whl/fio:$PATH
 shopt -s nullglob
 # Only wheels of distributions the machine lacks: a newer numpy or ml_dtypes over the
 # frameworks' own could break them.
@@ -150,29 +152,6 @@ with open(os.path.join(out, "gpu_check.json"), "w") as f:
 print(json.dumps({k: record.get(k) for k in ("device", "nvidia_smi", "cuda_tests", "steps", "seconds", "passed")},
                  indent=1))
 
-# The same record as markdown (OUTDIR/gpu_check.md), for docs and the README.
-device = record.get("device") or {}
-lines = [f"GPU check of {record['started']}: {device.get('name', '?')}, driver {device.get('driver', '?')}, "
-         f"GDS mode {device.get('gds_mode', '?')} (kvikio {device.get('kvikio')}), torch {device.get('torch')}, "
-         f"{record['seconds']} s in all. CUDA tests: {record['cuda_tests']}.", ""]
-for figure in record["figures"]:
-    lines.append(f"### {figure['figure']} ({figure['benchmark']})")
-    if "error" in figure:
-        lines += [f"failed: {figure['error']}", ""]
-        continue
-    if figure.get("target"):
-        met = figure.get("met")
-        lines.append(f"target: {figure['target']}: **{'met' if met else 'not met' if met is False else 'not judged'}**")
-    lines += ["", "| | GB/s | s |", "| --- | --- | --- |"]
-    ceiling = figure.get("ceiling") or {}
-    ceilings = [ceiling] if "gbps" in ceiling else list(ceiling.values())
-    for r in figure.get("tensorferry", []) + figure.get("peers", []) + figure.get("rows", []) + ceilings:
-        lines.append(f"| {r['name']} | {r['gbps']} | {r['seconds']} |")
-    for key in ("ratio_to_ceiling", "stall_ratio", "ahead_of_peers", "defaults"):
-        if key in figure:
-            lines.append(f"\n{key}: {figure[key]}")
-    lines.append("")
-with open(os.path.join(out, "gpu_check.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-print("\n".join(lines))
 EOF
+# The same record as markdown, by the renderer docs/gpu.md is generated with.
+"$PY" benchmarks/report.py --gpu-check "$OUT/gpu_check.json" >"$OUT/gpu_check.md" && cat "$OUT/gpu_check.md"

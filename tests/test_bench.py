@@ -125,7 +125,8 @@ def test_report_renders_the_newest_result_of_each_benchmark(tmp_path) -> None:
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{report.README_START}\nold table\n{report.README_END}\nrest\n")
     out = tmp_path / "docs" / "benchmarks.md"
-    assert report.main(["--results", str(results), "--out", str(out), "--readme", str(readme), "--plot", ""]) == 0
+    assert report.main(["--results", str(results), "--out", str(out), "--readme", str(readme), "--plot", "",
+                        "--gpu-doc", ""]) == 0
     page = out.read_text()
     assert "--dir DIR --size 1G" in page and "/nvme/x" not in page
     assert "| tensorferry save | write | 3.00 (3.00) | 2.25 | 0.30 | 2 |" in page  # median of 1.5 and 3.0
@@ -133,6 +134,29 @@ def test_report_renders_the_newest_result_of_each_benchmark(tmp_path) -> None:
     text = readme.read_text()
     assert "old table" not in text and text.startswith("intro\n") and text.endswith("rest\n")
     assert "| tensorferry save | 3.00, 2.25, 0.30 |" in text  # a row per contender, a column per state and op
+
+
+def test_report_puts_the_newest_gpu_check_into_its_document(tmp_path, capsys) -> None:
+    import glob
+    import os
+    import shutil
+
+    report = _report_module()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    committed = sorted(glob.glob(os.path.join(root, "benchmarks", "results", "gpu", "*-gpu_check.json")))
+    assert committed, "the record of the H200 run is committed"
+    (tmp_path / "results" / "gpu").mkdir(parents=True)
+    shutil.copy(committed[-1], tmp_path / "results" / "gpu" / os.path.basename(committed[-1]))
+    doc = tmp_path / "gpu.md"
+    doc.write_text(f"# GPU\n{report.GPU_START}\nold\n{report.GPU_END}\nafter\n")
+    assert report.main(["--results", str(tmp_path / "results"), "--out", str(tmp_path / "b.md"), "--readme", "",
+                        "--plot", "", "--gpu-doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert "old" not in text and text.endswith(f"{report.GPU_END}\nafter\n")
+    assert os.path.basename(committed[-1]) in text and "#### save from GPU (bench_gpu)" in text
+    assert "| tensorferry save (one file) |" in text and "target: >= 0.9 of fio's write" in text
+    assert report.main(["--gpu-check", committed[-1]]) == 0
+    assert capsys.readouterr().out.startswith("GPU check of ")
 
 
 def test_bench_without_a_dir_removes_its_temporary_one() -> None:
