@@ -200,10 +200,11 @@ class Run:
             from safetensors.torch import load_file
             peers.append(row(f"safetensors load_file(device={str(device)!r})", n,
                              loaded(file, lambda: load_file(file, device=str(device)))))
-            fast = fastsafetensors_loader(file, device)
+            # fastsafetensors' GDS path where cuFile runs, as ours; else its own bounce (nogds).
+            fast = fastsafetensors_loader(file, device, nogds=path != "GDS")
             if fast is not None:
                 self.log("fastsafetensors")
-                peers.append(row("fastsafetensors", n, loaded(file, fast)))
+                peers.append(row(f"fastsafetensors ({'GDS' if path == 'GDS' else 'nogds'})", n, loaded(file, fast)))
         finally:
             bench.remove_path(file)
             bench.remove_path(directory)
@@ -338,15 +339,18 @@ class Run:
         return {"figure": "GDSDataset GPU paths", "rows": rows, "ceiling": self.fio.get("read")}
 
 
-def fastsafetensors_loader(path: str, device: torch.device) -> Callable[[], Any] | None:
+def fastsafetensors_loader(path: str, device: torch.device, nogds: bool) -> Callable[[], Any] | None:
     """A load of ``path`` onto ``device`` with fastsafetensors, where it is installed."""
     try:
         from fastsafetensors import SafeTensorsFileLoader, SingleGroup
     except ImportError:
         return None
 
+    if device.type == "cuda" and device.index is None:  # fastsafetensors wants "cuda:N"
+        device = torch.device("cuda", torch.cuda.current_device())
+
     def run() -> dict[str, torch.Tensor]:
-        loader = SafeTensorsFileLoader(SingleGroup(), device=str(device), nogds=False)
+        loader = SafeTensorsFileLoader(SingleGroup(), device=str(device), nogds=nogds)
         try:
             loader.add_filenames({0: [path]})
             buffers = loader.copy_files_to_device()
