@@ -19,7 +19,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$ROOT/.whl"
 packages=(
     "kvikio-cu$CUDA" "libkvikio-cu$CUDA" "rapids-logger" "cuda-pathfinder"  # GDS (the [gds-cu$CUDA] extra)
-    "xxhash" "ml_dtypes" "safetensors"                                      # tensorferry's own dependencies, a peer
+    "xxhash" "ml_dtypes" "safetensors" "fastsafetensors"                    # tensorferry's own dependencies, peers
     "scikit-build-core" "nanobind" "pathspec" "packaging" "cmake" "ninja"    # the offline build
     "pytest" "iniconfig" "pluggy" "psutil"                                  # the CUDA tests
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import gc
 import os
 import tempfile
@@ -205,6 +206,20 @@ def test_dcp_round_trip_single_process(tmp_path) -> None:
     manifest = tensorferry.read_manifest(tmp_path / "c")
     assert manifest["tensors"]["model.t1"]["dtype"] == "F32"
     assert tensorferry.verify_checkpoint(tmp_path / "c") == []
+
+
+def test_dcp_files_written_in_parallel_past_the_staging_window(tmp_path, monkeypatch) -> None:
+    # A rank's files write in parallel, taking their tensors from one stager; past its window
+    # one file takes a tensor the window has not reached yet. That once made the window make
+    # it a second time and fail ('NoneType' has no 'detach'): 1 GiB saves with 4 files.
+    from tensorferry.adapters.pytorch import dcp as dcp_adapter, staging
+
+    monkeypatch.setattr(dcp_adapter, "DeviceToHost", functools.partial(staging.DeviceToHost, window=3 << 20))
+    state = {f"t{i:02d}": torch.full((1 << 18,), i, dtype=torch.int32) for i in range(32)}  # 1 MiB each
+    dcp.save(state, storage_writer=DCPWriter(tmp_path / "c", files_per_rank=4))
+    back = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=DCPReader(tmp_path / "c"))
+    assert all(torch.equal(back[k], state[k]) for k in state)
 
 
 def test_dcp_refuses_to_overwrite(tmp_path) -> None:
