@@ -180,6 +180,7 @@ class Run:
         save(self.state, file)
         save_checkpoint(directory, self.state)
         ours, peers = [], []
+        failed_peers: dict[str, str] = {}
         try:
             def loaded(path: str, fn: Callable[[], Any]) -> list[float]:
                 def action() -> None:
@@ -203,13 +204,21 @@ class Run:
             # fastsafetensors' GDS path where cuFile runs, as ours; else its own bounce (nogds).
             fast = fastsafetensors_loader(file, device, nogds=path != "GDS")
             if fast is not None:
-                self.log("fastsafetensors")
-                peers.append(row(f"fastsafetensors ({'GDS' if path == 'GDS' else 'nogds'})", n, loaded(file, fast)))
+                name = f"fastsafetensors ({'GDS' if path == 'GDS' else 'nogds'})"
+                self.log(name)
+                try:
+                    peers.append(row(name, n, loaded(file, fast)))
+                except Exception as exc:  # noqa: BLE001 - an optional peer's failure is recorded, not ours
+                    failed_peers[name] = f"{type(exc).__name__}: {exc}"
+                    self.log(f"{name} failed: {failed_peers[name]}")
         finally:
             bench.remove_path(file)
             bench.remove_path(directory)
-        return judge("load to GPU", ours, peers, self.fio.get("read"),
-                     f">= {TARGET_OF_FIO} of fio's read, ahead of every peer")
+        figure = judge("load to GPU", ours, peers, self.fio.get("read"),
+                       f">= {TARGET_OF_FIO} of fio's read, ahead of every peer")
+        if failed_peers:
+            figure["failed_peers"] = failed_peers
+        return figure
 
     # ---- save_async stall -------------------------------------------------------
     def stall(self) -> dict[str, Any]:

@@ -397,7 +397,7 @@ def render_gpu_check(record: dict[str, Any]) -> str:
         ceilings = [ceiling] if "gbps" in ceiling else list(ceiling.values())
         for r in figure.get("tensorferry", []) + figure.get("peers", []) + figure.get("rows", []) + ceilings:
             lines.append(f"| {r['name']} | {r['gbps']} | {r['seconds']} |")
-        for key in ("ratio_to_ceiling", "stall_ratio", "ahead_of_peers", "defaults"):
+        for key in ("ratio_to_ceiling", "stall_ratio", "ahead_of_peers", "failed_peers", "defaults"):
             if key in figure:
                 lines.append(f"\n{key}: {figure[key]}")
         lines.append("")
