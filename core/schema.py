@@ -16,7 +16,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from .dtypes import to_numpy_dtype
 from .errors import CorruptCheckpointError
@@ -177,19 +177,27 @@ MAX_STRUCTURE_DEPTH = 200  # nodes within nodes; a state dict nests a few levels
 _LEAF_KINDS = ("tensor", "ndarray", "npscalar")
 
 
+def walk_structure(structure: Any, where: str, what: str, children_of: Callable[[Any], Iterable[Any]]) -> None:
+    """Visits every node of a saved tree, ``children_of(node)`` giving each node's
+    children (and raising :class:`CorruptCheckpointError` for a node it cannot read),
+    refusing trees more than ``MAX_STRUCTURE_DEPTH`` deep. Walked without recursion, so
+    that no depth of a damaged file reaches Python's recursion limit before it is refused."""
+    stack = [(structure, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_STRUCTURE_DEPTH:
+            raise CorruptCheckpointError(f"{where}: the {what} nests more than {MAX_STRUCTURE_DEPTH} levels deep")
+        stack.extend((child, depth + 1) for child in children_of(node))
+
+
 def check_structure(structure: Any, where: str, tensor_names: Any) -> None:
     """Raises :class:`CorruptCheckpointError` unless ``structure`` is a tree as
     ``adapters.pytorch.save`` encodes it: nodes ``{"dict": [[str or int, node], ...]}``,
     ``{"list" | "tuple": [node, ...]}``, ``{"tensor" | "ndarray" | "npscalar": name}``
     (a name in ``tensor_names``), ``{"value": scalar}``, ``{"float": "nan" | "inf" | "-inf"}``
-    or ``{"dtype": str}``, at most ``MAX_STRUCTURE_DEPTH`` deep. Walked without
-    recursion, so that no depth of a damaged file reaches Python's recursion limit."""
-    stack = [(structure, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_STRUCTURE_DEPTH:
-            raise CorruptCheckpointError(f"{where}: the saved structure nests more than "
-                                         f"{MAX_STRUCTURE_DEPTH} levels deep")
+    or ``{"dtype": str}``, at most ``MAX_STRUCTURE_DEPTH`` deep (:func:`walk_structure`)."""
+
+    def children_of(node: Any) -> Iterable[Any]:
         if not isinstance(node, dict) or len(node) != 1:
             raise CorruptCheckpointError(f"{where}: unreadable structure node {_shown(node)}")
         (kind, value), = node.items()
@@ -198,12 +206,12 @@ def check_structure(structure: Any, where: str, tensor_names: Any) -> None:
                                                 and type(item[0]) in (str, int) for item in value)):
                 raise CorruptCheckpointError(f"{where}: a dict node holds {_shown(value)}, not [key, node] pairs "
                                              "with str or int keys")
-            stack.extend((item[1], depth + 1) for item in value)
-        elif kind in ("list", "tuple"):
+            return [item[1] for item in value]
+        if kind in ("list", "tuple"):
             if type(value) is not list:
                 raise CorruptCheckpointError(f"{where}: a {kind} node holds {_shown(value)}, not a list")
-            stack.extend((item, depth + 1) for item in value)
-        elif kind in _LEAF_KINDS:
+            return value
+        if kind in _LEAF_KINDS:
             if not isinstance(value, str) or value not in tensor_names:
                 raise CorruptCheckpointError(f"{where}: the structure names a missing tensor {_shown(value)}")
         elif kind == "value":
@@ -217,6 +225,9 @@ def check_structure(structure: Any, where: str, tensor_names: Any) -> None:
                 raise CorruptCheckpointError(f"{where}: a dtype node holds {_shown(value)}")
         else:
             raise CorruptCheckpointError(f"{where}: unknown structure node {_shown(kind)}")
+        return ()
+
+    walk_structure(structure, where, "saved structure", children_of)
 
 
 def seal_manifest(body: bytes) -> bytes:
@@ -306,5 +317,5 @@ def check_index(where: str, index: Mapping[str, Any], name: str, header: Any) ->
 
 
 __all__ = ["MAX_DIMS", "MAX_NAME_BYTES", "MAX_SMALL_FILE_BYTES", "check_index", "check_name",
-           "check_structure", "check_tensor_entry", "STRUCTURE_KEY", "member_path", "parse_json", "read_small_file", "seal_manifest",
+           "check_structure", "check_tensor_entry", "walk_structure", "STRUCTURE_KEY", "member_path", "parse_json", "read_small_file", "seal_manifest",
            "unseal_manifest", "validate_manifest"]

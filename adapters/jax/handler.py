@@ -31,7 +31,7 @@ from ...checkpoint import encode_manifest, open_shard, read_manifest, read_manif
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
-from ...schema import MAX_STRUCTURE_DEPTH
+from ...schema import walk_structure
 from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter, WholeReads, aligned_copies, gc_paused
 
 INDEX_FORMAT = "tensorferry.jax"
@@ -88,28 +88,24 @@ def _decode_structure(spec: Any, leaf: Any) -> Any:
 def _check_structure(structure: Any, where: str, leaves: Mapping[str, Any]) -> None:
     """Raises :class:`CorruptCheckpointError` unless ``structure`` is a tree as
     :func:`_encode_structure` writes it, naming only saved leaves, at most
-    ``MAX_STRUCTURE_DEPTH`` deep (walked without recursion, so that no depth of a
-    damaged index reaches Python's recursion limit before it is refused)."""
-    stack = [(structure, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_STRUCTURE_DEPTH:
-            raise CorruptCheckpointError(f"{where}: the tree structure nests more than {MAX_STRUCTURE_DEPTH} levels")
+    ``MAX_STRUCTURE_DEPTH`` deep (:func:`tensorferry.schema.walk_structure`)."""
+
+    def children_of(node: Any) -> Iterable[Any]:
         kind = next(iter(node), None) if isinstance(node, dict) else None
         value = node.get(kind) if kind is not None else None
         if kind == "none" and node == {"none": None} or kind == "leaf" and len(node) == 1 and isinstance(value, str) \
                 and value in leaves:
-            continue
+            return ()
         if kind in ("list", "tuple") and len(node) == 1 and type(value) is list:
-            stack.extend((child, depth + 1) for child in value)
-            continue
+            return value
         pairs = node.get("children") if kind == "node" and len(node) == 2 else value if kind == "dict" \
             and len(node) == 1 else None
         if type(pairs) is list and all(type(p) is list and len(p) == 2 and type(p[0]) in (str, int) for p in pairs):
-            stack.extend((p[1], depth + 1) for p in pairs)
-            continue
+            return [p[1] for p in pairs]
         shown = json.dumps(node)[:80] if isinstance(node, (dict, list, str, int, float, bool)) else repr(node)[:80]
         raise CorruptCheckpointError(f"{where}: unreadable tree structure node {shown}")
+
+    walk_structure(structure, where, "tree structure", children_of)
 
 
 def _chunk_key(name: str, offsets: Iterable[int]) -> str:
