@@ -346,15 +346,14 @@ def readme_table(latest: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_readme(path: str, table: str, start_marker: str = README_START, end_marker: str = README_END) -> bool:
-    """Replaces the text between a document's markers (the README's table by default);
-    False if it has none."""
+def update_marked_section(path: str, text_between: str, start_marker: str, end_marker: str) -> bool:
+    """Replaces the text between a document's two markers; False if it has none."""
     with open(path) as f:
         text = f.read()
     start, end = text.find(start_marker), text.find(end_marker)
     if start < 0 or end < start:
         return False
-    text = text[:start + len(start_marker)] + "\n" + table + text[end:]
+    text = text[:start + len(start_marker)] + "\n" + text_between + text[end:]
     with open(path, "w") as f:
         f.write(text)
     return True
@@ -471,13 +470,13 @@ def main(argv: list[str] | None = None) -> int:
     plot = draw_plot(latest, args.plot) if args.plot else None
     with open(args.out, "w") as f:
         f.write(render_doc(latest, plot, os.path.dirname(os.path.abspath(args.out))))
-    if args.readme and not update_readme(args.readme, readme_table(latest)):
+    if args.readme and not update_marked_section(args.readme, readme_table(latest), README_START, README_END):
         print(f"{args.readme} has no benchmark-table markers: left as it was", file=sys.stderr)
     gpu_check = newest_gpu_check(args.results)
     if args.gpu_doc and gpu_check:
         name, record = gpu_check
         section = f"From `benchmarks/results/gpu/{name}`:\n\n" + render_gpu_check(record).replace("\n### ", "\n#### ")
-        if not update_readme(args.gpu_doc, section, GPU_START, GPU_END):
+        if not update_marked_section(args.gpu_doc, section, GPU_START, GPU_END):
             print(f"{args.gpu_doc} has no gpu-check markers: left as it was", file=sys.stderr)
     return 0
 
