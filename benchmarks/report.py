@@ -48,6 +48,13 @@ METHOD = """\
   storage layer that moves no bytes: torch's own planning and per-item bookkeeping,
   which every DCP storage writer and reader pays on top of its I/O. It is left out of
   the best-peer ratio and the README's table.
+- **DCP called two ways.** Our DCP rows come twice: `dcp.save(state)` with the tensors
+  at the top of the state, and as `FSDPCheckpointer` calls DCP (and torch's recipes
+  do): `{"model": state}`, under `gc_paused`. torch checks every top-level value for
+  `Stateful` and logs a record for each, so 4096 tensors at the top cost its planning
+  about 0.1 s more; Python's collector, left on, walks the whole process while
+  torch's planning makes many small objects. The torch DCP reference rows come both
+  ways too; DCP's `FileSystemWriter` is called the first way.
 - **Memory warmed.** Before each timed step the benchmark touches and frees as much
   memory as the step moves, the same for every contender: on the development VM
   (Firecracker) memory the guest has not used lately costs 0.3-3 s per GiB on first

@@ -29,8 +29,9 @@ def test_a_tiny_run_measures_every_contender_and_the_report_renders_it(tmp_path,
     document = json.loads(path.read_text())
     names = {(m["name"], m["op"]) for m in document["measurements"]}
     for ours in ("tensorferry save/load", "tensorferry save_checkpoint/load_checkpoint",
-                 "tensorferry DCPWriter/DCPReader", "tensorferry DCPWriter/DCPReader, DCP under gc_paused",
-                 "reference: torch DCP alone, a storage layer that moves no bytes"):
+                 "tensorferry DCPWriter/DCPReader", "tensorferry DCPWriter/DCPReader, as FSDPCheckpointer calls DCP",
+                 "reference: torch DCP alone, a storage layer that moves no bytes",
+                 "reference: torch DCP alone, as FSDPCheckpointer calls DCP"):
         for label in ("4 arrays", "64 arrays"):
             assert {(f"{ours} [{label}]", "write"), (f"{ours} [{label}]", "read")} <= names
     assert ("tensorferry Engine, defaults [1 MiB blocks, depth 32]", "read") in names
