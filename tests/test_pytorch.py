@@ -7,6 +7,7 @@ import functools
 import gc
 import os
 import tempfile
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -220,6 +221,43 @@ def test_dcp_files_written_in_parallel_past_the_staging_window(tmp_path, monkeyp
     back = {k: torch.empty_like(v) for k, v in state.items()}
     dcp.load(back, storage_reader=DCPReader(tmp_path / "c"))
     assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def _saves_with_cached_plans(root: str, state: dict[str, torch.Tensor], full: Callable[[dict], dict]) -> None:
+    """Three dcp.saves of the state, changed in place between them, with torch's planner
+    caching its plans (the second and third reuse the first's); each loads back as saved."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlanner
+    saved = []
+    for step in range(3):
+        dcp.save(state, storage_writer=DCPWriter(os.path.join(root, f"step_{step}")),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+        saved.append(full(state))
+        for v in state.values():
+            v.add_(1)
+    assert SavePlanner._cached_final_save_plan, "torch cached the plans"
+    for step, expected in enumerate(saved):
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(back, storage_reader=DCPReader(os.path.join(root, f"step_{step}")))
+        for k, v in full(back).items():
+            assert torch.equal(v, expected[k]), (step, k)
+
+
+def test_dcp_saves_with_torch_caching_its_plans(tmp_path) -> None:
+    # A token in the plan named the first save's directory in every later one (ENOENT).
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.arange(5, dtype=torch.int64)}
+    _saves_with_cached_plans(str(tmp_path), state, lambda s: {k: v.clone() for k, v in s.items()})
+    assert sorted(os.listdir(tmp_path)) == ["step_0", "step_1", "step_2"]
+
+
+def test_dcp_save_while_another_to_the_same_path_runs_is_refused(tmp_path) -> None:
+    from tensorferry.adapters.pytorch.dcp import SAVE_TOKEN
+    running = tensorferry.PendingCheckpoint.begin(tmp_path / "c", SAVE_TOKEN)  # holds its directory's lock
+    with pytest.raises(CheckpointException, match="another save to .* is running"):
+        dcp.save({"x": torch.ones(3)}, storage_writer=DCPWriter(tmp_path / "c"))
+    running.abort()
+    dcp.save({"x": torch.ones(3)}, storage_writer=DCPWriter(tmp_path / "c"))
+    assert os.listdir(tmp_path) == ["c"]
 
 
 def test_dcp_refuses_to_overwrite(tmp_path) -> None:
@@ -437,6 +475,19 @@ def scenario_dcp_plain(rank: int, world: int, root: str) -> None:
     assert torch.equal(target["w"], state["w"]) and target["step"] == 5
 
 
+def scenario_dcp_plan_caching(rank: int, world: int, root: str) -> None:
+    """Row shards of every rank (DTensors), saved three times with cached plans."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"w": distribute_tensor(torch.arange(48.0).reshape(8, 6), mesh, [Shard(0)]),
+             "b": distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])}
+    _saves_with_cached_plans(root, state, lambda s: {k: v.full_tensor() for k, v in s.items()})
+    if rank == 0:
+        files = sorted(os.listdir(os.path.join(root, "step_2")))
+        assert any(f.startswith("rank00001") for f in files), files
+
+
 def scenario_consolidated_full_disk(rank: int, world: int, root: str) -> None:
     """Rank 0 cannot write the consolidated file: every rank raises, none hangs."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -484,3 +535,8 @@ def test_resharding(tmp_path, save_world: int, load_world: int) -> None:
 @pytest.mark.slow
 def test_dcp_with_a_process_group(tmp_path) -> None:
     run(2, str(tmp_path), "dcp_plain")
+
+
+@pytest.mark.slow
+def test_dcp_saves_with_cached_plans_on_2_ranks(tmp_path) -> None:
+    run(2, str(tmp_path), "dcp_plan_caching")

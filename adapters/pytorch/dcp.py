@@ -4,9 +4,9 @@ Each rank writes its items as raw tensor bytes into safetensors shard files (thr
 :class:`tensorferry.ShardWriter`, several files per rank written concurrently);
 the coordinator writes DCP's ``.metadata`` and the tensorferry manifest, then
 commits the directory atomically (:class:`tensorferry.PendingCheckpoint`). The
-temporary directory's token reaches every rank inside DCP's own global plan, so
-the protocol rides on DCP's collectives. Loading reads only the byte ranges each
-rank's plan asks for, so checkpoints reshard.
+coordinator makes the temporary directory before DCP scatters the global plan, and
+every rank writes into it only after, so the protocol rides on DCP's collectives.
+Loading reads only the byte ranges each rank's plan asks for, so checkpoints reshard.
 
 ``.metadata`` holds torch's classes only (each item's place as torch's own
 ``_StorageInfo``: file, offset, length), so torch unpickles it where tensorferry is
@@ -57,11 +57,17 @@ NOT_TORCH_SAVE = ("tensorferry-raw-bytes (this is a tensorferry checkpoint: its 
                   "'tensorferry convert PATH model.safetensors --to safetensors')")
 
 
+# The temporary directory of every save is "<path>.tmp-dcp": each rank knows it from the
+# path, not from the plan, because torch reuses a rank's plan of an earlier save when
+# its planner caches plans (DefaultSavePlanner(enable_plan_caching=True)), and a token
+# in that plan would name the earlier save's directory.
+SAVE_TOKEN = "dcp"
+
+
 @dataclasses.dataclass(frozen=True)
 class _RankFiles:
-    """A rank's part of the global plan: where its files go."""
+    """A rank's part of the global plan: the names of its files."""
 
-    token: str
     prefix: str
 
 
@@ -122,10 +128,16 @@ class DCPWriter(StorageWriter):
             self.path = os.path.abspath(os.fspath(checkpoint_id))
         if self.path is None:
             raise ValueError("DCPWriter needs a path: DCPWriter(path) or dcp.save(..., checkpoint_id=path)")
-        if self._pending is not None:  # a save that failed before finish(): torch does not tell us
+        self._abandon_failed_save()
+        self._written = {}
+
+    def _abandon_failed_save(self) -> None:
+        """Removes the temporary of this writer's last save if it failed before finish()
+        (torch does not tell its storage writer; it calls reset() only when given a
+        checkpoint_id, so the next save's planning comes here too)."""
+        if self._pending is not None:
             self._pending.abort()
         self._pending = None
-        self._written = {}
 
     # torch's AsyncStager protocol: ``dcp.async_save`` snapshots the state through this
     # writer rather than its default stager, which copies into pageable memory.
@@ -157,14 +169,20 @@ class DCPWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self._pending = PendingCheckpoint.begin(self.path)
-        return [dataclasses.replace(plan, storage_data=_RankFiles(self._pending.token, f"rank{rank:05d}"))
+        self._abandon_failed_save()
+        try:
+            self._pending = PendingCheckpoint.begin(self.path, SAVE_TOKEN)
+        except FileExistsError:
+            raise FileExistsError(
+                f"{PendingCheckpoint(self.path, SAVE_TOKEN).tmp_path} is held: another save to {self.path} is "
+                "running, or one that was killed left it on a filesystem without file locks (remove it then)") from None
+        return [dataclasses.replace(plan, storage_data=_RankFiles(f"rank{rank:05d}"))
                 for rank, plan in enumerate(plans)]
 
     @gc_paused()
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         where: _RankFiles = plan.storage_data
-        pending = PendingCheckpoint(self.path, where.token)
+        pending = PendingCheckpoint(self.path, SAVE_TOKEN)
         sizes = {_item_key(item): _planned_bytes(item) for item in plan.items}
         by_key = {_item_key(item): item for item in plan.items}
         groups = split_by_size(sizes, max(1, sum(sizes.values()) // self.files_per_rank + 1), self.files_per_rank)
