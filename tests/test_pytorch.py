@@ -260,6 +260,18 @@ def test_dcp_save_while_another_to_the_same_path_runs_is_refused(tmp_path) -> No
     assert os.listdir(tmp_path) == ["c"]
 
 
+def test_dcp_partial_load_reads_only_what_the_state_asks_for(tmp_path) -> None:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    dcp.save({"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}, "step": 3},
+             storage_writer=DCPWriter(tmp_path / "c"))
+    part = {"model": {"w": torch.zeros(3, 4), "added_since": torch.zeros(2)}}
+    dcp.load(part, storage_reader=DCPReader(tmp_path / "c"), planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert torch.equal(part["model"]["w"], torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(part["model"]["added_since"], torch.zeros(2))
+    with pytest.raises(CheckpointException, match="added_since"):  # and without it, torch's error
+        dcp.load(part, storage_reader=DCPReader(tmp_path / "c"))
+
+
 def test_dcp_refuses_to_overwrite(tmp_path) -> None:
     dcp.save({"x": torch.ones(3)}, storage_writer=DCPWriter(tmp_path / "c"))
     with pytest.raises(CheckpointException, match="exists"):
