@@ -19,7 +19,6 @@ import itertools
 import os
 from typing import Iterable, Sequence
 
-import numpy as np
 import tensorflow as tf
 
 from ... import _native
