@@ -500,6 +500,27 @@ def scenario_dcp_plan_caching(rank: int, world: int, root: str) -> None:
         assert any(f.startswith("rank00001") for f in files), files
 
 
+def scenario_dcp_async_in_a_process(rank: int, world: int, root: str) -> None:
+    """dcp.async_save with torch's checkpointing process (AsyncCheckpointerType.PROCESS):
+    the writer is pickled into a process of torch's that saves the staged state."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    # The workers end with os._exit, which skips multiprocessing's removal of its
+    # temporary directories: theirs go under this test's own.
+    tempfile.tempdir = os.environ["TMPDIR"] = os.path.join(root, f"tmp{rank}")
+    os.makedirs(tempfile.tempdir)
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"w": distribute_tensor(torch.arange(48.0).reshape(8, 6), mesh, [Shard(0)]), "step": 7}
+    future = dcp.async_save(state, storage_writer=DCPWriter(os.path.join(root, "step_7")),
+                            async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    state["w"].add_(100)  # training goes on: the save has its own snapshot
+    future.result()
+    back = {"w": distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0)]), "step": 0}
+    dcp.load(back, storage_reader=DCPReader(os.path.join(root, "step_7")))
+    assert torch.equal(back["w"].full_tensor(), torch.arange(48.0).reshape(8, 6)) and back["step"] == 7
+
+
 def scenario_consolidated_full_disk(rank: int, world: int, root: str) -> None:
     """Rank 0 cannot write the consolidated file: every rank raises, none hangs."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -552,3 +573,9 @@ def test_dcp_with_a_process_group(tmp_path) -> None:
 @pytest.mark.slow
 def test_dcp_saves_with_cached_plans_on_2_ranks(tmp_path) -> None:
     run(2, str(tmp_path), "dcp_plan_caching")
+
+
+@pytest.mark.slow
+def test_dcp_async_save_in_torchs_checkpointing_process_on_2_ranks(tmp_path) -> None:
+    run(2, str(tmp_path), "dcp_async_in_a_process")
+    assert tensorferry.verify_checkpoint(tmp_path / "step_7") == []
