@@ -30,7 +30,7 @@ import numpy as np
 from .dtypes import to_numpy_dtype
 from .engine import Engine, default_engine
 from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, CorruptCheckpointError,
-                     TensorferryIOError)
+                     TensorferryIOError, missing_names)
 from .schema import (MANIFEST_VERSION, check_index, member_path, parse_json, read_small_file, seal_manifest,
                      unseal_manifest, validate_manifest)
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
@@ -406,7 +406,7 @@ def _load_as_listed(directory: str, manifest: Mapping[str, Any], names: Iterable
     wanted = list(names) if names is not None else list(out) if out else list(tensors)
     missing = [n for n in dict.fromkeys([*wanted, *out]) if n not in tensors]
     if missing:
-        raise KeyError(f"{directory} holds no tensor(s) {', '.join(map(repr, missing))}")
+        raise KeyError(missing_names(directory, "tensor(s)", missing, tensors))
     for name, dest in out.items():
         _check_destination(directory, name, tensors[name], dest)
     by_file: dict[str, list[str]] = {}

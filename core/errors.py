@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import errno as _errno
 import os
+from typing import Iterable
 
 
 class TensorferryError(Exception):
@@ -60,3 +62,20 @@ class CheckpointSkippedWarning(UserWarning):
 class DurabilityWarning(UserWarning):
     """A committed checkpoint is complete and in place, but making its rename durable
     (fsync of the parent directory) failed."""
+
+
+def listed(names: Iterable[str], limit: int = 8) -> str:
+    """``names`` quoted, the first ``limit`` of them and how many more: an error names
+    what it must without printing a whole model's tensor names."""
+    names = list(names)
+    shown = ", ".join(map(repr, names[:limit]))
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def missing_names(where: str, what: str, missing: Iterable[str], present: Iterable[str]) -> str:
+    """The message for names asked of ``where`` that it does not hold, with the held
+    names closest to the first one (a renamed module, a prefix added or dropped)."""
+    missing = list(missing)
+    close = difflib.get_close_matches(missing[0], list(present), n=3, cutoff=0.6)
+    hint = f"; closest held: {listed(close)}" if close else ""
+    return f"{where} holds no {what} {listed(missing)}{hint}"

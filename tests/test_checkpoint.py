@@ -671,6 +671,17 @@ def test_load_in_place_into_existing_arrays(tmp_path) -> None:
     assert str(missing.value).count("nope") == 1
 
 
+def test_missing_names_are_listed_briefly_with_the_closest_held(tmp_path) -> None:
+    state = {f"model.layers.{i}.weight": np.full(2, i, np.float32) for i in range(500)}
+    tensorferry.save_checkpoint(tmp_path / "c", state)
+    asked = [f"layers.{i}.weight" for i in range(500)]  # the prefix dropped, as after unwrapping a model
+    with pytest.raises(KeyError) as missing:
+        tensorferry.load_checkpoint(tmp_path / "c", asked)
+    message = str(missing.value)
+    assert "'layers.0.weight'" in message and "and 492 more" in message and len(message) < 600, message
+    assert "closest held: 'model.layers.0.weight'" in message
+
+
 def test_atomic_writer_replaces_only_when_complete(tmp_path) -> None:
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"previous contents")

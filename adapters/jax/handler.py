@@ -30,7 +30,7 @@ from orbax.checkpoint._src.handlers import async_checkpoint_handler
 from ...checkpoint import encode_manifest, open_shard, read_manifest, read_manifest_file, write_durably
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine
-from ...errors import CorruptCheckpointError
+from ...errors import CorruptCheckpointError, missing_names
 from ...schema import walk_structure
 from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter, WholeReads, aligned_copies, gc_paused
 
@@ -506,7 +506,7 @@ def _leaf_for(ckpt: _Checkpoint, name: str, target: Any) -> _LeafRead:
     """How leaf ``name`` is restored into the shape, dtype and sharding of ``target``."""
     leaf = ckpt.leaves.get(name)
     if leaf is None:
-        raise KeyError(f"{ckpt.directory} holds no leaf {name!r} (saved: {', '.join(sorted(ckpt.leaves))})")
+        raise KeyError(missing_names(ckpt.directory, "leaf", [name], ckpt.leaves))
     if leaf.kind == "scalar":
         return _LeafRead(ckpt, name, [], 0, lambda started: leaf.value)
     shape = tuple(getattr(target, "shape", leaf.shape))

@@ -22,7 +22,7 @@ from ...checkpoint import load_checkpoint as _load_directory
 from ...checkpoint import save_checkpoint as _save_directory
 from ...dtypes import to_safetensors_dtype
 from ...engine import Engine
-from ...errors import CorruptCheckpointError
+from ...errors import CorruptCheckpointError, missing_names
 from ...layouts.huggingface import INDEX_SUFFIX
 from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse_json
 from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, gc_paused, write_order
@@ -303,7 +303,7 @@ def _load_directory_to_device(directory: str | os.PathLike, names: Iterable[str]
     wanted = list(dict.fromkeys([*(names if names is not None else out or tensors), *out]))
     missing = [n for n in wanted if n not in tensors]
     if missing:
-        raise KeyError(f"{directory} holds no tensor(s) {', '.join(map(repr, missing))}")
+        raise KeyError(missing_names(directory, "tensor(s)", missing, tensors))
     structure = manifest["metadata"].get(STRUCTURE_KEY)
     if structure is not None:
         check_structure(structure, directory, tensors)

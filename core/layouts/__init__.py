@@ -27,7 +27,7 @@ import numpy as np
 from ..buffers import byte_view
 from ..checkpoint import MAX_CONCURRENT_SHARDS
 from ..dtypes import to_numpy_dtype
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TensorferryError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TensorferryError, missing_names
 from ..shard import ShardReader
 
 OBJECT = "object"  # the dtype of an item that is not a tensor (DCP's pickled objects, say)
@@ -113,7 +113,7 @@ class TensorSource:
         wanted = list(dict.fromkeys([*(names if names is not None else [] if out else self.tensors), *out]))
         missing = [n for n in wanted if n not in self.tensors]
         if missing:
-            raise KeyError(f"no tensor(s) {', '.join(map(repr, missing[:5]))} here")
+            raise KeyError(missing_names("this layout", "tensor(s)", missing, self.tensors))
         return self._read(wanted, out)
 
     def _read(self, names: list[str], out: dict[str, Any]) -> dict[str, np.ndarray]:
