@@ -399,18 +399,27 @@ def load_with_manifest(directory: str | os.PathLike, names: Iterable[str] | None
     return again, _load_as_listed(directory, again, names, out, engine, verify)
 
 
+def names_to_read(where: str, held: Mapping[str, Any], names: Iterable[str] | None,
+                  out: Mapping[str, Any]) -> list[str]:
+    """The tensors a load reads, in order and each once: ``names`` (by default those of
+    ``out``, or else every one ``held``), then those of ``out``; ``KeyError`` naming any
+    that ``where`` does not hold."""
+    wanted = list(dict.fromkeys([*(names if names is not None else out or held), *out]))
+    missing = [n for n in wanted if n not in held]
+    if missing:
+        raise KeyError(missing_names(where, "tensor(s)", missing, held))
+    return wanted
+
+
 def _load_as_listed(directory: str, manifest: Mapping[str, Any], names: Iterable[str] | None,
                     out: Mapping[str, Any] | None, engine: Engine | None, verify: bool) -> dict[str, np.ndarray]:
     tensors = manifest["tensors"]
     out = dict(out or {})
-    wanted = list(names) if names is not None else list(out) if out else list(tensors)
-    missing = [n for n in dict.fromkeys([*wanted, *out]) if n not in tensors]
-    if missing:
-        raise KeyError(missing_names(directory, "tensor(s)", missing, tensors))
+    wanted = names_to_read(directory, tensors, names, out)
     for name, dest in out.items():
         _check_destination(directory, name, tensors[name], dest)
     by_file: dict[str, list[str]] = {}
-    for n in dict.fromkeys([*wanted, *out]):
+    for n in wanted:
         by_file.setdefault(tensors[n]["file"], []).append(n)
     readers: list[ShardReader] = []
     try:

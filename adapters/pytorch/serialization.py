@@ -16,13 +16,13 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
-from ...checkpoint import (DEFAULT_SHARD_BYTES, MANIFEST, MAX_CONCURRENT_SHARDS, load_with_manifest, open_shard,
-                           read_manifest)
+from ...checkpoint import (DEFAULT_SHARD_BYTES, MANIFEST, MAX_CONCURRENT_SHARDS, load_with_manifest, names_to_read,
+                           open_shard, read_manifest)
 from ...checkpoint import load_checkpoint as _load_directory
 from ...checkpoint import save_checkpoint as _save_directory
 from ...dtypes import to_safetensors_dtype
 from ...engine import Engine
-from ...errors import CorruptCheckpointError, missing_names
+from ...errors import CorruptCheckpointError
 from ...layouts.huggingface import INDEX_SUFFIX
 from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse_json
 from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, gc_paused, write_order
@@ -300,10 +300,7 @@ def _load_directory_to_device(directory: str | os.PathLike, names: Iterable[str]
     manifest = read_manifest(directory)
     tensors = manifest["tensors"]
     out = dict(out or {})
-    wanted = list(dict.fromkeys([*(names if names is not None else out or tensors), *out]))
-    missing = [n for n in wanted if n not in tensors]
-    if missing:
-        raise KeyError(missing_names(directory, "tensor(s)", missing, tensors))
+    wanted = names_to_read(directory, tensors, names, out)
     structure = manifest["metadata"].get(STRUCTURE_KEY)
     if structure is not None:
         check_structure(structure, directory, tensors)

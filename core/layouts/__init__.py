@@ -25,9 +25,9 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 import numpy as np
 
 from ..buffers import byte_view
-from ..checkpoint import MAX_CONCURRENT_SHARDS
+from ..checkpoint import MAX_CONCURRENT_SHARDS, names_to_read
 from ..dtypes import to_numpy_dtype
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TensorferryError, missing_names
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TensorferryError
 from ..shard import ShardReader
 
 OBJECT = "object"  # the dtype of an item that is not a tensor (DCP's pickled objects, say)
@@ -110,11 +110,7 @@ class TensorSource:
         """Tensors ``names`` (default: all, or those of ``out``), into the host buffers of
         ``out`` where given (of the tensor's byte size)."""
         out = dict(out or {})
-        wanted = list(dict.fromkeys([*(names if names is not None else [] if out else self.tensors), *out]))
-        missing = [n for n in wanted if n not in self.tensors]
-        if missing:
-            raise KeyError(missing_names("this layout", "tensor(s)", missing, self.tensors))
-        return self._read(wanted, out)
+        return self._read(names_to_read("this layout", self.tensors, names, out), out)
 
     def _read(self, names: list[str], out: dict[str, Any]) -> dict[str, np.ndarray]:
         raise NotImplementedError
