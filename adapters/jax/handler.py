@@ -523,8 +523,11 @@ def _leaf_for(ckpt: _Checkpoint, name: str, target: Any) -> _LeafRead:
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     # Replicated shardings ask for the same box on several devices: it is read once.
-    indices = sharding.addressable_devices_indices_map(shape).values()
-    boxes = list(dict.fromkeys(_box(index, shape) for index in indices))
+    if sharding.is_fully_replicated:  # one device too: no need to map each device's index
+        boxes = [((0,) * len(shape), shape)]
+    else:
+        indices = sharding.addressable_devices_indices_map(shape).values()
+        boxes = list(dict.fromkeys(_box(index, shape) for index in indices))
 
     if len(boxes) == 1:  # every device's index selects the same box (one device, or replicated)
         def finish_one(started: dict[Box, Callable[[], np.ndarray]]) -> jax.Array:
