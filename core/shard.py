@@ -10,7 +10,6 @@ header, which therefore covers the data too.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -861,7 +860,8 @@ class ShardReader:
         for name, d in digests.items():
             if not isinstance(d, str):
                 raise self._corrupt(f"checksum of {name!r} is not a string")
-            self.tensors[name] = dataclasses.replace(self.tensors[name], checksum=d)
+            info = self.tensors[name]
+            self.tensors[name] = TensorInfo(info.dtype, info.shape, info.begin, info.end, d)
 
     @property
     def checksum(self) -> str:

@@ -46,11 +46,19 @@ def host_bytes(tensor: torch.Tensor) -> np.ndarray:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+# Integers of each width, through which torch takes arrays of dtypes it does not know
+# from numpy (ml_dtypes' bf16 and fp8) before viewing them as its own.
+_SAME_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
 def from_array(array: np.ndarray, dtype_name: str) -> torch.Tensor:
     """A tensor sharing the memory of an array read by the core (bf16 and fp8 included)."""
     dtype = FROM_SAFETENSORS[dtype_name]
-    raw = array.reshape(-1).view(np.uint8)
-    return torch.from_numpy(raw).view(dtype).reshape(array.shape)
+    if array.dtype.isbuiltin == 1:  # numpy's own dtypes (2: user-defined): torch takes the array as it is
+        tensor = torch.from_numpy(array)
+        if tensor.dtype == dtype:
+            return tensor
+    return torch.from_numpy(array.view(_SAME_WIDTH[array.itemsize])).view(dtype)
 
 
 def host_array(tensor: torch.Tensor, *, writable: bool = False) -> np.ndarray:
