@@ -319,9 +319,13 @@ def test_checkpointer_single_process(tmp_path) -> None:
     (tmp_path / "step_9").rmdir()
     for step in range(1, 5):
         train_step(model, opt, step)
-        ckpt.save_async(step) if step % 2 else ckpt.save(step)
-        assert gc.isenabled()
+        if step % 2:
+            ckpt.save_async(step)  # its writes, in the background, pause the collector while they run
+        else:
+            ckpt.save(step)  # which first waits for the one before
+            assert gc.isenabled()
     ckpt.wait()
+    assert gc.isenabled()
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step_3", "step_4"]
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     train_step(model, opt, 99)
@@ -335,6 +339,36 @@ def test_checkpointer_single_process(tmp_path) -> None:
     assert set(consolidated) == set(expected) and all(torch.equal(consolidated[k], expected[k]) for k in expected)
     with safe_open(path, "pt") as f:  # transformers 4.x refuses a file without it
         assert f.metadata()["format"] == "pt"
+
+
+def test_checkpointer_passes_its_planners_to_dcp(tmp_path) -> None:
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlanner
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    SavePlanner._cached_final_save_plan.clear()
+    ckpt = FSDPCheckpointer(tmp_path / "run", model, opt, save_planner=DefaultSavePlanner(enable_plan_caching=True))
+    saved = {}
+    for step in range(1, 4):  # the second and third saves reuse the first's plans
+        train_step(model, opt, step)
+        ckpt.save_async(step).result() if step == 2 else ckpt.save(step)
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    assert SavePlanner._cached_final_save_plan, "torch cached the plans"
+    for step, expected in saved.items():
+        assert ckpt.load(step) == step
+        assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()), step
+
+    # Weights saved without an optimizer: fine-tuning starts from them with a fresh one.
+    FSDPCheckpointer(tmp_path / "pretrained", model).save(0)
+    tuned = small_model()
+    tuned_opt = torch.optim.AdamW(tuned.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointException, match="optimizer"):
+        FSDPCheckpointer(tmp_path / "pretrained", tuned, tuned_opt).load()
+    partial = FSDPCheckpointer(tmp_path / "pretrained", tuned, tuned_opt,
+                               load_planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert partial.load() == 0
+    assert all(torch.equal(v, saved[3][k]) for k, v in tuned.state_dict().items())
+    train_step(tuned, tuned_opt, 4)  # the optimizer's state is usable
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int = 0) -> None:

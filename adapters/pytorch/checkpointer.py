@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
@@ -33,6 +34,10 @@ class FSDPCheckpointer:
     ``save_async(step)`` does the same in the background; ``save_consolidated(step)``
     writes one safetensors file of the full model on rank 0; ``load()`` restores the
     latest complete step. ``keep_last`` keeps only the newest sharded checkpoints.
+    ``save_planner`` and ``load_planner`` go to every ``dcp.save`` and ``dcp.load``:
+    ``DefaultSavePlanner(enable_plan_caching=True)``, say, plans a save of an unchanged
+    state once, or ``DefaultLoadPlanner(allow_partial_load=True)`` loads a checkpoint
+    saved without the optimizer.
 
     Example::
 
@@ -48,7 +53,8 @@ class FSDPCheckpointer:
     def __init__(self, checkpoint_dir: str | os.PathLike, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None = None, *, keep_last: int | None = None,
                  engine: Engine | None = None, files_per_rank: int | None = None,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, save_planner: SavePlanner | None = None,
+                 load_planner: LoadPlanner | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
         self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
@@ -58,6 +64,7 @@ class FSDPCheckpointer:
         self.engine = engine
         self.files_per_rank = files_per_rank
         self.process_group = process_group
+        self.save_planner, self.load_planner = save_planner, load_planner
         self._pending: Future | None = None
         self._save_group: Any = None
         if self._rank() == 0:
@@ -87,7 +94,8 @@ class FSDPCheckpointer:
     def save(self, step: int) -> str:
         """Writes a sharded checkpoint of model and optimizer; returns its path once durable."""
         self.wait()
-        dcp.save(self._state(), storage_writer=self._writer(step), process_group=self.process_group)
+        dcp.save(self._state(), storage_writer=self._writer(step), planner=self.save_planner,
+                 process_group=self.process_group)
         self._retain()
         return self.step_path(step)
 
@@ -99,7 +107,8 @@ class FSDPCheckpointer:
         :meth:`wait`) first waits for this one. The future's result is the path.
         """
         self.wait()
-        inner = dcp.async_save(self._state(), storage_writer=self._writer(step), process_group=self._async_group())
+        inner = dcp.async_save(self._state(), storage_writer=self._writer(step), planner=self.save_planner,
+                               process_group=self._async_group())
         outer: Future = Future()
 
         def done(f: Future) -> None:
@@ -152,7 +161,7 @@ class FSDPCheckpointer:
         read_manifest(self.step_path(step))  # a clear error here, before DCP wraps it
         state = self._state()
         dcp.load(state, storage_reader=DCPReader(self.step_path(step), engine=self.engine),
-                 process_group=self.process_group)
+                 planner=self.load_planner, process_group=self.process_group)
         set_state_dict(self.model, self.optimizer if self.optimizer is not None else [],
                        model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
         return step
