@@ -223,11 +223,22 @@ def test_dcp_files_written_in_parallel_past_the_staging_window(tmp_path, monkeyp
     assert all(torch.equal(back[k], state[k]) for k in state)
 
 
+def _forget_torchs_cached_plans() -> None:
+    """Empties the process-wide caches of torch's save planners (keyed by the planner's
+    class name), all five together as torch fills them, so that a test's saves fill them
+    afresh and no earlier test's plans stand in for its own."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+    for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
+                  SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan):
+        cache.clear()
+
+
 def _saves_with_cached_plans(root: str, state: dict[str, torch.Tensor], full: Callable[[dict], dict]) -> None:
     """Three dcp.saves of the state, changed in place between them, with torch's planner
     caching its plans (the second and third reuse the first's); each loads back as saved."""
     from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import SavePlanner
+    _forget_torchs_cached_plans()
     saved = []
     for step in range(3):
         dcp.save(state, storage_writer=DCPWriter(os.path.join(root, f"step_{step}")),
@@ -346,7 +357,7 @@ def test_checkpointer_passes_its_planners_to_dcp(tmp_path) -> None:
     from torch.distributed.checkpoint.planner import SavePlanner
     model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    SavePlanner._cached_final_save_plan.clear()
+    _forget_torchs_cached_plans()
     ckpt = FSDPCheckpointer(tmp_path / "run", model, opt, save_planner=DefaultSavePlanner(enable_plan_caching=True))
     saved = {}
     for step in range(1, 4):  # the second and third saves reuse the first's plans
