@@ -16,7 +16,8 @@
 #    files benchmarks/report.py renders).
 #
 # Every step gets what is left of a 9.5-minute budget (GPU_CHECK_BUDGET seconds), so the
-# whole check ends within 10 minutes; a step that fails or runs out is recorded, and the
+# whole check ends within 10 minutes; the reserves kept for later steps are shares of it,
+# so a smaller budget shrinks every step instead of skipping the first ones; a step that fails or runs out is recorded, and the
 # steps after it still run where they can. The log is OUTDIR/gpu_check.log.
 # GPU_CHECK_BENCH_ARGS adds arguments to every benchmark ("--device cpu" tries the whole
 # script on a machine without a GPU; its figures then mean nothing).
@@ -72,12 +73,12 @@ for wheel in .whl/*.whl; do
     "$PY" -m pip show -q "$dist" >/dev/null 2>&1 || wheels+=("$wheel")
 done
 if ((${#wheels[@]})); then
-    step wheels 480 "$PY" -m pip install --no-index --no-deps --find-links .whl "${wheels[@]}"
+    step wheels $((BUDGET * 84 / 100)) "$PY" -m pip install --no-index --no-deps --find-links .whl "${wheels[@]}"
 fi
-if step build 360 "$PY" -m pip install --no-build-isolation --no-deps .; then
+if step build $((BUDGET * 63 / 100)) "$PY" -m pip install --no-build-isolation --no-deps .; then
     # A test module whose framework the machine lacks (and that does not skip itself)
     # must not keep the CUDA tests of the others from running.
-    step cuda_tests 240 "$PY" -m pytest -m cuda tests -q -rs -p no:cacheprovider --continue-on-collection-errors \
+    step cuda_tests $((BUDGET * 42 / 100)) "$PY" -m pytest -m cuda tests -q -rs -p no:cacheprovider --continue-on-collection-errors \
         --junitxml="$OUT/cuda_tests.xml"
     mkdir -p "$BENCH_DIR"
     benches=(benchmarks/bench_gpu*.py)
