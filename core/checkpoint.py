@@ -360,7 +360,7 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
 @gc_paused()
 def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = None, *,
                     out: Mapping[str, Any] | None = None, engine: Engine | None = None,
-                    verify: bool = True) -> dict[str, np.ndarray]:
+                    verify: bool = True, mmap: bool = False) -> dict[str, np.ndarray]:
     """Loads a checkpoint's arrays (or just ``names``), reading all files in parallel.
 
     Tensors named in ``out`` are read in place into those buffers (numpy arrays,
@@ -369,26 +369,31 @@ def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = 
     By default (``names`` None) only the tensors in ``out`` are loaded if ``out`` is
     given, and all of them otherwise. A folder of another layout tensorferry reads (a
     Hugging Face folder, torch's DCP, an Orbax step) is read through :mod:`tensorferry.layouts`.
+    With ``mmap``, the arrays are copy-on-write mappings of the files
+    (:meth:`ShardReader.map_many`: less CPU, pages shared with the page cache) instead of
+    new memory; layouts that store tensors in pieces (DCP, Orbax) cannot be mapped.
     """
-    return load_with_manifest(directory, names, out=out, engine=engine, verify=verify)[1]
+    return load_with_manifest(directory, names, out=out, engine=engine, verify=verify, mmap=mmap)[1]
 
 
 def load_with_manifest(directory: str | os.PathLike, names: Iterable[str] | None = None, *,
                        out: Mapping[str, Any] | None = None, engine: Engine | None = None,
-                       verify: bool = True) -> tuple[dict[str, Any] | None, dict[str, np.ndarray]]:
+                       verify: bool = True, mmap: bool = False) -> tuple[dict[str, Any] | None, dict[str, np.ndarray]]:
     """:func:`load_checkpoint`, with the manifest the arrays were read by (None for a
     folder of another layout): what an adapter needs to rebuild the saved structure
     from the same checkpoint even if an overwrite replaces it meanwhile."""
+    if mmap and out:
+        raise ValueError("mmap=True makes new arrays over the files; out= reads into given ones: pass one of them")
     directory = resolve_checkpoint(directory)
     if not os.path.isfile(os.path.join(directory, MANIFEST)):
         from .layouts import foreign_layout
         foreign = foreign_layout(directory)  # a Hugging Face folder, say
         if foreign is not None:
             with foreign.open(engine=engine, verify=verify) as source:
-                return None, source.read(names, out)
+                return None, source.read(names, out, mmap=mmap)
     manifest = read_manifest(directory)
     try:
-        return manifest, _load_as_listed(directory, manifest, names, out, engine, verify)
+        return manifest, _load_as_listed(directory, manifest, names, out, engine, verify, mmap)
     except (CorruptCheckpointError, OSError):
         # An overwrite may have replaced the checkpoint between its manifest and its
         # files: then, and only then, the new one is read (once).
@@ -396,7 +401,7 @@ def load_with_manifest(directory: str | os.PathLike, names: Iterable[str] | None
         again = read_manifest(directory)
         if (again["files"], again.get("committed_at")) == (manifest["files"], manifest.get("committed_at")):
             raise
-    return again, _load_as_listed(directory, again, names, out, engine, verify)
+    return again, _load_as_listed(directory, again, names, out, engine, verify, mmap)
 
 
 def names_to_read(where: str, held: Mapping[str, Any], names: Iterable[str] | None,
@@ -412,7 +417,8 @@ def names_to_read(where: str, held: Mapping[str, Any], names: Iterable[str] | No
 
 
 def _load_as_listed(directory: str, manifest: Mapping[str, Any], names: Iterable[str] | None,
-                    out: Mapping[str, Any] | None, engine: Engine | None, verify: bool) -> dict[str, np.ndarray]:
+                    out: Mapping[str, Any] | None, engine: Engine | None, verify: bool,
+                    mmap: bool = False) -> dict[str, np.ndarray]:
     tensors = manifest["tensors"]
     out = dict(out or {})
     wanted = names_to_read(directory, tensors, names, out)
@@ -432,6 +438,8 @@ def _load_as_listed(directory: str, manifest: Mapping[str, Any], names: Iterable
 
     def read(reader: ShardReader) -> dict[str, np.ndarray]:
         names_here = by_file[os.path.basename(reader.path)]
+        if mmap:
+            return reader.map_many(names_here)
         return reader.read_many(names_here, {n: out[n] for n in names_here if n in out})
 
     try:

@@ -14,6 +14,9 @@
 
 namespace tf {
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
@@ -28,6 +31,10 @@ void populate_for_write(char *ptr, uint64_t len) {
   const uintptr_t end = (reinterpret_cast<uintptr_t>(ptr) + len + page - 1) & ~(page - 1);
   // Best effort: memory that cannot be populated this way is faulted in by the I/O.
   madvise(reinterpret_cast<void *>(begin), end - begin, MADV_POPULATE_WRITE);
+}
+
+int populate_for_read(char *ptr, uint64_t len) {
+  return madvise(ptr, len, MADV_POPULATE_READ) == 0 ? 0 : errno;
 }
 
 void copy_out(char *dest, const char *source, uint64_t nbytes) {

@@ -159,6 +159,10 @@ void copy_out(char *dest, const char *source, uint64_t nbytes);
 
 // Faults in the pages of [ptr, ptr+len) for writing (best effort, no error).
 void populate_for_write(char *ptr, uint64_t len);
+// Faults in, readable, the pages of a file mapping (MADV_POPULATE_READ, Linux 5.14): 0, or
+// the errno (EFAULT where a page cannot be read in, which touching it would make a SIGBUS;
+// EINVAL on older kernels).
+int populate_for_read(char *ptr, uint64_t len);
 
 // Runs one task synchronously with pread/pwrite, resuming short transfers.
 // `bounce` is an aligned scratch buffer of at least task.length bytes, used when

@@ -121,6 +121,11 @@ NB_MODULE(_native, m) {
   }, "address"_a, "nbytes"_a, nb::call_guard<nb::gil_scoped_release>(),
         "Faults in memory that a read is about to fill.");
 
+  m.def("populate_read", [](uintptr_t address, uint64_t nbytes) {
+    return tf::populate_for_read(reinterpret_cast<char *>(address), nbytes);
+  }, "address"_a, "nbytes"_a, nb::call_guard<nb::gil_scoped_release>(),
+        "Reads in the pages of a file mapping (page-aligned range): 0, or the errno.");
+
   m.def("copy_out", [](uintptr_t dest, uintptr_t source, uint64_t nbytes) {
     tf::copy_out(reinterpret_cast<char *>(dest), reinterpret_cast<const char *>(source), nbytes);
   }, "dest"_a, "source"_a, "nbytes"_a, nb::call_guard<nb::gil_scoped_release>(),

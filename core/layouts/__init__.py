@@ -105,15 +105,26 @@ class TensorSource:
         self.metadata = dict(metadata or {})
         self.skipped = skipped
 
-    def read(self, names: Iterable[str] | None = None, out: Mapping[str, Any] | None = None
-             ) -> dict[str, np.ndarray]:
+    def read(self, names: Iterable[str] | None = None, out: Mapping[str, Any] | None = None, *,
+             mmap: bool = False) -> dict[str, np.ndarray]:
         """Tensors ``names`` (default: all, or those of ``out``), into the host buffers of
-        ``out`` where given (of the tensor's byte size)."""
+        ``out`` where given (of the tensor's byte size); with ``mmap``, as copy-on-write
+        mappings of the files where the layout keeps tensors whole
+        (:meth:`ShardReader.map_many`)."""
         out = dict(out or {})
-        return self._read(names_to_read("this layout", self.tensors, names, out), out)
+        wanted = names_to_read("this layout", self.tensors, names, out)
+        if mmap:
+            if out:
+                raise ValueError("mmap=True makes new arrays over the files; out= reads into given ones")
+            return self._map(wanted)
+        return self._read(wanted, out)
 
     def _read(self, names: list[str], out: dict[str, Any]) -> dict[str, np.ndarray]:
         raise NotImplementedError
+
+    def _map(self, names: list[str]) -> dict[str, np.ndarray]:
+        raise ValueError(f"{type(self).__name__} cannot map its tensors (mmap=True maps tensors kept whole "
+                         "in safetensors files, not chunks or pickles): load without mmap")
 
     def read_range(self, name: str, start: int, nbytes: int) -> np.ndarray:
         """Bytes ``[start, start + nbytes)`` of tensor ``name`` (row-major), as uint8.
@@ -168,7 +179,10 @@ class ShardSource(TensorSource):
         entry = self.tensors[name]
         return entry.chunks[0].key if entry.chunks else name
 
-    def _read(self, names: list[str], out: dict[str, Any]) -> dict[str, np.ndarray]:
+    def _map(self, names: list[str]) -> dict[str, np.ndarray]:
+        return self._read(names, {}, mapped=True)
+
+    def _read(self, names: list[str], out: dict[str, Any], mapped: bool = False) -> dict[str, np.ndarray]:
         by_file: dict[str, list[str]] = {}
         for name in names:
             by_file.setdefault(self.tensors[name].file, []).append(name)
@@ -176,7 +190,10 @@ class ShardSource(TensorSource):
 
         def read(file: str) -> dict[str, np.ndarray]:
             keys = {self._key(n): n for n in by_file[file]}
-            got = readers[file].read_many(list(keys), {self._key(n): out[n] for n in by_file[file] if n in out})
+            if mapped:
+                got = readers[file].map_many(list(keys))
+            else:
+                got = readers[file].read_many(list(keys), {self._key(n): out[n] for n in by_file[file] if n in out})
             return {keys[k]: a for k, a in got.items()}
 
         result: dict[str, np.ndarray] = {}
