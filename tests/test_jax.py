@@ -209,6 +209,25 @@ def test_torch_to_jax_and_back(tmp_path):
     assert torch.equal(back["['b']"], sd["emb"])
 
 
+def test_load_pytree_of_a_checkpoint_directory_and_a_hugging_face_folder(tmp_path):
+    torch = pytest.importorskip("torch")
+    from tensorferry.adapters import pytorch as tfpt
+    sd = {f"layer{i}.weight": torch.randn(64, 256) for i in range(6)} | {"emb": torch.randn(8, 4).to(torch.bfloat16)}
+    tfpt.save_checkpoint(tmp_path / "ckpt", sd, max_shard_bytes=100 << 10)
+    import tensorferry
+    assert len(tensorferry.read_manifest(tmp_path / "ckpt")["files"]) > 2
+    from safetensors.torch import save_file
+    (tmp_path / "hf").mkdir()
+    save_file(sd, str(tmp_path / "hf" / "model.safetensors"))
+    for folder in ("ckpt", "hf"):
+        arrays = load_pytree(tmp_path / folder)
+        assert set(arrays) == set(sd)
+        for name, t in sd.items():
+            assert isinstance(arrays[name], jax.Array)
+            assert arrays[name].dtype == (jnp.bfloat16 if t.dtype == torch.bfloat16 else jnp.float32)
+            np.testing.assert_array_equal(np.asarray(arrays[name].astype(jnp.float32)), t.float().numpy())
+
+
 def test_reads_only_needed_bytes(tmp_path, monkeypatch):
     from tensorferry.shard import ShardReader
     # Saved in row blocks, restored in column blocks: each device needs an 8x8 corner of

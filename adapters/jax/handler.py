@@ -27,7 +27,7 @@ from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint._src.futures import future as ocp_future
 from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
-from ...checkpoint import encode_manifest, open_shard, read_manifest, read_manifest_file, write_durably
+from ...checkpoint import encode_manifest, load_checkpoint, open_shard, read_manifest_file, write_durably
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError, missing_names
@@ -573,14 +573,11 @@ def load_pytree(path: str | os.PathLike, *, engine: Engine | None = None, verify
     """Loads every tensor of a safetensors file (one written by
     ``tensorferry.adapters.pytorch.save``, ``FSDPCheckpointer.save_consolidated``,
     :func:`save_pytree` or anyone) into a flat dict of JAX arrays by name.
-    A tensorferry checkpoint directory (``save_checkpoint``) loads the same way."""
+    A checkpoint directory (``save_checkpoint``'s, or a Hugging Face folder) loads the
+    same way, its files read in parallel (``tensorferry.load_checkpoint``)."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        manifest = read_manifest(path)
-        arrays: dict[str, np.ndarray] = {}
-        for filename in manifest["files"]:
-            with open_shard(path, manifest, filename, engine=engine, verify=verify) as reader:
-                arrays.update(reader.read_many())
+        arrays = load_checkpoint(path, engine=engine, verify=verify)
     else:
         with ShardReader(path, engine, verify=verify) as reader:
             arrays = reader.read_many()
