@@ -38,7 +38,8 @@ from .temporaries import hold, release, remove_stale_temporaries
 
 ALIGNMENT = 4096
 _OWN_MAPPING = 1 << 20  # from this size on, aligned_empty maps memory of its own
-MAPPED_SLICE = 32 << 20  # a mapped load reads its pages in this many bytes at a time
+MAPPED_SLICE = 32 << 20  # a mapped load reads its pages in this many bytes at a time,
+MAPPED_AHEAD = 8  # up to this many slices ahead of the checksums
 # Staging for small tensors, shared by the shard files of one save: 16 MiB kept too few
 # writes in flight when several files are written at once (4096 x 512 KiB, 2 GiB over
 # four files: 1.58 GB/s against 1.93 with 64 MiB, fio 1.54, medians of three).
@@ -987,12 +988,12 @@ class ShardReader:
         (docs/architecture.md).
 
         A helper thread reads the pages in (``MADV_POPULATE_READ``), ``MAPPED_SLICE`` bytes
-        at a time in file order, while this one verifies the tensors already in: a failed
-        read raises here, naming file, offset and errno, where touching the mapping would
-        kill the process with SIGBUS. That needs Linux 5.14. Tensors the file does not
-        align to their item size (files of other writers can) are copied out. The file
-        must not be truncated or rewritten in place while the arrays live; files
-        tensorferry writes are replaced whole, never rewritten.
+        at a time in file order and up to ``MAPPED_AHEAD`` slices ahead, while this thread
+        verifies the tensors already in. A failed read raises here, naming file, offset
+        and errno, where touching the mapping would kill the process with SIGBUS; that
+        needs Linux 5.14. Tensors the file does not align to their item size (files of
+        other writers can) are copied out. The file must not be truncated or rewritten in
+        place while the arrays live; files tensorferry writes are replaced whole.
         """
         names = list(self.tensors) if names is None else list(names)
         infos = {n: self.info(n) for n in names}
@@ -1005,13 +1006,18 @@ class ShardReader:
         order = sorted((n for n in infos if infos[n].nbytes), key=lambda n: infos[n].begin)
         spans = [(self.data_start + infos[n].begin, self.data_start + infos[n].end) for n in order]
         results = {n: self._typed(n, whole[:0]) for n in infos if not infos[n].nbytes}
+        slices = _slices(spans)
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensorferry-map") as helper:
-            slices = [(lo, hi, helper.submit(self._populate, whole, lo, hi)) for lo, hi in _slices(spans)]
+            populated: list[concurrent.futures.Future] = []
             try:
                 at = 0
                 for name, (start, end) in zip(order, spans):
                     while at < len(slices) and slices[at][0] < end:
-                        slices[at][2].result()
+                        # A bounded look-ahead: pages read far ahead of the hashing could be
+                        # evicted again before it reaches them, in files larger than memory.
+                        while len(populated) < min(len(slices), at + MAPPED_AHEAD):
+                            populated.append(helper.submit(self._populate, whole, *slices[len(populated)]))
+                        populated[at].result()
                         at += 1
                     raw = whole[start:end]
                     if start % to_numpy_dtype(infos[name].dtype).itemsize:
@@ -1020,7 +1026,7 @@ class ShardReader:
                         self.check_checksum(name, raw)
                     results[name] = self._typed(name, raw)
             finally:
-                for _, _, future in slices:
+                for future in populated:
                     future.cancel()
         return {n: results[n] for n in names}
 

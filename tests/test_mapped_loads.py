@@ -178,3 +178,23 @@ def test_a_loaded_state_is_freed_when_dropped_without_the_collector(tmp_path: Pa
         assert str(path) not in mapped_files()
     finally:
         gc.enable()
+
+
+def test_map_many_across_slices_with_subsets(tmp_path: Path) -> None:
+    """Tensors that straddle the helper's 32 MiB slices, more slices than its look-ahead,
+    and subsets that skip some: every byte where it belongs."""
+    from tensorferry import ShardWriter
+    from tensorferry.shard import MAPPED_AHEAD, MAPPED_SLICE
+    sizes = [3 << 20, 37 << 20, 5, 31 << 20, 1 << 20] * 4  # 288 MiB in 20 tensors
+    assert sum(sizes) > (MAPPED_AHEAD + 1) * MAPPED_SLICE
+    rng = np.random.default_rng(0)
+    arrays = {f"t{i}": rng.integers(0, 255, n, dtype=np.uint8) for i, n in enumerate(sizes)}
+    with ShardWriter(tmp_path / "big.safetensors") as writer:
+        for name, a in arrays.items():
+            writer.add(name, a)
+    with ShardReader(tmp_path / "big.safetensors") as reader:
+        for wanted in (None, ["t17", "t1", "t2"], ["t19"]):
+            got = reader.map_many(wanted)
+            assert list(got) == (wanted or list(arrays))
+            for name, a in got.items():
+                assert np.array_equal(a, arrays[name]), name
