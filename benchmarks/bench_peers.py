@@ -246,12 +246,18 @@ def jax_contender(skipped: dict[str, str]) -> list[Contender]:
     def convert(state: dict) -> dict:
         return {k: jax.device_put(v.numpy()) for k, v in state.items()}
 
-    def read(path: str, state: dict) -> None:
-        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
-        jax.block_until_ready(checkpointer.restore(path, args=FerryRestore(target)))
+    def reader(mapped: bool) -> Callable[[str, dict], None]:
+        def read(path: str, state: dict) -> None:
+            target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
+            jax.block_until_ready(checkpointer.restore(path, args=FerryRestore(target, mmap=mapped)))
+        return read
 
-    return [Contender("tensorferry FerryCheckpointHandler (JAX)", "tf-jax", read,
-                      lambda s, p: checkpointer.save(p, args=FerrySave(s)), convert=convert)]
+    def save(state: dict, path: str) -> None:
+        checkpointer.save(path, args=FerrySave(state))
+
+    return [Contender("tensorferry FerryCheckpointHandler (JAX)", "tf-jax", reader(False), save, convert=convert),
+            Contender("tensorferry FerryCheckpointHandler (JAX), restore with mmap=True", "tf-jax-mmap", reader(True),
+                      prepare=save, convert=convert)]
 
 
 def peers(skipped: dict[str, str]) -> list[Contender]:

@@ -783,6 +783,21 @@ class WholeReads:
         return landed
 
 
+class MappedReads:
+    """Tensors :meth:`ShardReader.map_many` mapped, handed out as :class:`WholeReads`
+    hands out its reads."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        self._arrays = arrays
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._arrays
+
+    def start(self, name: str) -> Callable[[], np.ndarray]:
+        array = self._arrays[name]
+        return lambda: array
+
+
 class ShardReader:
     """Reads tensors from a safetensors file, validating the header before trusting it.
 
@@ -1068,11 +1083,14 @@ class ShardReader:
         t = self.tensors[name]
         return raw.view(to_numpy_dtype(t.dtype)).reshape(t.shape)
 
-    def start_whole(self, names: Iterable[str], *, populate: bool = False) -> "WholeReads":
+    def start_whole(self, names: Iterable[str], *, populate: bool = False,
+                    mapped: bool = False) -> "WholeReads | MappedReads":
         """Plans reading these tensors whole into new memory as :meth:`read_many` does
         (neighbours together, in requests of up to ``chunk_size``), each request started
-        only when the first of its tensors is: see :class:`WholeReads`."""
-        return WholeReads(self, [n for n in names if self.info(n).nbytes], populate)
+        only when the first of its tensors is: see :class:`WholeReads`. With ``mapped``,
+        they are mapped (and verified) now, by :meth:`map_many`, and handed out alike."""
+        names = [n for n in names if self.info(n).nbytes]
+        return MappedReads(self.map_many(names)) if mapped else WholeReads(self, names, populate)
 
     def _direct_into(self, view: np.ndarray, offset: int) -> bool:
         """Whether reading file bytes from ``offset`` into ``view`` goes to the drive

@@ -34,7 +34,8 @@ def test_a_tiny_run_measures_every_contender_and_the_report_renders_it(tmp_path,
                  "reference: torch DCP alone, as FSDPCheckpointer calls DCP"):
         for label in ("4 arrays", "64 arrays"):
             assert {(f"{ours} [{label}]", "write"), (f"{ours} [{label}]", "read")} <= names
-    assert {("tensorferry load(mmap=True) [4 arrays]", "read"), ("tensorferry load(mmap=True) [64 arrays]", "read")} <= names
+    for mapped in ("tensorferry load(mmap=True)", "tensorferry FerryCheckpointHandler (JAX), restore with mmap=True"):
+        assert {(f"{mapped} [4 arrays]", "read"), (f"{mapped} [64 arrays]", "read")} <= names
     assert ("tensorferry Engine, defaults [1 MiB blocks, depth 32]", "read") in names
     assert all(m["seconds"] > 0 and m["cpu_seconds"] >= 0 for m in document["measurements"])
     assert isinstance(document.get("skipped"), dict)  # optional peers: absent ones say why

@@ -80,8 +80,9 @@ def saved(tmp_path):
     return state, path
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])
 @pytest.mark.parametrize("target", ["1x8", "8x1", "single", "2x4"])
-def test_restore_onto_other_meshes(saved, target):
+def test_restore_onto_other_meshes(saved, target, mapped):
     state, path = saved
     if target == "single":
         sharding_for = lambda x: jax.sharding.SingleDeviceSharding(jax.devices()[3])  # noqa: E731
@@ -92,11 +93,34 @@ def test_restore_onto_other_meshes(saved, target):
             divides = x.ndim == 2 and x.shape[0] % m.shape["x"] == 0 and x.shape[1] % m.shape["y"] == 0
             return NamedSharding(m, P("x", "y") if divides else P())
     ckptr = ocp.Checkpointer(FerryCheckpointHandler())
-    restored = ckptr.restore(path, args=FerryRestore(abstract(state, sharding_for)))
+    restored = ckptr.restore(path, args=FerryRestore(abstract(state, sharding_for), mmap=mapped))
     assert_same(state, restored)
     for x, r in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)):
         if isinstance(x, jax.Array):
             assert r.sharding.is_equivalent_to(sharding_for(x), x.ndim)
+    if mapped and target == "2x4":  # the saved sharding: each shard is a stored chunk, mapped
+        assert _mapped_ranges(path / "process-0.safetensors")
+
+
+def _mapped_ranges(path):
+    with open("/proc/self/maps") as f:
+        return [tuple(int(a, 16) for a in line.split()[0].split("-")) for line in f
+                if line.rstrip().endswith(str(path))]
+
+
+def test_a_mapped_restore_aliases_the_file_on_the_cpu(tmp_path):
+    """Shards of page-aligned chunks become JAX arrays over the file's mapped pages (tiny
+    ones JAX copies); they stay valid once the checkpoint is replaced."""
+    m = mesh((2, 4))
+    state = {"w": jax.device_put(make(jnp.float32, (1024, 1024)), NamedSharding(m, P("x", "y")))}
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    ckptr.save(tmp_path / "c", args=FerrySave(state))
+    restored = ckptr.restore(tmp_path / "c", args=FerryRestore(abstract(state, lambda x: x.sharding), mmap=True))
+    ranges = _mapped_ranges(tmp_path / "c" / "process-0.safetensors")
+    assert all(any(lo <= s.data.unsafe_buffer_pointer() < hi for lo, hi in ranges)
+               for s in restored["w"].addressable_shards)
+    ckptr.save(tmp_path / "c", args=FerrySave({"w": jnp.zeros((1024, 1024))}), force=True)
+    assert_same(state, restored)
 
 
 def test_restore_without_target_and_metadata(saved):
@@ -439,8 +463,9 @@ def test_leaves_saved_as_restored_are_read_with_their_neighbours(tmp_path, monke
     assert runs == [40] and all(isinstance(v, np.ndarray) for v in as_numpy.values())
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])
 @pytest.mark.parametrize("restore_as", ["saved sharding", "host arrays"])
-def test_a_flipped_data_byte_fails_the_restore(saved, restore_as):
+def test_a_flipped_data_byte_fails_the_restore(saved, restore_as, mapped):
     from tensorferry.shard import ShardReader
     state, path = saved
     shard_file = path / "process-0.safetensors"
@@ -453,6 +478,7 @@ def test_a_flipped_data_byte_fails_the_restore(saved, restore_as):
     handler = FerryCheckpointHandler()
     target = abstract(state, lambda x: x.sharding) if restore_as == "saved sharding" else None
     with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch in tensor .*rows"):
-        ocp.Checkpointer(handler).restore(path, args=FerryRestore(target))
-    unchecked = ocp.Checkpointer(FerryCheckpointHandler(verify=False)).restore(path, args=FerryRestore(target))
+        ocp.Checkpointer(handler).restore(path, args=FerryRestore(target, mmap=mapped))
+    unchecked = ocp.Checkpointer(FerryCheckpointHandler(verify=False)).restore(
+        path, args=FerryRestore(target, mmap=mapped))
     assert not np.array_equal(np.asarray(unchecked["rows"]), np.asarray(state["rows"]))

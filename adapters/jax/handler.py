@@ -32,7 +32,8 @@ from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError, missing_names
 from ...schema import walk_structure
-from ...shard import DEFAULT_BUFFER_SIZE, ShardReader, ShardWriter, WholeReads, aligned_copies, gc_paused
+from ...shard import (DEFAULT_BUFFER_SIZE, MappedReads, ShardReader, ShardWriter, WholeReads, aligned_copies,
+                      gc_paused)
 
 INDEX_FORMAT = "tensorferry.jax"
 _SCALARS = (bool, int, float, str)
@@ -145,8 +146,8 @@ class _Leaf:
 class _Checkpoint:
     """The merged indexes of a saved directory, with shard readers opened on demand."""
 
-    def __init__(self, directory: str, engine: Engine | None, verify: bool) -> None:
-        self.directory, self.engine, self.verify = directory, engine, verify
+    def __init__(self, directory: str, engine: Engine | None, verify: bool, mapped: bool = False) -> None:
+        self.directory, self.engine, self.verify, self.mapped = directory, engine, verify, mapped
         paths = sorted(glob.glob(os.path.join(directory, "process-*.json")))
         if not paths:
             raise FileNotFoundError(f"{directory} holds no tensorferry JAX checkpoint (no process-*.json)")
@@ -178,8 +179,8 @@ class _Checkpoint:
             raise CorruptCheckpointError(f"{directory}: no process index holds the tree structure")
         _check_structure(self.structure, directory, self.leaves)
         self._readers: dict[str, ShardReader] = {}
-        self._whole: dict[str, WholeReads] = {}
-        self._whole_boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[WholeReads, str]] = {}
+        self._whole: dict[str, WholeReads | MappedReads] = {}
+        self._whole_boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[WholeReads | MappedReads, str]] = {}
 
     def reader(self, filename: str) -> ShardReader:
         if filename not in self.manifests:
@@ -199,7 +200,8 @@ class _Checkpoint:
     def read_whole_chunks_together(self, boxes: Iterable[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> None:
         """Of the boxes ``(leaf, offsets, sizes)`` a restore is about to start, those that
         are a whole stored chunk (the sharding it was saved with) are then read with their
-        neighbours in the file, in few large requests, not one request each."""
+        neighbours in the file, in few large requests, not one request each (or mapped,
+        with ``mapped``: :meth:`ShardReader.map_many`)."""
         per_file: dict[str, list[str]] = collections.defaultdict(list)
         box_keys = {}
         for name, offsets, sizes in boxes:
@@ -209,7 +211,7 @@ class _Checkpoint:
                     box_keys[name, offsets, sizes] = filename, key
                     break
         for filename, keys in per_file.items():
-            self._whole[filename] = self.reader(filename).start_whole(keys)
+            self._whole[filename] = self.reader(filename).start_whole(keys, mapped=self.mapped)
         for box, (filename, key) in box_keys.items():
             whole = self._whole[filename]
             if key in whole:  # not an empty chunk
@@ -406,10 +408,12 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
     def restore(self, directory: Any, item: Any = None, args: "FerryRestore | None" = None) -> Any:
         """Restores into the shapes, dtypes and shardings of ``args.item`` (an abstract
         tree of ``jax.ShapeDtypeStruct`` or concrete arrays); without one, arrays come
-        back as numpy arrays on the host in the saved structure."""
+        back as numpy arrays on the host in the saved structure. ``args.mmap``: see
+        :class:`FerryRestore`."""
+        mapped = False
         if args is not None:
-            item = args.item
-        ckpt = _Checkpoint(os.fspath(directory), self.engine, self.verify)
+            item, mapped = args.item, args.mmap
+        ckpt = _Checkpoint(os.fspath(directory), self.engine, self.verify, mapped)
         try:
             if item is None:
                 names: list[str] = []
@@ -562,9 +566,17 @@ class FerrySave(checkpoint_args.CheckpointArgs):
 @checkpoint_args.register_with_handler(FerryCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
 class FerryRestore(checkpoint_args.CheckpointArgs):
-    """Restore arguments: ``item`` is the target tree (abstract or concrete) or None."""
+    """Restore arguments: ``item`` is the target tree (abstract or concrete) or None.
+
+    ``mmap=True`` maps the stored chunks restored whole (those saved with the target's
+    sharding) instead of reading them into new memory, as
+    ``tensorferry.adapters.pytorch.load(mmap=True)`` does: checksums still verified, about
+    half the CPU; on the CPU, JAX's arrays then alias the mapped file's pages (JAX never
+    writes them; a donated buffer is copied page by page as XLA writes it). The files must
+    not be truncated or rewritten in place while the arrays live."""
 
     item: Any = None
+    mmap: bool = False
 
 
 # ---- cross-framework ------------------------------------------------------------
