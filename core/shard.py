@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import bisect
 import concurrent.futures
 import contextlib
 import errno
@@ -750,9 +749,6 @@ class WholeReads:
     def __contains__(self, name: object) -> bool:
         return name in self._run_of
 
-    def close(self) -> None:
-        """Nothing to stop: its reads are the engine's requests (as :meth:`MappedReads.close`)."""
-
     def start(self, name: str) -> Callable[[], np.ndarray]:
         """Starts the request that holds tensor ``name`` (unless it has started); the
         function returned waits for it, verifies the tensor and returns it."""
@@ -788,79 +784,18 @@ class WholeReads:
 
 
 class MappedReads:
-    """Whole tensors of one file as arrays over a private, copy-on-write mapping of it:
-    their pages are the page cache's, read in by the kernel, so no new memory is zeroed
-    and nothing is copied (writes to an array copy only the pages written, and never
-    reach the file). Handed out as :class:`WholeReads` hands out its reads.
+    """Tensors :meth:`ShardReader.map_many` mapped, handed out as :class:`WholeReads`
+    hands out its reads."""
 
-    A helper thread reads the pages in (``MADV_POPULATE_READ``), ``MAPPED_SLICE`` bytes
-    at a time in file order and up to ``MAPPED_AHEAD`` slices beyond the furthest tensor
-    asked for, while the caller verifies (and uses) the tensors already in. A failed read
-    raises where the tensor is asked for, naming file, offset and errno, where touching
-    the mapping would kill the process with SIGBUS; that needs Linux 5.14. Tensors the
-    file does not align to their item size (files of other writers can) are copied out.
-    The file must not be truncated or rewritten in place while the arrays live; files
-    tensorferry writes are replaced whole. :meth:`close` stops the helper.
-    """
-
-    def __init__(self, reader: "ShardReader", names: Iterable[str]) -> None:
-        self.reader = reader
-        infos = {n: reader.info(n) for n in names}
-        now = os.fstat(reader._file.fileno()).st_size
-        if now < reader.size:
-            raise reader._corrupt(f"{now} bytes now, {reader.size} when its header was read: truncated meanwhile")
-        mapping = mmap.mmap(reader._file.fileno(), reader.size, flags=mmap.MAP_PRIVATE,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        self._whole = np.frombuffer(mapping, np.uint8)
-        self._spans = {n: (reader.data_start + t.begin, reader.data_start + t.end) for n, t in infos.items()}
-        self._slices = _slices(sorted(span for span in self._spans.values() if span[1] > span[0]))
-        self._slice_starts = [lo for lo, _ in self._slices]
-        self._populated: list[concurrent.futures.Future] = []
-        self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensorferry-map")
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        self._arrays = arrays
 
     def __contains__(self, name: object) -> bool:
-        return name in self._spans
+        return name in self._arrays
 
     def start(self, name: str) -> Callable[[], np.ndarray]:
-        """Starts reading in tensor ``name``'s pages; the function returned is :meth:`get`."""
-        if self._spans[name][1] > self._spans[name][0]:
-            self._submit_through(self._slice_at(self._spans[name][1] - 1))
-        return lambda: self.get(name)
-
-    def get(self, name: str) -> np.ndarray:
-        """Tensor ``name`` once its pages are in, verified."""
-        start, end = self._spans[name]
-        if end > start:
-            first, last = self._slice_at(start), self._slice_at(end - 1)
-            self._submit_through(last + MAPPED_AHEAD)
-            for future in self._populated[first:last + 1]:
-                future.result()
-        raw = self._whole[start:end]
-        if start % to_numpy_dtype(self.reader.info(name).dtype).itemsize:
-            raw = aligned_copy(raw)
-        if self.reader.verify:
-            self.reader.check_checksum(name, raw)
-        return self.reader._typed(name, raw)
-
-    def _slice_at(self, offset: int) -> int:
-        return bisect.bisect_right(self._slice_starts, offset) - 1
-
-    def _submit_through(self, index: int) -> None:
-        # One helper, first in first out: a slice is read once those before it are.
-        while len(self._populated) <= min(index, len(self._slices) - 1):
-            lo, hi = self._slices[len(self._populated)]
-            self._populated.append(self._helper.submit(self.reader._populate, self._whole, lo, hi))
-
-    def close(self) -> None:
-        for future in self._populated:
-            future.cancel()
-        self._helper.shutdown(wait=True)
-
-    def __enter__(self) -> "MappedReads":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        array = self._arrays[name]
+        return lambda: array
 
 
 class ShardReader:
@@ -1062,12 +997,53 @@ class ShardReader:
 
     def map_many(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """Several tensors (default: all) as arrays over one private, copy-on-write mapping
-        of the file, verified (see :class:`MappedReads`): no new memory is zeroed and
-        nothing is copied, about half of :meth:`read_many`'s CPU (docs/architecture.md)."""
+        of the file: their pages are the page cache's, read in by the kernel, so no new
+        memory is zeroed and nothing is copied (writes to an array copy only the pages
+        written, and never reach the file). About half of :meth:`read_many`'s CPU
+        (docs/architecture.md).
+
+        A helper thread reads the pages in (``MADV_POPULATE_READ``), ``MAPPED_SLICE`` bytes
+        at a time in file order and up to ``MAPPED_AHEAD`` slices ahead, while this thread
+        verifies the tensors already in. A failed read raises here, naming file, offset
+        and errno, where touching the mapping would kill the process with SIGBUS; that
+        needs Linux 5.14. Tensors the file does not align to their item size (files of
+        other writers can) are copied out. The file must not be truncated or rewritten in
+        place while the arrays live; files tensorferry writes are replaced whole.
+        """
         names = list(self.tensors) if names is None else list(names)
-        with MappedReads(self, names) as mapped:
-            got = {n: mapped.get(n) for n in sorted(set(names), key=lambda n: self.info(n).begin)}
-        return {n: got[n] for n in names}
+        infos = {n: self.info(n) for n in names}
+        now = os.fstat(self._file.fileno()).st_size
+        if now < self.size:
+            raise self._corrupt(f"{now} bytes now, {self.size} when its header was read: truncated meanwhile")
+        mapping = mmap.mmap(self._file.fileno(), self.size, flags=mmap.MAP_PRIVATE,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        whole = np.frombuffer(mapping, np.uint8)
+        order = sorted((n for n in infos if infos[n].nbytes), key=lambda n: infos[n].begin)
+        spans = [(self.data_start + infos[n].begin, self.data_start + infos[n].end) for n in order]
+        results = {n: self._typed(n, whole[:0]) for n in infos if not infos[n].nbytes}
+        slices = _slices(spans)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensorferry-map") as helper:
+            populated: list[concurrent.futures.Future] = []
+            try:
+                at = 0
+                for name, (start, end) in zip(order, spans):
+                    while at < len(slices) and slices[at][0] < end:
+                        # A bounded look-ahead: pages read far ahead of the hashing could be
+                        # evicted again before it reaches them, in files larger than memory.
+                        while len(populated) < min(len(slices), at + MAPPED_AHEAD):
+                            populated.append(helper.submit(self._populate, whole, *slices[len(populated)]))
+                        populated[at].result()
+                        at += 1
+                    raw = whole[start:end]
+                    if start % to_numpy_dtype(infos[name].dtype).itemsize:
+                        raw = aligned_copy(raw)
+                    if self.verify:
+                        self.check_checksum(name, raw)
+                    results[name] = self._typed(name, raw)
+            finally:
+                for future in populated:
+                    future.cancel()
+        return {n: results[n] for n in names}
 
     def _populate(self, whole: np.ndarray, begin: int, end: int) -> None:
         """Reads in the mapping's pages of bytes ``[begin, end)`` (``begin`` page-aligned)."""
@@ -1112,9 +1088,9 @@ class ShardReader:
         """Plans reading these tensors whole into new memory as :meth:`read_many` does
         (neighbours together, in requests of up to ``chunk_size``), each request started
         only when the first of its tensors is: see :class:`WholeReads`. With ``mapped``,
-        over a copy-on-write mapping of the file instead: see :class:`MappedReads`."""
+        they are mapped (and verified) now, by :meth:`map_many`, and handed out alike."""
         names = [n for n in names if self.info(n).nbytes]
-        return MappedReads(self, names) if mapped else WholeReads(self, names, populate)
+        return MappedReads(self.map_many(names)) if mapped else WholeReads(self, names, populate)
 
     def _direct_into(self, view: np.ndarray, offset: int) -> bool:
         """Whether reading file bytes from ``offset`` into ``view`` goes to the drive

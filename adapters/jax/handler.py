@@ -191,8 +191,6 @@ class _Checkpoint:
         return self._readers[filename]
 
     def close(self) -> None:
-        for whole in self._whole.values():
-            whole.close()
         for r in self._readers.values():
             r.close()
         self._readers.clear()
