@@ -3,6 +3,7 @@ of CUDA device buffers (kvikio, :mod:`tensorferry.gds`), as futures."""
 
 from __future__ import annotations
 
+import atexit
 import collections
 import errno
 import os
@@ -393,8 +394,11 @@ class Engine:
         # Futures the caller dropped still hold their buffers until the I/O ends.
         with self._lock:
             self._inflight.append(future)
-            while self._inflight and self._inflight[0].done():
-                self._inflight.popleft()
+            self._forget_finished()
+
+    def _forget_finished(self) -> None:
+        while self._inflight and self._inflight[0].done():
+            self._inflight.popleft()
 
     def close(self) -> None:
         """Waits for outstanding I/O, then stops the backend. Later I/O raises."""
@@ -441,3 +445,18 @@ def default_engine() -> Engine:
             _shared_engine = Engine()
             _shared_engine_pid = os.getpid()
         return _shared_engine
+
+
+@atexit.register
+def _release_default_engine() -> None:
+    """At exit, the shared engine lets go of the requests it finished and is no longer
+    held here: it kept its last request, and left to the interpreter's teardown the two
+    outlived the native module (nanobind reported them as leaked). It is not closed: an
+    exit handler that runs after this one (an async save being finished) may still hold
+    it, and a later default_engine() makes a new one."""
+    global _shared_engine
+    with _shared_lock:
+        engine, _shared_engine = _shared_engine, None
+    if engine is not None and _shared_engine_pid == os.getpid():  # a forked child's copy: left as it was
+        with engine._lock:
+            engine._forget_finished()

@@ -386,3 +386,37 @@ def test_exit_with_io_in_flight_does_not_abort(tmp_path) -> None:
 def test_completed_future() -> None:
     f = tensorferry.IOFuture.completed(42)
     assert f.done() and f.result() == 42 and f.exception() is None
+
+
+def test_the_shared_engine_is_released_at_exit(tmp_path) -> None:
+    """It kept its last request; left to the interpreter's teardown, nanobind found the
+    native engine and request alive and reported them as leaked. Not closed: whoever
+    still holds it (a save finishing in a later exit handler) can use it. A forked
+    child that exits normally does not touch the parent's engine."""
+    script = f"""
+import atexit, os, weakref
+import numpy as np
+import tensorferry
+from tensorferry.engine import default_engine
+path = {str(tmp_path / "f.bin")!r}
+engine = default_engine()
+engine.pwrite(np.ones(4096, np.uint8), path).result()
+pid = os.fork()
+if pid == 0:
+    atexit._run_exitfuncs()
+    os._exit(0 if default_engine() is not engine and not engine.closed else 3)
+assert os.waitpid(pid, 0)[1] == 0
+assert not engine.closed
+engine.pread(np.empty(4096, np.uint8), path).result()
+held_by_a_later_handler = default_engine()
+atexit._run_exitfuncs()
+held_by_a_later_handler.pwrite(np.ones(4096, np.uint8), path).result()  # still usable
+assert default_engine() is not engine  # a new one
+alive = weakref.ref(engine)
+del engine, held_by_a_later_handler
+print("released" if alive() is None else "alive")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "released"
+    assert "leaked" not in result.stderr
