@@ -382,8 +382,8 @@ def load_with_manifest(directory: str | os.PathLike, names: Iterable[str] | None
     """:func:`load_checkpoint`, with the manifest the arrays were read by (None for a
     folder of another layout): what an adapter needs to rebuild the saved structure
     from the same checkpoint even if an overwrite replaces it meanwhile."""
-    if mmap and out:
-        raise ValueError("mmap=True makes new arrays over the files; out= reads into given ones: pass one of them")
+    if mmap:
+        refuse_out_when_mapped(out)
     directory = resolve_checkpoint(directory)
     if not os.path.isfile(os.path.join(directory, MANIFEST)):
         from .layouts import foreign_layout
@@ -402,6 +402,13 @@ def load_with_manifest(directory: str | os.PathLike, names: Iterable[str] | None
         if (again["files"], again.get("committed_at")) == (manifest["files"], manifest.get("committed_at")):
             raise
     return again, _load_as_listed(directory, again, names, out, engine, verify, mmap)
+
+
+def refuse_out_when_mapped(out: Mapping[str, Any] | None) -> None:
+    """A mapped load (``mmap=True``) makes new arrays over the files: it cannot also read
+    into the given ``out``."""
+    if out:
+        raise ValueError("mmap=True makes new arrays over the files; out= reads into given ones: pass one of them")
 
 
 def names_to_read(where: str, held: Mapping[str, Any], names: Iterable[str] | None,

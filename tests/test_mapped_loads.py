@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import tensorferry  # noqa: E402
-from tensorferry import CorruptCheckpointError, ShardReader, TensorferryIOError  # noqa: E402
+from tensorferry import CorruptCheckpointError, ShardReader, TensorferryIOError, layouts  # noqa: E402
 from tensorferry.adapters import pytorch as tf_torch  # noqa: E402
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
@@ -150,6 +150,8 @@ def test_mapped_loads_refuse_what_they_cannot_do(tmp_path: Path) -> None:
     tf_torch.save_checkpoint(tmp_path / "ckpt", {"a": torch.zeros(4)})
     with pytest.raises(ValueError, match="out="):
         tf_torch.load_checkpoint(tmp_path / "ckpt", out={"a": torch.empty(4)}, mmap=True)
+    with layouts.open_layout(tmp_path / "ckpt") as source, pytest.raises(ValueError, match="out="):
+        source.read(out={"a": np.empty(4, np.float32)}, mmap=True)
     with pytest.raises(ValueError, match="host memory"):
         tf_torch.load(tmp_path / "ckpt", "cuda:0", mmap=True)
     dcp = pytest.importorskip("torch.distributed.checkpoint")

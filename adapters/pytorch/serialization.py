@@ -210,8 +210,7 @@ def load(path: str | os.PathLike, map_location: str | torch.device | None = None
     while the tensors live (tensorferry's saves replace files whole)."""
     _check_map_location(map_location)
     device = _cuda_device(map_location)
-    if mmap and device is not None:
-        raise ValueError(f"mmap=True maps the file into host memory; to load to {device} leave it off")
+    _refuse_mapped_to_device(mmap, device)
     if os.path.isdir(path) or os.fspath(path).endswith(INDEX_SUFFIX):
         return load_checkpoint(path, map_location, engine=engine, verify=verify, mmap=mmap)
     with ShardReader(path, engine, verify=verify) as reader:
@@ -244,6 +243,11 @@ def _cuda_device(map_location: Any, out: Mapping[str, torch.Tensor] | None = Non
         raise ValueError(f"a load lands on the host or on one CUDA device, not on {sorted(map(str, devices))}")
     device = next(iter(devices))
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _refuse_mapped_to_device(mmap: bool, device: torch.device | None) -> None:
+    if mmap and device is not None:
+        raise ValueError(f"mmap=True maps files into host memory; to load to {device} leave it off")
 
 
 def _host_names(structure: Any) -> set[str]:
@@ -299,8 +303,7 @@ def load_checkpoint(directory: str | os.PathLike, map_location: str | torch.devi
     """
     _check_map_location(map_location)
     device = _cuda_device(map_location, out)
-    if mmap and device is not None:
-        raise ValueError(f"mmap=True maps the files into host memory; to load to {device} leave it off")
+    _refuse_mapped_to_device(mmap, device)
     if device is not None and os.path.isfile(os.path.join(directory, MANIFEST)):
         manifest, arrays = _load_directory_to_device(directory, names, out, device, engine, verify)
     else:

@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 import numpy as np
 
 from ..buffers import byte_view
-from ..checkpoint import MAX_CONCURRENT_SHARDS, names_to_read
+from ..checkpoint import MAX_CONCURRENT_SHARDS, names_to_read, refuse_out_when_mapped
 from ..dtypes import to_numpy_dtype
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TensorferryError
 from ..shard import ShardReader
@@ -114,8 +114,7 @@ class TensorSource:
         out = dict(out or {})
         wanted = names_to_read("this layout", self.tensors, names, out)
         if mmap:
-            if out:
-                raise ValueError("mmap=True makes new arrays over the files; out= reads into given ones")
+            refuse_out_when_mapped(out)
             return self._map(wanted)
         return self._read(wanted, out)
 
