@@ -17,8 +17,9 @@
 #
 # Every step gets what is left of a 9.5-minute budget (GPU_CHECK_BUDGET seconds), so the
 # whole check ends within 10 minutes; the reserves kept for later steps are shares of it,
-# so a smaller budget shrinks every step instead of skipping the first ones; a step that fails or runs out is recorded, and the
-# steps after it still run where they can. The log is OUTDIR/gpu_check.log.
+# so a smaller budget shrinks every step instead of skipping the first ones. A step that
+# fails or runs out is recorded, and the steps after it still run where they can. The log
+# is OUTDIR/gpu_check.log.
 # GPU_CHECK_BENCH_ARGS adds arguments to every benchmark ("--device cpu" tries the whole
 # script on a machine without a GPU; its figures then mean nothing).
 set -uo pipefail
