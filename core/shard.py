@@ -414,10 +414,7 @@ class _Streamer:
         try:
             for e in entries:
                 data = self._bytes_of(e)
-                # Only page-aligned memory goes to the drive as it is: the engine would
-                # copy anything else through its staging, and then the hash would read it
-                # from memory a second time; through the ring it is read from memory once.
-                if data.nbytes >= self.direct_threshold and data.ctypes.data % ALIGNMENT == 0:
+                if data.nbytes >= self.direct_threshold and self._writable_in_place(data):
                     self._flush()
                     produced = data.nbytes if callable(e.source) else 0
                     self.direct_futures.append((self.engine.pwrite(data, self.file, self.position), produced))
@@ -437,6 +434,17 @@ class _Streamer:
                 if slot is not None:
                     _pool.release(slot)
         return checksums
+
+    def _writable_in_place(self, data: np.ndarray) -> bool:
+        """Whether ``data`` goes to the drive from its own memory at the current position:
+        with O_DIRECT only if its address has the position's phase in a page, so that the
+        engine bounces none of its blocks. Memory aligned only to the device's DMA
+        alignment (512 bytes on this VM's disk) would pass O_DIRECT, but wrote at 0.77 of
+        a page-aligned buffer's speed and 0.08 CPU-s/GB against 0.01, where reading into it
+        cost nothing extra (benchmarks/bench_memory_phase.py). Anything else the
+        engine would bounce block by block, and the hash would then read it from memory a
+        second time; through the ring it is read from memory once."""
+        return not self.file.direct or (data.ctypes.data - self.position) % ALIGNMENT == 0
 
     def _all_futures(self) -> list[IOFuture]:
         return [f for f in self.slot_futures if f is not None] + [f for f, _ in self.direct_futures]
@@ -1099,7 +1107,7 @@ class ShardReader:
         request per tensor, and hashed from memory a second time."""
         if not self._file.direct or view.nbytes < ALIGNMENT:
             return True  # buffered, or too small to matter: the plain read
-        return (view.ctypes.data - offset) % self._file._native.mem_align == 0
+        return (view.ctypes.data - offset) % self._file.memory_alignment == 0
 
     def _chunks(self, names: list[str]) -> list[list[str]]:
         """Groups tensors that lie next to each other into reads of about ``chunk_size``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -212,3 +213,16 @@ def test_results_name_the_commit_only_of_a_checkout_that_holds_the_code(tmp_path
     assert bench._source_commit(str(installed)) == head.strip()
     installed.write_text("changed")
     assert bench._source_commit(str(installed)) == head.strip() + "+dirty"
+
+
+def test_memory_phase_benchmark_runs(tmp_path) -> None:
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                          "bench_memory_phase.py")
+    result = subprocess.run([sys.executable, script, "--dir", str(tmp_path), "--size", "8M", "--repeat", "1"],
+                            capture_output=True, text=True, timeout=300)
+    if result.returncode and "no O_DIRECT here" in result.stderr:
+        pytest.skip(result.stderr.strip())
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.endswith(")")]
+    assert len(lines) == 6 and {line.split()[-5] for line in lines} == {"write", "read"}, result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "the benchmark cleans up after itself"
