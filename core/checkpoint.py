@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import errno
+import gc
 import json
 import os
 import re
@@ -35,7 +36,7 @@ from .schema import (MANIFEST_VERSION, check_index, member_path, parse_json, rea
                      unseal_manifest, validate_manifest)
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
                     fsync_after_commit, fsync_dir, gc_paused)
-from .temporaries import TMP_MARKER, hold, release, remove_stale_temporaries
+from .temporaries import TMP_MARKER, held_here, hold, release, remove_stale_temporaries
 
 MANIFEST = "tensorferry.json"
 FORMAT_VERSION = MANIFEST_VERSION
@@ -84,7 +85,17 @@ class PendingCheckpoint:
         pending = cls(directory, token or secrets.token_hex(6))
         parent, name = os.path.split(directory)
         remove_stale_temporaries(parent, name, keep=recoverable_checkpoints(parent).values())
-        os.makedirs(pending.tmp_path)
+        try:
+            os.makedirs(pending.tmp_path)
+        except FileExistsError:
+            if not held_here(pending.tmp_path):
+                raise
+            # Held by this process: by a save still running, or by a failed one whose
+            # holder only the collector frees (the exception that ended that save keeps
+            # its frames in a reference cycle). A collection tells them apart.
+            gc.collect()
+            remove_stale_temporaries(parent, name, keep=recoverable_checkpoints(parent).values())
+            os.makedirs(pending.tmp_path)
         pending._lock = hold(pending.tmp_path)
         return pending
 

@@ -17,6 +17,8 @@ from typing import Iterable
 
 TMP_MARKER = ".tmp-"
 
+_held_here: dict[int, str] = {}  # the temporaries this process holds, by descriptor
+
 
 def hold(path: str) -> int:
     """Takes the writer's lock on a temporary file or directory; returns the descriptor
@@ -29,12 +31,19 @@ def hold(path: str) -> int:
         raise
     except OSError:
         pass  # a filesystem without flock: the save goes on, and no one can take it for a leftover
+    _held_here[fd] = os.path.abspath(path)
     return fd
 
 
 def release(fd: int | None) -> None:
     if fd is not None:
+        _held_here.pop(fd, None)
         os.close(fd)
+
+
+def held_here(path: str) -> bool:
+    """Whether this process holds the lock of the temporary ``path``."""
+    return os.path.abspath(path) in _held_here.values()
 
 
 def remove_if_stale(path: str) -> bool:
@@ -100,4 +109,4 @@ def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
     return [path for path in stale_temporaries(root, target, keep) if remove_if_stale(path)]
 
 
-__all__ = ["TMP_MARKER", "hold", "release", "remove_if_stale", "remove_stale_temporaries", "stale_temporaries"]
+__all__ = ["TMP_MARKER", "held_here", "hold", "release", "remove_if_stale", "remove_stale_temporaries", "stale_temporaries"]

@@ -725,3 +725,20 @@ def test_default_files_per_process_follows_the_cores_of_its_share(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert default_files_per_process() == 1
+
+
+def test_a_temporary_held_only_by_garbage_is_taken_over_by_the_next_save(tmp_path) -> None:
+    # A failed save's exception keeps the writer's frames in a reference cycle, and with
+    # them its lock on a temporary of a fixed name (DCP's): the next save to the same path
+    # in this process frees it, while a holder still reachable (a save running) keeps it.
+    target = str(tmp_path / "ck")
+    with gc_paused():
+        first = tensorferry.PendingCheckpoint.begin(target, "fixed")
+        cycle: list = [first]
+        cycle.append(cycle)
+        del first, cycle  # the collector is paused: the cycle stays until a collection
+        second = tensorferry.PendingCheckpoint.begin(target, "fixed")
+        with pytest.raises(FileExistsError):
+            tensorferry.PendingCheckpoint.begin(target, "fixed")
+    second.abort()
+    assert os.listdir(tmp_path) == []

@@ -590,6 +590,27 @@ def test_consolidated_save_on_a_full_disk_fails_on_every_rank(small_tmpfs) -> No
     run(2, small_tmpfs, "consolidated_full_disk")
 
 
+def scenario_dcp_retry_after_full_disk(rank: int, world: int, root: str) -> None:
+    """A DCP save that fills the disk fails on every rank; a retry that fits, by new
+    writers, succeeds: whichever rank failed, the failed save's temporary is no obstacle."""
+    path = os.path.join(root, "step_1")
+    with pytest.raises(BaseException) as failed:  # torch's CheckpointException
+        dcp.save({f"w{rank}": torch.full((768 << 10,), float(rank))}, storage_writer=DCPWriter(path))  # 3 MiB each
+    assert "No space left on device" in str(failed.value), failed.value
+    del failed  # the retry comes after the failure is handled, as in a training loop's
+    dcp.save({f"w{rank}": torch.full((1024,), float(rank))}, storage_writer=DCPWriter(path))
+    back = {f"w{rank}": torch.zeros(1024)}
+    dcp.load(back, storage_reader=DCPReader(path))
+    assert (back[f"w{rank}"] == rank).all()
+    dist.barrier()
+    assert sorted(os.listdir(root)) == ["step_1"]
+
+
+@pytest.mark.slow
+def test_dcp_retry_after_a_full_disk_on_2_ranks(small_tmpfs) -> None:
+    run(2, small_tmpfs, "dcp_retry_after_full_disk")
+
+
 @pytest.mark.slow
 def test_fsdp2_resume_is_bit_identical_on_2_ranks(tmp_path) -> None:
     run(2, str(tmp_path), "resume")

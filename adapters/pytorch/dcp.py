@@ -213,6 +213,9 @@ class DCPWriter(StorageWriter):
             for number in range(len(groups)):  # this rank's finished files: the save will not commit
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(pending.tmp_path, f"{where.prefix}-{number:03d}.safetensors"))
+            # On the coordinator, the temporary goes now: torch calls no method of the
+            # writer after a failed write_data, and a retry must find the path free.
+            self._abandon_failed_save()
             raise
         return _done([r for results in per_file for r in results])
 
