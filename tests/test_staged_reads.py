@@ -130,7 +130,7 @@ def test_only_page_aligned_large_arrays_are_written_from_their_own_memory(tmp_pa
     # (512 bytes on most disks) would pass O_DIRECT too, but writes from it were slower
     # and dearer than the ring's copy on the disk measured, so it is copied, as is a
     # torch tensor's 64 bytes past a page.
-    from tensorferry import File
+    from tensorferry import File, config_override
     path = str(tmp_path / "s.safetensors")
     with File(path, "w") as probe:
         if not probe.direct:
@@ -146,18 +146,28 @@ def test_only_page_aligned_large_arrays_are_written_from_their_own_memory(tmp_pa
         assert (copied[0] >= nbytes) == copied_expected, (phase, copied[0])
         with ShardReader(path) as r:
             np.testing.assert_array_equal(r.read("big"), source)
+    # Without O_DIRECT the kernel copies whatever it is given: no copy of ours before.
+    copied = _copied_bytes(monkeypatch)
+    with config_override(direct=False), ShardWriter(path, buffer_size=1 << 20) as w:
+        w.add("big", source)
+    assert copied[0] == 0
+    with ShardReader(path) as r:
+        np.testing.assert_array_equal(r.read("big"), source)
 
 
+@pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("phase", [0, 1, 64, 512, 4096 - 100, 1000])
-def test_large_arrays_after_an_odd_sized_one_are_written_intact(tmp_path, phase: int) -> None:
+def test_large_arrays_after_an_odd_sized_one_are_written_intact(tmp_path, phase: int, direct: bool) -> None:
     # The large array starts at a file offset off every alignment: whether it goes from its
-    # own memory (part buffered, part O_DIRECT) or through the ring, every byte lands.
+    # own memory (part buffered, part O_DIRECT; or all buffered, without O_DIRECT) or
+    # through the ring, every byte lands.
+    from tensorferry import config_override
     rng = np.random.default_rng(phase)
     small = rng.integers(0, 256, size=4096 + 100, dtype=np.uint8)
     big = at_phase(3 << 20, phase)
     big[:] = rng.integers(0, 256, size=big.nbytes, dtype=np.uint8)
     path = str(tmp_path / "s.safetensors")
-    with ShardWriter(path, buffer_size=1 << 20) as w:
+    with config_override(direct=direct), ShardWriter(path, buffer_size=1 << 20) as w:
         w.add("small", small)
         w.add("big", big)
     with ShardReader(path) as r:
