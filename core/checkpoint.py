@@ -84,7 +84,8 @@ class PendingCheckpoint:
         directory = os.path.abspath(os.fspath(directory))
         pending = cls(directory, token or secrets.token_hex(6))
         parent, name = os.path.split(directory)
-        remove_stale_temporaries(parent, name, keep=recoverable_checkpoints(parent).values())
+        recoverable = list(recoverable_checkpoints(parent).values())
+        remove_stale_temporaries(parent, name, keep=recoverable)
         try:
             os.makedirs(pending.tmp_path)
         except FileExistsError:
@@ -94,7 +95,7 @@ class PendingCheckpoint:
             # holder only the collector frees (the exception that ended that save keeps
             # its frames in a reference cycle). A collection tells them apart.
             gc.collect()
-            remove_stale_temporaries(parent, name, keep=recoverable_checkpoints(parent).values())
+            remove_stale_temporaries(parent, name, keep=recoverable)
             os.makedirs(pending.tmp_path)
         pending._lock = hold(pending.tmp_path)
         return pending
