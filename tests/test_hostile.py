@@ -680,3 +680,16 @@ def test_a_load_to_cuda_checks_the_manifest_against_the_header_first(checkpoint,
     _edit_manifest(checkpoint, lambda m: m["tensors"]["a"].update(dtype="I32"))
     with pytest.raises(CorruptCheckpointError, match="disagree"):
         serialization._load_directory_to_device(checkpoint, None, None, torch.device("cuda", 0), None, True)
+
+
+@pytest.mark.parametrize("node", [{"tensor": "nope"}, {"dict": [[True, {"value": 1}]]}, {"npscalar": "w"}])
+def test_a_checkpoint_whose_saved_structure_is_hostile_is_refused(tmp_path, node) -> None:
+    """The structure a manifest holds, rewritten with the manifest sealed anew: refused
+    naming the checkpoint, before any object is rebuilt from it."""
+    from tensorferry.adapters.pytorch import load_checkpoint, save_checkpoint
+    from tensorferry.schema import STRUCTURE_KEY
+    path = str(tmp_path / "ckpt")
+    save_checkpoint(path, {"w": torch.arange(6.0), "step": 7})
+    _edit_manifest(path, lambda m: m["metadata"].__setitem__(STRUCTURE_KEY, {"dict": [["w", node]]}))
+    with pytest.raises(CorruptCheckpointError, match="ckpt"):
+        load_checkpoint(path)

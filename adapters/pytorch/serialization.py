@@ -97,8 +97,7 @@ class _Encoder:
 def _decode(structure: Any, arrays: Mapping[str, np.ndarray], where: str, map_location: Any) -> Any:
     """The object :class:`_Encoder` flattened, from the arrays the core read: each tensor
     made once (tied entries come back as one tensor) and moved to ``map_location``; numpy
-    arrays as they were read."""
-    check_structure(structure, where, arrays)
+    arrays as they were read. ``structure`` must have passed :func:`check_structure`."""
     return _Decoder(arrays, where, map_location).decode(structure)
 
 
@@ -314,6 +313,7 @@ def load_checkpoint(directory: str | os.PathLike, map_location: str | torch.devi
     structure = manifest["metadata"].get(STRUCTURE_KEY) if manifest is not None else None
     if structure is None or names is not None or out:
         return _to_tensors(arrays, map_location)
+    check_structure(structure, os.fspath(directory), arrays)
     return _decode(structure, arrays, os.fspath(directory), map_location)
 
 
