@@ -23,6 +23,7 @@ import pytest
 import tensorferry
 from tensorferry import CheckpointNotFoundError, CorruptCheckpointError, ShardReader, ShardWriter
 from tensorferry.shard import HEADER_CHECKSUM_KEY, gc_paused
+from tensorferry.temporaries import held_here
 
 DTYPES = [np.float64, np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
           ml_dtypes.float8_e5m2, np.int64, np.int32, np.int16, np.int8, np.uint64, np.uint32,
@@ -740,5 +741,6 @@ def test_a_temporary_held_only_by_garbage_is_taken_over_by_the_next_save(tmp_pat
         second = tensorferry.PendingCheckpoint.begin(target, "fixed")
         with pytest.raises(FileExistsError):
             tensorferry.PendingCheckpoint.begin(target, "fixed")
+    assert held_here(second.tmp_path)
     second.abort()
-    assert os.listdir(tmp_path) == []
+    assert not held_here(second.tmp_path) and os.listdir(tmp_path) == []

@@ -53,6 +53,26 @@ def test_misaligned_memory_goes_through_staging(engine: Engine, tmp_path, shift:
     np.testing.assert_array_equal(out, data)
 
 
+def test_memory_alignment_is_what_o_direct_takes(engine: Engine, tmp_path) -> None:
+    # The filesystem's dio_mem_align: a power of two up to a page; memory at exactly that
+    # phase (which the engine sends to the drive unbounced) round-trips intact.
+    from tensorferry.shard import aligned_empty
+    path = tmp_path / "f.bin"
+    with tensorferry.open(path, "w") as f:
+        align = f.memory_alignment
+        if not f.direct:
+            pytest.skip("no O_DIRECT here")
+        assert 1 <= align <= 4096 and align & (align - 1) == 0, align
+        data = aligned_empty(1 << 20, align % 4096)
+        data[:] = random_bytes(1 << 20)
+        engine.write(data, f)
+    out = aligned_empty(1 << 20, align % 4096)
+    engine.read(out, path)
+    np.testing.assert_array_equal(out, data)
+    with pytest.raises(EngineClosedError):
+        f.memory_alignment
+
+
 def test_many_requests_on_many_files_in_flight(engine: Engine, tmp_path) -> None:
     arrays = [random_bytes(100_000 + i * 4099, seed=i) for i in range(24)]
     futures = [engine.pwrite(a, tmp_path / f"{i}.bin") for i, a in enumerate(arrays)]
