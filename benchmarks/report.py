@@ -115,16 +115,75 @@ COMMANDS = [
 ]
 
 
-def latest_results(results_dir: str) -> dict[str, dict[str, Any]]:
-    """The newest result file of each benchmark, by the time the run started."""
-    latest: dict[str, dict[str, Any]] = {}
-    for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
+def all_results(results_dir: str) -> list[dict[str, Any]]:
+    """Every result file in ``results_dir``, oldest run first."""
+    documents = []
+    for path in glob.glob(os.path.join(results_dir, "*.json")):
         document = bench.load_results(path)
         document["path"] = os.path.relpath(path, ROOT)
-        known = latest.get(document["benchmark"])
-        if known is None or document["started"] >= known["started"]:
-            latest[document["benchmark"]] = document
-    return latest
+        documents.append(document)
+    return sorted(documents, key=lambda d: d["started"])
+
+
+def latest_results(results_dir: str, documents: list[dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """The newest result file of each benchmark, by the time the run started."""
+    return {d["benchmark"]: d for d in (all_results(results_dir) if documents is None else documents)}
+
+
+# The docs' ranges span this many of a benchmark's newest runs with the newest one's
+# settings: older runs measured older code (git keeps them all).
+ACROSS_RUNS = 6
+
+
+def runs_like(documents: list[dict[str, Any]], newest: dict[str, Any],
+              count: int = ACROSS_RUNS) -> list[dict[str, Any]]:
+    """The newest ``count`` runs of ``newest``'s benchmark with its settings, oldest first."""
+    same = [d for d in documents if d["benchmark"] == newest["benchmark"] and d["settings"] == newest["settings"]
+            and d.get("measurements") and d["started"] <= newest["started"]]
+    return same[-count:]
+
+
+def _span(values: list[float]) -> str:
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return low if low == high else f"{low}-{high}"
+
+
+def across_runs_tables(runs: list[dict[str, Any]]) -> list[str]:
+    """Per state, each contender's lowest and highest per-run figures over ``runs``: median
+    GB/s, median same-round ratio to fio, ratio to the run's best peer, median CPU-s/GB
+    (the "reference:" rows, parts of a path, are left to each run's tables)."""
+    figures: dict[str, dict[tuple[str, str], dict[str, list[float]]]] = {}
+    for document in runs:
+        for label, rows in summarize(document).items():
+            best = best_peers(rows)
+            for r in rows:
+                if r["op"] == "hash" or r["contender"].startswith(REFERENCE):
+                    continue
+                seen = figures.setdefault(label, {}).setdefault((r["contender"], r["op"]), {
+                    "gbps": [], "fio": [], "peer": [], "cpu": []})
+                seen["gbps"].append(r["gbps"])
+                seen["cpu"].append(r["cpu_s_per_gb"])
+                if r["contender"] != "fio" and r["fio_ratio"] is not None:
+                    seen["fio"].append(r["fio_ratio"])
+                if r["op"] in best and r["contender"] != "fio":
+                    seen["peer"].append(r["gbps"] / best[r["op"]])
+    commits = ", ".join(f"`{(d['machine'].get('commit') or 'unknown')[:7]}`" for d in runs)
+    lines = [f"Over the newest {len(runs)} runs with these settings ({runs[0]['started']} to "
+             f"{runs[-1]['started']}; commits {commits}): for each contender the lowest and highest of the "
+             "runs' figures.", ""]
+    for label, rows in figures.items():
+        if label:
+            lines += [f"**{_described(label, runs[-1]['settings'])}**", ""]
+        lines += ["| contender | op | runs | GB/s | x fio | x best peer | CPU-s/GB |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        order = lambda item: (item[0][1] != "write", item[0][0] != "fio", _is_peer(item[0][0]))  # noqa: E731
+        for (contender, op), seen in sorted(rows.items(), key=order):
+            fio = "1.00" if contender == "fio" else _span(seen["fio"]) if seen["fio"] else ""
+            peer = _span(seen["peer"]) if seen["peer"] else ""
+            lines.append(f"| {contender} | {op} | {len(seen['gbps'])} | {_span(seen['gbps'])} | {fio} | {peer} "
+                         f"| {_span(seen['cpu'])} |")
+        lines.append("")
+    return lines
 
 
 def _label(name: str) -> tuple[str, str]:
@@ -258,7 +317,8 @@ def _machine(document: dict[str, Any]) -> str:
             f"{m.get('filesystem')}; io_uring {'usable' if m.get('io_uring') else 'refused'}; {versions}")
 
 
-def render_results(latest: dict[str, dict[str, Any]], plot: str | None, out_dir: str) -> list[str]:
+def render_results(latest: dict[str, dict[str, Any]], plot: str | None, out_dir: str,
+                   documents: list[dict[str, Any]] = ()) -> list[str]:
     lines = ["## Latest results", ""]
     if not latest:
         return lines + ["No result files yet: run a command above with `--results benchmarks/results`.", ""]
@@ -280,10 +340,14 @@ def render_results(latest: dict[str, dict[str, Any]], plot: str | None, out_dir:
         lines += measurement_tables(document) if document.get("measurements") else row_tables(document)
         lines += [f"Skipped {peer}: {why.rstrip('.')}." for peer, why in document.get("skipped", {}).items()]
         lines += [""] if document.get("skipped") else []
+        runs = runs_like(list(documents), document)
+        if len(runs) > 1:
+            lines += [f"#### {name}: across runs", ""] + across_runs_tables(runs)
     return lines
 
 
-def render_doc(latest: dict[str, dict[str, Any]], plot: str | None, out_dir: str) -> str:
+def render_doc(latest: dict[str, dict[str, Any]], plot: str | None, out_dir: str,
+               documents: list[dict[str, Any]] = ()) -> str:
     lines = ["# Benchmarks", "",
              "<!-- Generated by benchmarks/report.py from benchmarks/results/*.json: edit those, not this. -->", "",
              "How fast tensorferry moves checkpoints and data compared with the drive's ceiling (fio) "
@@ -291,11 +355,11 @@ def render_doc(latest: dict[str, dict[str, Any]], plot: str | None, out_dir: str
              METHOD, "## Reproducing", "",
              "Each figure comes from one command (`DIR`: a directory on the drive to measure; "
              "`--results` writes the run as a JSON file, from which `python benchmarks/report.py` "
-             "renders this page, showing the newest file of each benchmark; delete superseded files, "
-             "git keeps them):", "",
+             "renders this page, showing the newest file of each benchmark and, where several runs had its "
+             f"settings, the range over the newest {ACROSS_RUNS}; git keeps every file):", "",
              "| benchmark | command | what it compares |", "| --- | --- | --- |"]
     lines += [f"| {name} | `{command}` | {what} |" for name, command, what in COMMANDS]
-    lines += [""] + render_results(latest, plot, out_dir)
+    lines += [""] + render_results(latest, plot, out_dir, documents)
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -470,13 +534,14 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.gpu_check) as f:
             sys.stdout.write(render_gpu_check(json.load(f)))
         return 0
-    latest = latest_results(args.results)
+    documents = all_results(args.results)
+    latest = latest_results(args.results, documents)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if args.plot:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
     plot = draw_plot(latest, args.plot) if args.plot else None
     with open(args.out, "w") as f:
-        f.write(render_doc(latest, plot, os.path.dirname(os.path.abspath(args.out))))
+        f.write(render_doc(latest, plot, os.path.dirname(os.path.abspath(args.out)), documents))
     if args.readme and not update_marked_section(args.readme, readme_table(latest), README_START, README_END):
         print(f"{args.readme} has no benchmark-table markers: left as it was", file=sys.stderr)
     gpu_check = newest_gpu_check(args.results)

@@ -112,16 +112,17 @@ def test_report_renders_the_newest_result_of_each_benchmark(tmp_path) -> None:
     report = _report_module()
     results = tmp_path / "results"
 
-    def run(save_gbps: float, started: float) -> None:
+    def run(save_gbps: float, started: float, repeat: int = 2) -> None:
         rounds = []
         for fio_gbps in (2.0, 1.0):  # two rounds: fio, then the save, each time
             rounds += [bench.Measurement("fio [8 arrays]", "write", 10**9, 1 / fio_gbps, 0.2),
                        bench.Measurement("tensorferry save [8 arrays]", "write", 10**9, 1 / save_gbps, 0.3, 5 << 20)]
         bench.save_results(str(results), "checkpoint", ["python", "-m", "tensorferry.bench", "checkpoint", "--dir",
-                                                        "/nvme/x", "--size", "1G"], {"size": 1 << 30, "repeat": 2},
+                                                        "/nvme/x", "--size", "1G"], {"size": 1 << 30, "repeat": repeat},
                            str(tmp_path), started, measurements=rounds)
 
-    run(1.0, 1_000_000_000)  # older: left out of the page
+    run(9.0, 999_999_000, repeat=5)  # other settings: in no range
+    run(1.0, 1_000_000_000)  # older: only in the range across runs
     run(3.0, 1_000_000_100)
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{report.README_START}\nold table\n{report.README_END}\nrest\n")
@@ -132,6 +133,9 @@ def test_report_renders_the_newest_result_of_each_benchmark(tmp_path) -> None:
     assert "--dir DIR --size 1G" in page and "/nvme/x" not in page
     assert "| tensorferry save | write | 3.00 (3.00) | 2.25 | 0.30 | 2 |" in page  # median of 1.5 and 3.0
     assert "1.00 (1.00)" not in page, "the older run is not shown"
+    across = page[page.index("#### checkpoint: across runs"):]
+    assert "Over the newest 2 runs" in across
+    assert "| tensorferry save | write | 2 | 1.00-3.00 | 0.75-2.25 |  | 0.30 |" in across  # each run's medians
     text = readme.read_text()
     assert "old table" not in text and text.startswith("intro\n") and text.endswith("rest\n")
     assert "| tensorferry save | 3.00, 2.25, 0.30 |" in text  # a row per contender, a column per state and op
