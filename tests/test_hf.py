@@ -144,6 +144,14 @@ def test_from_pretrained_opens_what_tensorferry_writes(tmp_path: Path) -> None:
             assert f.metadata()["format"] == "pt"
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
     assert same_tensors(reloaded.state_dict(), expected)
+    # torch's own reader of Hugging Face folders (torchtitan's way in), without tensorferry
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    through_dcp = {k: torch.zeros_like(v) for k, v in expected.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
+        dcp.load(through_dcp, storage_reader=HuggingFaceStorageReader(str(folder)))
+    assert same_tensors(through_dcp, expected)
 
     single = tmp_path / "single"
     single.mkdir()
