@@ -203,6 +203,35 @@ def test_checkpoint_manager_async(tmp_path):
         assert_same(states[3], restored["state"])
 
 
+def test_checkpoint_manager_with_orbax_handlers_beside_ours(tmp_path):
+    """A step of several items, as training loops save them: the state through our
+    handler, metadata and a small host tree through Orbax's own handlers."""
+    s = NamedSharding(mesh((2, 4)), P("x", "y"))
+    handlers = {"state": FerryCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+                "extra": ocp.StandardCheckpointHandler()}
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
+    states = {}
+    with ocp.CheckpointManager(tmp_path / "run", options=options, item_handlers=handlers) as mngr:
+        for step in range(3):
+            states[step] = {"w": jax.device_put(make(jnp.float32, (16, 24), seed=step), s), "step": step}
+            mngr.save(step, args=ocp.args.Composite(state=FerrySave(states[step]),
+                                                    meta=ocp.args.JsonSave({"step": step, "lr": 0.1}),
+                                                    extra=ocp.args.StandardSave({"seen": np.arange(3) * step})))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [1, 2]
+        restored = mngr.restore(2, args=ocp.args.Composite(
+            state=FerryRestore(abstract(states[2], lambda x: NamedSharding(mesh((8, 1)), P("x")))),
+            meta=ocp.args.JsonRestore(), extra=ocp.args.StandardRestore()))
+        assert_same(states[2], restored["state"])
+        assert restored["meta"] == {"step": 2, "lr": 0.1}
+        np.testing.assert_array_equal(restored["extra"]["seen"], np.arange(3) * 2)
+    # a new manager (a restarted job) with the same handlers restores every item without args
+    with ocp.CheckpointManager(tmp_path / "run", item_handlers=handlers) as mngr:
+        again = mngr.restore(mngr.latest_step())
+        np.testing.assert_array_equal(np.asarray(again["state"]["w"]), np.asarray(states[2]["w"]))
+        assert again["meta"]["step"] == 2
+
+
 def test_async_checkpointer(tmp_path):
     state = {"a": jax.device_put(make(jnp.bfloat16, (32, 8)), NamedSharding(mesh((2, 4)), P(None, "y")))}
     ckptr = ocp.AsyncCheckpointer(FerryCheckpointHandler())
