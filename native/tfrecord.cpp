@@ -20,6 +20,19 @@ constexpr uint64_t kHeader = 12, kFooter = 4;
 // 0.20-0.27 s cold, to find their headers).
 constexpr uint64_t kWindow = 64 << 10, kPage = 4096;
 
+// What a file whose first header fails its CRC may be instead: TFRecordWriter's GZIP
+// and ZLIB options write a compressed stream, which these ops do not read.
+std::string compression_hint(const unsigned char *start, uint64_t offset) {
+  if (offset != 0) return "";
+  const char *kind = nullptr;
+  if (start[0] == 0x1f && start[1] == 0x8b) kind = "GZIP";
+  else if ((start[0] & 0x0f) == 8 && (start[0] * 256 + start[1]) % 31 == 0) kind = "ZLIB";
+  if (kind == nullptr) return "";
+  return std::string(" (it starts as a ") + kind +
+         " stream: these ops read uncompressed TFRecord files; tf.data.TFRecordDataset(files, "
+         "compression_type='" + kind + "') reads compressed ones)";
+}
+
 }  // namespace
 
 TfrecordRanges scan_tfrecord(const std::string &path) {
@@ -51,7 +64,7 @@ TfrecordRanges scan_tfrecord(const std::string &path) {
     std::memcpy(&length_crc, header + 8, 4);
     if (masked_crc32c(header, 8) != length_crc)
       throw std::invalid_argument(path + ": " + "bad length CRC at offset " + std::to_string(offset) +
-                                  ": not a TFRecord file, or corrupt");
+                                  ": not a TFRecord file, or corrupt" + compression_hint(header, offset));
     if (length > size || offset + kHeader + length + kFooter > size)
       throw std::invalid_argument(path + ": " + "record at offset " + std::to_string(offset) + " (" +
                                   std::to_string(length) + " bytes) runs past the end of the file");

@@ -157,6 +157,12 @@ def test_errors(tmp_path) -> None:
         make_dataset([], tfrecord=True)
     with pytest.raises(ValueError, match="not both"):
         make_dataset(str(tmp_path), record_bytes=4, tfrecord=True)
+    for compression in ("GZIP", "ZLIB"):  # TFRecordWriter's options: named, with the reader that takes them
+        path = str(tmp_path / f"compressed.{compression}")
+        with tf.io.TFRecordWriter(path, options=compression) as writer:
+            writer.write(b"x" * 1000)
+        with pytest.raises(ValueError, match=f"starts as a {compression} stream.*compression_type='{compression}'"):
+            make_dataset(path, tfrecord=True)
 
 
 def test_one_read_per_call_path(whole_files, tmp_path) -> None:
