@@ -157,6 +157,18 @@ class FileSource:
     def __repr__(self) -> str:
         return f"<tensorferry.FileSource {len(self._records)} items window={self.window}>"
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to another process (a DataLoader worker that spawn or forkserver starts):
+        # the records travel; buffers and the engine are the receiving process's own.
+        if self._shared._engine is not None:
+            raise TypeError("a FileSource given an explicit engine cannot be sent to another process: an "
+                            "engine's threads and buffers belong to the process that made it; leave "
+                            "engine=None so that each process reads with its own default engine")
+        return {"records": self._records, "window": self.window}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._setup(state["records"], _Shared(None, None), state["window"])
+
     def _position(self, index: int) -> int:
         position = operator.index(index)
         n = len(self._records)

@@ -4,6 +4,7 @@ no test leaves anything in the temporary directory."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.util
 import os
 import shutil
 import subprocess
@@ -23,6 +24,9 @@ def session_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     child processes use it) for everything but pytest's ``tmp_path``, which stays where
     pytest keeps its recent runs. It is removed at the end."""
     tmp_path_factory.getbasetemp()
+    # multiprocessing's directory of this process (a forkserver's socket lives there until
+    # exit, when multiprocessing removes it) is made first, outside the session's.
+    multiprocessing.util.get_temp_dir()
     root = tempfile.mkdtemp(prefix="tensorferry-tests-")
     saved = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"] = tempfile.tempdir = root

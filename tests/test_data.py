@@ -100,6 +100,19 @@ def test_shuffle_is_a_deterministic_permutation(files, engine):
         np.testing.assert_array_equal(array, by_path[path])
 
 
+def test_a_source_pickles_as_its_items_for_another_process(files, engine):
+    import pickle
+    paths, contents = files
+    source = FileSource(paths, window=3).shard(1, 2)  # derived sources too
+    copy = pickle.loads(pickle.dumps(source))
+    assert copy.records == source.records and copy.window == 3
+    for array, expected in zip(copy, contents[1::2]):
+        np.testing.assert_array_equal(array, expected)
+        copy.release(array)  # its own pool
+    with pytest.raises(TypeError, match="explicit engine"):
+        pickle.dumps(FileSource(paths, engine=engine))
+
+
 @pytest.mark.parametrize("count", [1, 2, 3, 4])
 def test_shards_cover_every_item_exactly_once(files, engine, count):
     paths, contents = files

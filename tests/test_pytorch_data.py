@@ -159,6 +159,25 @@ def test_workers_each_use_their_own_engine(tmp_path: Path) -> None:
     assert all(pid == engine_pid for pid, engine_pid in pairs)
 
 
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_workers_started_by_spawn_or_forkserver(tmp_path: Path, context: str) -> None:
+    """The start methods that pickle the dataset (spawn: macOS's default, and the usual
+    choice once CUDA is initialised), with persistent workers over two epochs."""
+    paths, contents = _files(tmp_path)
+    dataset = GDSDataset(paths)
+    assert bytes(dataset[0].numpy()) == contents[0]  # used here first: its pool and engine stay here
+    loader = DataLoader(dataset, batch_size=5, shuffle=True, num_workers=2, multiprocessing_context=context,
+                        persistent_workers=True, generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        assert sorted(_epoch(loader)) == sorted(contents)
+    with tensorferry.Engine() as engine:
+        explicit = DataLoader(GDSDataset(paths, engine=engine), batch_size=2, num_workers=1,
+                              multiprocessing_context=context)
+        with pytest.raises(TypeError, match="explicit engine"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's own note on a worker it could not pickle
+            next(iter(explicit))
+
+
 def test_explicit_engine_refused_in_a_forked_worker(tmp_path: Path) -> None:
     paths, _ = _files(tmp_path, n=2)
     with tensorferry.Engine() as engine:

@@ -83,8 +83,9 @@ class GDSDataset(Dataset):
         transform: applied to each item's tensor; its result is what indexing returns.
         engine: the core :class:`Engine` for host reads (default: the process's
             :func:`default_engine`, looked up per read, so DataLoader workers each use
-            their own). An explicit engine cannot be used in worker processes, since its
-            I/O threads do not survive a fork.
+            their own, whether forked, spawned or started by a forkserver). An explicit
+            engine cannot be used in worker processes: its I/O threads do not survive a
+            fork, and it cannot be sent to a spawned process.
         pool: the pinned pool host reads take buffers from (default: a new one, or for
             a CUDA device the staging pool registered with CUDA).
 
@@ -150,6 +151,16 @@ class GDSDataset(Dataset):
     def __repr__(self) -> str:
         path = "gds" if self.uses_gds else "host"
         return f"<tensorferry GDSDataset {len(self)} items device={self.device} path={path}>"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What a DataLoader worker started by spawn or forkserver receives: the items and
+        # settings; kvikio handles, copies in flight and the pinned pool stay here (the
+        # worker reads into host buffers of its own, as a forked one does).
+        if self._engine_pid is not None:
+            raise TypeError("GDSDataset was given an explicit engine, which cannot be sent to another "
+                            "process (a DataLoader worker); leave engine=None so that each process "
+                            "uses its own default engine")
+        return {**self.__dict__, "_cufiles": {}, "_copying": [], "_warned_worker": False}
 
     def _warn_worker(self) -> None:
         # Each worker is its own process holding its own copy of this flag: once per worker.
