@@ -227,12 +227,5 @@ class GDSDataset(Dataset):
             raise errors[0]
         return tensors
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Spawned workers get a copy without the parent's kvikio handles or CUDA events.
-        state = self.__dict__.copy()
-        state["_cufiles"] = {}
-        state["_copying"] = []
-        return state
-
 
 __all__ = ["GDSDataset", "GDSWorkerWarning"]
