@@ -116,6 +116,35 @@ def test_param_groups_and_scheduler(tmp_path):
     assert wrapped.param_groups[0]["lr"] == reference.param_groups[0]["lr"]
 
 
+def test_mixed_precision_training_with_a_grad_scaler(tmp_path):
+    """autocast, GradScaler (unscale_, clipping, a step skipped for an inf, the scale
+    backing off): the wrapped optimizer's steps and the scaler's decisions are the
+    plain optimizer's, bit for bit."""
+    plain, offloaded = mlp(), mlp()
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    wrapped = OffloadedOptimizer(torch.optim.AdamW(offloaded.parameters(), lr=1e-2), tmp_path,
+                                 resident_bytes=small_budget(plain))
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**16) for _ in range(2)]
+    torch.manual_seed(1)
+    for step in range(6):
+        x = torch.randn(16, plain[0].in_features)
+        for model, optimizer, scaler in ((plain, reference, scalers[0]), (offloaded, wrapped, scalers[1])):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            if step == 2:
+                next(model.parameters()).grad[0].fill_(float("inf"))
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+    assert_same_params(plain, offloaded)
+    assert scalers[0].get_scale() == scalers[1].get_scale() < 2.0**16  # the inf step backed it off
+    first = next(offloaded.parameters())
+    assert int(wrapped.state[first]["step"]) == int(reference.state[next(plain.parameters())]["step"]) == 5
+
+
 def test_resident_memory_within_budget(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])  # 64 MiB of params
