@@ -1,4 +1,5 @@
-"""The safetensors dtype names and their numpy counterparts (bf16 and fp8 via ml_dtypes)."""
+"""The safetensors dtype names and their numpy counterparts (bf16 and fp8 via ml_dtypes),
+and torch's names for them."""
 
 from __future__ import annotations
 
@@ -12,11 +13,21 @@ _PLAIN = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
     "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
-    "BOOL": np.bool_,
+    "BOOL": np.bool_, "C64": np.complex64,
 }
-_ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+              "F8_E8M0": "float8_e8m0fnu"}
 
 SAFETENSORS_DTYPES = tuple(_PLAIN) + tuple(_ML_DTYPES)
+
+# The safetensors name of each torch dtype that has one, by the dtype's name in torch
+# (``torch.<name>``), for code that must not import torch.
+TORCH_DTYPE_NAMES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL", "complex64": "C64",
+}
 
 
 @lru_cache(maxsize=None)
@@ -28,7 +39,8 @@ def _tables() -> tuple[dict[str, np.dtype], dict[np.dtype, str]]:
         ml_dtypes = None
     if ml_dtypes is not None:
         for name, attr in _ML_DTYPES.items():
-            to_numpy[name] = np.dtype(getattr(ml_dtypes, attr))
+            if hasattr(ml_dtypes, attr):  # float8_e8m0fnu since ml_dtypes 0.5
+                to_numpy[name] = np.dtype(getattr(ml_dtypes, attr))
     return to_numpy, {dt: name for name, dt in to_numpy.items()}
 
 
@@ -38,7 +50,8 @@ def to_numpy_dtype(name: str) -> np.dtype:
     if name in to_numpy:
         return to_numpy[name]
     if name in _ML_DTYPES:
-        raise ImportError(f"dtype {name} needs the ml_dtypes package: pip install ml_dtypes")
+        raise ImportError(f"dtype {name} needs the ml_dtypes package with {_ML_DTYPES[name]}: "
+                          "pip install -U ml_dtypes")
     raise CorruptCheckpointError(f"unknown dtype {name!r} (known: {', '.join(SAFETENSORS_DTYPES)})")
 
 

@@ -27,7 +27,8 @@ def _eight_devices():
     if jax.device_count() < 8:
         pytest.skip("needs 8 (virtual) devices: XLA_FLAGS was set after JAX started")
 
-DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.int32, jnp.bool_]
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e8m0fnu, jnp.complex64, jnp.int32,
+          jnp.bool_]
 
 
 def mesh(shape):
@@ -38,6 +39,8 @@ def make(dtype, shape=(16, 24), seed=0):
     values = np.random.default_rng(seed).standard_normal(shape) * 4
     if dtype == jnp.bool_:
         values = values > 0
+    if dtype == jnp.float8_e8m0fnu:  # powers of two, no sign: NaN for what it cannot hold, and NaN != NaN
+        values = np.abs(values) + 0.25
     return np.asarray(jnp.asarray(values).astype(dtype))
 
 

@@ -23,7 +23,8 @@ from tensorferry import CorruptCheckpointError, ShardReader, TensorferryIOError,
 from tensorferry.adapters import pytorch as tf_torch  # noqa: E402
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-          torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
+          torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.float8_e8m0fnu, torch.complex64]
 
 
 def a_state() -> dict:

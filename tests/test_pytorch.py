@@ -26,7 +26,8 @@ from tensorferry.adapters.pytorch import (DCPReader, DCPWriter, FSDPCheckpointer
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-          torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+          torch.float8_e8m0fnu, torch.complex64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+          torch.bool]
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple, seed: int) -> torch.Tensor:
@@ -75,7 +76,10 @@ def test_save_load_nested_state(tmp_path) -> None:
     fresh = torch.optim.AdamW(small_model().parameters(), lr=1e-3)
     fresh.load_state_dict(back["optimizer"])  # a real optimizer accepts it
     from safetensors.torch import load_file
-    assert torch.equal(load_file(str(path))["model.0.weight"], obj["model"]["0.weight"])
+    theirs = load_file(str(path))
+    assert torch.equal(theirs["model.0.weight"], obj["model"]["0.weight"])
+    for name, t in obj["tensors"].items():  # every dtype, complex and e8m0 included, as safetensors reads it
+        assert same(t, theirs[f"tensors.{name}"]), name
 
 
 def test_save_keeps_tied_tensors_tied_and_refuses_pickle_only_objects(tmp_path) -> None:
@@ -86,6 +90,9 @@ def test_save_keeps_tied_tensors_tied_and_refuses_pickle_only_objects(tmp_path) 
     with pytest.raises(TypeError, match="without pickle"):
         save({"f": object()}, tmp_path / "bad.safetensors")
     assert not (tmp_path / "bad.safetensors").exists()
+    with pytest.raises(TypeError, match="complex128 has no safetensors equivalent"):  # safetensors has no C128
+        save({"z": torch.zeros(2, dtype=torch.complex128)}, tmp_path / "bad.safetensors")
+    assert not (tmp_path / "bad.safetensors").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["tied.safetensors"]
 
 
@@ -93,6 +100,10 @@ def test_load_plain_safetensors_and_map_location(tmp_path) -> None:
     from safetensors.torch import save_file
     save_file({"x": torch.arange(6.0)}, str(tmp_path / "peer.safetensors"))
     assert torch.equal(load(tmp_path / "peer.safetensors", map_location="cpu")["x"], torch.arange(6.0))
+    every = {str(d).split(".")[-1]: random_tensor(d, (5, 3), i) for i, d in enumerate(DTYPES)}
+    save_file(every, str(tmp_path / "dtypes.safetensors"))
+    back = load(tmp_path / "dtypes.safetensors")
+    assert all(same(t, back[name]) for name, t in every.items())
     with pytest.raises(TypeError):
         load(tmp_path / "peer.safetensors", map_location=lambda s, _: s)
 

@@ -7,15 +7,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...dtypes import to_numpy_dtype
+from ...dtypes import TORCH_DTYPE_NAMES, to_numpy_dtype
 
-TO_SAFETENSORS = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+TO_SAFETENSORS = {getattr(torch, name): safetensors for name, safetensors in TORCH_DTYPE_NAMES.items()
+                  if hasattr(torch, name)}  # float8_e8m0fnu since torch 2.7
 FROM_SAFETENSORS = {name: dtype for dtype, name in TO_SAFETENSORS.items()}
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..buffers import byte_view
 from ..checkpoint import MANIFEST, open_shard, read_directory_file, read_manifest, verify_checkpoint
-from ..dtypes import to_numpy_dtype
+from ..dtypes import TORCH_DTYPE_NAMES, to_numpy_dtype
 from ..errors import CorruptCheckpointError, TensorferryError
 from ..schema import member_path
 from . import (OBJECT, Chunk, ChunkSource, Layout, TensorEntry, TensorSource, Verification, file_row, size_problems,
@@ -31,17 +31,14 @@ DCP_METADATA = ".metadata"
 ITEMS_KEY = "dcp_items"
 # Tensors of at most this many bytes in all are loaded by one dcp.load call.
 TORCH_BATCH_BYTES = 64 << 20
-_TORCH_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-                 "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16",
-                 "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 
 
 def safetensors_name(torch_dtype: Any) -> str:
     """The safetensors name of a torch dtype (by its name: torch need not be imported)."""
     name = str(torch_dtype).removeprefix("torch.")
-    if name not in _TORCH_DTYPES:
+    if name not in TORCH_DTYPE_NAMES:
         raise CorruptCheckpointError(f"dtype {name} has no safetensors equivalent")
-    return _TORCH_DTYPES[name]
+    return TORCH_DTYPE_NAMES[name]
 
 
 # Callables outside torch.distributed.checkpoint that DCP metadata may name: layouts
@@ -259,7 +256,7 @@ class _TorchSource(TensorSource):
 
 
 def _torch_name(dtype: str) -> str:
-    return next(name for name, st in _TORCH_DTYPES.items() if st == dtype)
+    return next(name for name, st in TORCH_DTYPE_NAMES.items() if st == dtype)
 
 
 __all__ = ["DCPFolder", "DCP_METADATA", "ITEMS_KEY", "read_dcp_metadata", "safetensors_name"]
