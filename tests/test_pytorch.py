@@ -9,6 +9,7 @@ import os
 import tempfile
 from typing import Callable
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -154,7 +155,8 @@ def test_tied_weights_are_found_by_storage(tmp_path) -> None:
 def test_numpy_arrays_in_a_state_dict(tmp_path) -> None:
     rng = np.random.get_state()
     obj = {"rng": rng, "torch_rng": torch.get_rng_state(), "mask": np.array([[True, False]]),
-           "half": np.arange(6, dtype=np.float16).reshape(2, 3)[:, ::2], "count": np.int64(7)}
+           "half": np.arange(6, dtype=np.float16).reshape(2, 3)[:, ::2], "count": np.int64(7),
+           "phases": np.exp(1j * np.arange(4)).astype(np.complex64), "bf16": np.arange(3).astype(ml_dtypes.bfloat16)}
     save(obj, tmp_path / "rng.safetensors")
     save_checkpoint(tmp_path / "rng", obj)
     for back in (load(tmp_path / "rng.safetensors"), load(tmp_path / "rng")):
@@ -166,8 +168,13 @@ def test_numpy_arrays_in_a_state_dict(tmp_path) -> None:
         np.testing.assert_array_equal(back["mask"], obj["mask"])
         np.testing.assert_array_equal(back["half"], obj["half"])
         assert back["half"].dtype == np.float16 and back["count"] == 7 and isinstance(back["count"], np.int64)
+        for name in ("phases", "bf16"):
+            assert back[name].dtype == obj[name].dtype and back[name].tobytes() == obj[name].tobytes()
     with pytest.raises(TypeError, match="without pickle"):
         save({"s": np.array(["a"])}, tmp_path / "str.safetensors")
+    with pytest.raises(TypeError, match="z: dtype complex128 has no safetensors equivalent"):
+        save({"z": np.zeros(2, np.complex128)}, tmp_path / "c128.safetensors")
+    assert not (tmp_path / "str.safetensors").exists() and not (tmp_path / "c128.safetensors").exists()
 
 
 def test_loading_a_directory_neither_warns_nor_hides_a_later_warning(tmp_path) -> None:
@@ -489,6 +496,11 @@ def scenario_save_sharded(rank: int, world: int, root: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_step(model, opt, 0, rank)
     FSDPCheckpointer(root, model, opt).save(1)
+    # The single-file save of a sharded state dict: refused, naming the way that works.
+    stray = os.path.join(root, f"rank{rank}.safetensors")
+    with pytest.raises(TypeError, match="is a DTensor.*FSDPCheckpointer"):
+        save(model.state_dict(), stray)
+    assert not os.path.exists(stray)
     expected = full_params(model)  # a collective: every rank takes part
     if rank == 0:
         torch.save(expected, os.path.join(root, "expected.pt"))

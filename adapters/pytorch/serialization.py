@@ -41,6 +41,23 @@ def _storage_key(t: torch.Tensor) -> Any:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
 
 
+def _check_savable(tensor: torch.Tensor, where: str) -> None:
+    """Refuses, naming the entry, a dtype safetensors has no name for, and a DTensor: one
+    rank's part of a tensor spread over ranks, which saved as it is would have each rank
+    write its own shard under the full tensor's name."""
+    try:
+        safetensors_dtype(tensor.dtype)
+    except TypeError as exc:
+        raise TypeError(f"{where or 'the object'}: {exc}") from None
+    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
+    if dtensor is not None and isinstance(tensor, dtensor):
+        raise TypeError(f"{where or 'the object'} is a DTensor (a shard of a tensor spread over ranks, as FSDP2 "
+                        "and tensor parallelism make): save such a state with DCPWriter or FSDPCheckpointer, "
+                        "or gather it first (torch.distributed.checkpoint.state_dict.get_model_state_dict with "
+                        "StateDictOptions(full_state_dict=True, cpu_offload=True), as "
+                        "FSDPCheckpointer.save_consolidated does)")
+
+
 class _Encoder:
     """Flattens a nested object into named tensors (each stored once) and a JSON structure."""
 
@@ -61,13 +78,16 @@ class _Encoder:
         if depth > MAX_STRUCTURE_DEPTH:  # what load would refuse as damaged
             raise ValueError(f"{where}: the object nests more than {MAX_STRUCTURE_DEPTH} levels deep")
         if isinstance(value, torch.Tensor):
+            _check_savable(value, where)
             return {"tensor": self._name(_storage_key(value), value, where)}
         if isinstance(value, (np.ndarray, np.generic)):
             array = np.asarray(value)
-            if array.dtype.kind not in "biuf":
-                raise TypeError(f"{where or 'the object'}: cannot save a numpy array of dtype {array.dtype} "
-                                "without pickle")
-            to_safetensors_dtype(array.dtype)  # raises for a dtype safetensors cannot name
+            try:
+                to_safetensors_dtype(array.dtype)
+            except TypeError as exc:  # a number safetensors has no name for (complex128), or not a number
+                why = exc if array.dtype.kind in "biufc" else \
+                    f"cannot save a numpy array of dtype {array.dtype} without pickle"
+                raise TypeError(f"{where or 'the object'}: {why}") from None
             array = array.astype(array.dtype.newbyteorder("="), order="C", copy=False)
             kind = "ndarray" if isinstance(value, np.ndarray) else "npscalar"
             return {kind: self._name(("object", id(value)), array, where)}
