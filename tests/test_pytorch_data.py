@@ -8,7 +8,7 @@ import multiprocessing
 import os
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -256,9 +256,14 @@ def test_worker_warning_class_is_exported() -> None:
     assert issubclass(GDSWorkerWarning, UserWarning)
 
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-requires_gds = pytest.mark.skipif(not (torch.cuda.is_available() and data_module._gds_usable()),
-                                  reason="needs a CUDA device and kvikio with GDS (compat mode off)")
+def requires_cuda(test: Callable) -> Callable:
+    """Skipped without CUDA; marked ``cuda`` so that ``pytest -m cuda`` (gpu_check.sh) runs it."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
+
+
+def requires_gds(test: Callable) -> Callable:
+    return pytest.mark.cuda(pytest.mark.skipif(not (torch.cuda.is_available() and data_module._gds_usable()),
+                                               reason="needs a CUDA device and kvikio with GDS (compat mode off)")(test))
 
 
 @requires_cuda
@@ -270,6 +275,21 @@ def test_cuda_without_gds_copies_from_pinned_buffers(tmp_path: Path, monkeypatch
         got = _epoch(DataLoader(dataset, batch_size=4))
         assert got == contents
     assert dataset[0].device.type == "cuda"
+
+
+@requires_cuda
+def test_cuda_dataset_in_spawned_workers(tmp_path: Path) -> None:
+    """CUDA is up in the trainer (a forked worker could not use it): spawned workers get
+    the dataset pickled and return host tensors, pinned for the copy to the device."""
+    paths, contents = _files(tmp_path, n=8)
+    dataset = GDSDataset(paths, device="cuda")
+    assert dataset[0].device.type == "cuda"  # read here first: CUDA is initialised in this process
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, multiprocessing_context="spawn", pin_memory=True,
+                        persistent_workers=True)
+    for _ in range(2):
+        batches = list(loader)
+        assert all(b.is_pinned() for b in batches)
+        assert sorted(bytes(r.numpy()) for b in batches for r in b) == sorted(contents)
 
 
 @requires_gds
