@@ -65,7 +65,7 @@ def workers_exited() -> Iterator[None]:
 
 
 def _epoch(loader: DataLoader) -> list[bytes]:
-    return [bytes(row.numpy()) for batch in loader for row in batch]
+    return [bytes(row.cpu().numpy()) for batch in loader for row in batch]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
