@@ -39,10 +39,12 @@ class Tiny(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=16)
 
 
-def train(root: Path, epochs: int, plugin, resume: Path | None = None) -> Tiny:
+def train(root: Path, epochs: int, plugin, resume: Path | None = None, strategy: str = "auto",
+          devices: int = 1) -> Tiny:
     pl.seed_everything(0, workers=True)
     model = Tiny()
-    trainer = pl.Trainer(max_epochs=epochs, default_root_dir=root, accelerator="cpu", devices=1, logger=False,
+    trainer = pl.Trainer(max_epochs=epochs, default_root_dir=root, accelerator="cpu", devices=devices,
+                         strategy=strategy, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, plugins=[plugin], deterministic=True,
                          callbacks=[ModelCheckpoint(dirpath=root / "ckpts", save_last=True, save_top_k=1)])
     with warnings.catch_warnings():
@@ -76,6 +78,29 @@ def test_resume_from_last_ckpt_is_bit_identical(tmp_path: Path, wrap: str) -> No
         assert {"epoch=3-step=16.ckpt", "last.ckpt"} <= left
     else:
         assert left == {"epoch=3-step=16.ckpt", "last.ckpt"}
+
+
+@pytest.mark.slow
+def test_two_processes_of_ddp_spawn_save_and_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's ddp_spawn pickles the plugin into each process; rank 0 writes (in the
+    background), both resume from it and end where an uninterrupted run ends. Rank 0 also
+    hands its weights back to the main process through the plugin (a save in a worker, a
+    load in the main process)."""
+    # That hand-back goes through a directory of tempfile.mkdtemp() that Lightning leaves.
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+
+    def run(root: Path, epochs: int, resume: Path | None = None) -> Tiny:
+        return train(root, epochs, TensorferryCheckpointIO(asynchronous=True), resume, "ddp_spawn", 2)
+
+    straight = run(tmp_path / "straight", 3)
+    run(tmp_path / "interrupted", 2)
+    last = tmp_path / "interrupted" / "ckpts" / "last.ckpt"
+    assert TensorferryCheckpointIO().load_checkpoint(last)["global_step"] == 4  # 2 epochs of 2 batches a rank
+    resumed = run(tmp_path / "interrupted", 3, last)
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert {p.name for p in (tmp_path / "interrupted" / "ckpts").iterdir()} == {"epoch=2-step=6.ckpt", "last.ckpt"}
 
 
 def test_the_checkpoint_reads_back_as_lightning_wrote_it(tmp_path: Path) -> None:
