@@ -227,6 +227,23 @@ def test_dcp_round_trip_single_process(tmp_path) -> None:
     assert tensorferry.verify_checkpoint(tmp_path / "c") == []
 
 
+@pytest.mark.filterwarnings("ignore:Ignoring pin_memory flag")  # torch, on a machine without CUDA
+@pytest.mark.parametrize("pinned", [False, True])
+def test_dcp_async_save_with_torchs_own_stager(tmp_path, pinned: bool) -> None:
+    """dcp.async_save(..., async_stager=DefaultStager(...)): torch stages the state itself
+    (in pinned, shared memory, in the background when asked) and hands DCPWriter the copy."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    state = {"model": {f"t{i}": random_tensor(d, (64, 5), i) for i, d in enumerate(DTYPES)}, "meta": {"step": 3}}
+    stager = DefaultStager(StagingOptions(pinned, pinned, pinned, False))
+    response = dcp.async_save(state, storage_writer=DCPWriter(tmp_path / "c"), async_stager=stager)
+    getattr(response, "upload_completion", response).result()
+    stager.close()
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "meta": {"step": 0}}
+    dcp.load(target, storage_reader=DCPReader(tmp_path / "c"))
+    assert target["meta"] == {"step": 3} and all(same(v, target["model"][k]) for k, v in state["model"].items())
+    assert tensorferry.verify_checkpoint(tmp_path / "c") == []
+
+
 def test_dcp_files_written_in_parallel_past_the_staging_window(tmp_path, monkeypatch) -> None:
     # A rank's files write in parallel, taking their tensors from one stager; past its window
     # one file takes a tensor the window has not reached yet. That once made the window make
