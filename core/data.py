@@ -82,6 +82,10 @@ class FileSource:
     long as it is referenced. Giving it back with :meth:`release` when done lets
     later reads reuse its pinned memory instead of allocating more.
 
+    Processes: a source pickles as its items and window (for workers that spawn or a
+    forkserver starts), and reads there with that process's own engine and buffers;
+    one given an explicit engine cannot be pickled.
+
     Example::
 
         source = FileSource(sorted(glob.glob("/data/shard-*.bin"))).shuffle(epoch).shard(rank, world)
