@@ -235,6 +235,30 @@ def test_checkpoint_manager_with_orbax_handlers_beside_ours(tmp_path):
         assert again["meta"]["step"] == 2
 
 
+def test_numbers_restore_as_the_target_asks(tmp_path):
+    """A tree saved with Python numbers (step=5) restored into jax.eval_shape's abstract
+    tree comes back with arrays there, as the target's types (a jitted step that took an
+    array would otherwise be traced again for an int); into numbers, as numbers."""
+    def init(key):
+        return {"w": jax.random.normal(key, (16, 8)), "step": 0, "lr": 0.1}
+
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    ckptr.save(tmp_path / "c", args=FerrySave({**init(jax.random.PRNGKey(0)), "step": 5, "note": "run-1"}))
+    sharding = NamedSharding(mesh((2, 4)), P())
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                                      jax.eval_shape(init, jax.random.PRNGKey(1)))
+    restored = ckptr.restore(tmp_path / "c", args=FerryRestore({**abstract, "note": ""}))
+    assert isinstance(restored["step"], jax.Array) and restored["step"].dtype == jnp.int32
+    assert int(restored["step"]) == 5 and restored["step"].sharding == sharding
+    assert restored["lr"].dtype == jnp.float32 and float(restored["lr"]) == pytest.approx(0.1)
+    assert restored["note"] == "run-1"
+    plain = ckptr.restore(tmp_path / "c", args=FerryRestore({**abstract, "step": 0, "lr": 0.0, "note": ""}))
+    assert type(plain["step"]) is int and plain["step"] == 5 and type(plain["lr"]) is float
+    with pytest.raises(ValueError, match="saved as the number 5, the target has shape"):
+        ckptr.restore(tmp_path / "c", args=FerryRestore({**abstract, "step": jax.ShapeDtypeStruct((2,), jnp.int32),
+                                                         "note": ""}))
+
+
 def test_async_checkpointer(tmp_path):
     state = {"a": jax.device_put(make(jnp.bfloat16, (32, 8)), NamedSharding(mesh((2, 4)), P(None, "y")))}
     ckptr = ocp.AsyncCheckpointer(FerryCheckpointHandler())

@@ -506,13 +506,29 @@ def _host_value(ckpt: _Checkpoint, name: str) -> _LeafRead:
                      lambda started: started[box]())
 
 
+def _scalar_as(value: Any, target: Any, name: str) -> Any:
+    """A Python number saved as a leaf, as the target asks for it: where the target is
+    an array (abstract or concrete), an array of its dtype, on its sharding (as
+    ``jax.eval_shape`` of an init that returns ``step=0`` asks for a step), so that the
+    restored tree has the types the target has; as saved otherwise."""
+    if isinstance(value, (str, type(None))) or not (hasattr(target, "shape") and hasattr(target, "dtype")):
+        return value
+    if tuple(target.shape) != ():
+        raise ValueError(f"{name}: saved as the number {value!r}, the target has shape {tuple(target.shape)}")
+    array = np.asarray(value, dtype=target.dtype)
+    if isinstance(target, (np.ndarray, np.generic)):
+        return array if isinstance(target, np.ndarray) else array[()]
+    sharding = getattr(target, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.device_put(array, sharding)
+
+
 def _leaf_for(ckpt: _Checkpoint, name: str, target: Any) -> _LeafRead:
     """How leaf ``name`` is restored into the shape, dtype and sharding of ``target``."""
     leaf = ckpt.leaves.get(name)
     if leaf is None:
         raise KeyError(missing_names(ckpt.directory, "leaf", [name], ckpt.leaves))
     if leaf.kind == "scalar":
-        return _LeafRead(ckpt, name, [], 0, lambda started: leaf.value)
+        return _LeafRead(ckpt, name, [], 0, lambda started: _scalar_as(leaf.value, target, name))
     shape = tuple(getattr(target, "shape", leaf.shape))
     if shape != leaf.shape:
         raise ValueError(f"{name}: saved with shape {leaf.shape}, the target has {shape}")
@@ -567,6 +583,10 @@ class FerrySave(checkpoint_args.CheckpointArgs):
 @dataclasses.dataclass
 class FerryRestore(checkpoint_args.CheckpointArgs):
     """Restore arguments: ``item`` is the target tree (abstract or concrete) or None.
+
+    A number saved as a leaf (``step=0``) comes back as an array of the target's dtype and
+    sharding where the target leaf is an array (``jax.eval_shape``'s ``ShapeDtypeStruct``),
+    as saved where it is a number.
 
     ``mmap=True`` maps the stored chunks restored whole (those saved with the target's
     sharding) instead of reading them into new memory, as
