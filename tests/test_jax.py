@@ -259,6 +259,23 @@ def test_numbers_restore_as_the_target_asks(tmp_path):
                                                          "note": ""}))
 
 
+def test_a_step_of_orbaxs_own_format_is_named_and_migrates(tmp_path):
+    """Steps saved by Orbax's StandardCheckpointHandler, then a switch to ours: the
+    restore names the format and what to do, and doing it works."""
+    state = {"w": jnp.arange(16.0), "step": 3}
+    target = {"w": jax.ShapeDtypeStruct((16,), jnp.float32), "step": 0}
+    with ocp.CheckpointManager(tmp_path / "run", item_handlers={"state": ocp.StandardCheckpointHandler()}) as mngr:
+        mngr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+        mngr.wait_until_finished()
+        old = mngr.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    with ocp.CheckpointManager(tmp_path / "run", item_handlers={"state": FerryCheckpointHandler()}) as mngr:
+        with pytest.raises(FileNotFoundError, match="Orbax's own format.*StandardCheckpointHandler"):
+            mngr.restore(3, args=ocp.args.Composite(state=FerryRestore(target)))
+        mngr.save(4, args=ocp.args.Composite(state=FerrySave(old)))
+        mngr.wait_until_finished()
+        assert_same(state, mngr.restore(4, args=ocp.args.Composite(state=FerryRestore(target)))["state"])
+
+
 def test_async_checkpointer(tmp_path):
     state = {"a": jax.device_put(make(jnp.bfloat16, (32, 8)), NamedSharding(mesh((2, 4)), P(None, "y")))}
     ckptr = ocp.AsyncCheckpointer(FerryCheckpointHandler())

@@ -150,7 +150,12 @@ class _Checkpoint:
         self.directory, self.engine, self.verify, self.mapped = directory, engine, verify, mapped
         paths = sorted(glob.glob(os.path.join(directory, "process-*.json")))
         if not paths:
-            raise FileNotFoundError(f"{directory} holds no tensorferry JAX checkpoint (no process-*.json)")
+            orbax_own = any(os.path.exists(os.path.join(directory, n)) for n in ("_METADATA", "manifest.ocdbt"))
+            raise FileNotFoundError(
+                f"{directory} holds no tensorferry JAX checkpoint (no process-*.json)" + (
+                    "; it holds Orbax's own format: restore it with the handler that saved it "
+                    "(ocp.StandardCheckpointHandler or PyTreeCheckpointHandler), then save it with "
+                    "FerryCheckpointHandler" if orbax_own else ""))
         self.manifests: dict[str, dict[str, Any]] = {}
         self.leaves: dict[str, _Leaf] = {}
         self.structure = None
