@@ -262,8 +262,9 @@ def requires_cuda(test: Callable) -> Callable:
 
 
 def requires_gds(test: Callable) -> Callable:
-    return pytest.mark.cuda(pytest.mark.skipif(not (torch.cuda.is_available() and data_module._gds_usable()),
-                                               reason="needs a CUDA device and kvikio with GDS (compat mode off)")(test))
+    usable = torch.cuda.is_available() and data_module._gds_usable()
+    return pytest.mark.cuda(pytest.mark.skipif(not usable, reason="needs a CUDA device and kvikio with GDS "
+                                               "(compat mode off)")(test))
 
 
 @requires_cuda

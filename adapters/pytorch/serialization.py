@@ -36,22 +36,32 @@ _SCALARS = (bool, int, float, str, type(None))
 def _storage_key(t: torch.Tensor) -> Any:
     """What makes two tensors one: the same memory seen the same way. ``state_dict()``
     returns a new tensor object per entry, so object identity misses tied weights."""
-    if t.numel() == 0 or t.device.type == "meta":
+    if t.numel() == 0:
         return ("object", id(t))
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
 
 
 def _check_savable(tensor: torch.Tensor, where: str) -> None:
-    """Refuses, naming the entry, a dtype safetensors has no name for, and a DTensor: one
+    """Refuses, naming the entry, what has no safetensors form: a dtype safetensors has no
+    name for, a sparse or nested tensor, a meta tensor (no data), and a DTensor: one
     rank's part of a tensor spread over ranks, which saved as it is would have each rank
     write its own shard under the full tensor's name."""
+    where = where or "the object"
     try:
         safetensors_dtype(tensor.dtype)
     except TypeError as exc:
-        raise TypeError(f"{where or 'the object'}: {exc}") from None
+        raise TypeError(f"{where}: {exc}") from None
+    if tensor.is_nested:
+        raise TypeError(f"{where} is a nested tensor: save its components (tensor.unbind()) instead")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{where} is a {str(tensor.layout).removeprefix('torch.')} tensor: safetensors holds "
+                        "dense tensors; save tensor.to_dense(), or the sparse tensor's own index and value tensors")
+    if tensor.device.type == "meta":
+        raise TypeError(f"{where} is on the meta device and holds no data: materialize the model first "
+                        "(model.to_empty(device=...) and load or initialize its weights)")
     dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
     if dtensor is not None and isinstance(tensor, dtensor):
-        raise TypeError(f"{where or 'the object'} is a DTensor (a shard of a tensor spread over ranks, as FSDP2 "
+        raise TypeError(f"{where} is a DTensor (a shard of a tensor spread over ranks, as FSDP2 "
                         "and tensor parallelism make): save such a state with DCPWriter or FSDPCheckpointer, "
                         "or gather it first (torch.distributed.checkpoint.state_dict.get_model_state_dict with "
                         "StateDictOptions(full_state_dict=True, cpu_offload=True), as "
