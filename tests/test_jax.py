@@ -276,6 +276,34 @@ def test_a_step_of_orbaxs_own_format_is_named_and_migrates(tmp_path):
         assert_same(state, mngr.restore(4, args=ocp.args.Composite(state=FerryRestore(target)))["state"])
 
 
+def test_typed_prng_keys(tmp_path):
+    """jax.random.key arrays (what Flax NNX and current JAX keep in a train state) have a
+    dtype numpy does not know: their key data is stored, and they come back as keys of
+    the same implementation, on the target's sharding."""
+    m = mesh((2, 4))
+    split = jax.device_put(jax.random.split(jax.random.key(0), 8), NamedSharding(m, P("x")))
+    state = {"rng": jax.random.key(1), "rbg": jax.random.key(2, impl="rbg"), "split": split,
+             "raw": jax.random.PRNGKey(3), "w": jnp.ones(4)}
+    ckptr = ocp.AsyncCheckpointer(FerryCheckpointHandler())
+    ckptr.save(tmp_path / "c", args=FerrySave(state))
+    ckptr.wait_until_finished()
+    target = abstract(state, lambda x: x.sharding)
+    target["split"] = jax.ShapeDtypeStruct((8,), split.dtype, sharding=NamedSharding(m, P("y")))  # resharded
+    restored = ckptr.restore(tmp_path / "c", args=FerryRestore(target))
+    for name in ("rng", "rbg", "split"):
+        assert restored[name].dtype == state[name].dtype, name
+        np.testing.assert_array_equal(jax.random.key_data(restored[name]), jax.random.key_data(state[name]))
+    assert restored["split"].sharding.spec == P("y")
+    assert float(jax.random.uniform(restored["rbg"])) == float(jax.random.uniform(state["rbg"]))
+    np.testing.assert_array_equal(restored["raw"], state["raw"])  # old-style keys: plain uint32 arrays
+    assert FerryCheckpointHandler().metadata(tmp_path / "c")["split"].dtype == split.dtype
+    assert ckptr.restore(tmp_path / "c")["rng"].dtype == state["rng"].dtype  # no target: keys still
+    ckptr.close()
+    with pytest.raises(TypeError, match=r"\['rng'\] is a typed PRNG key array"):
+        save_pytree(tmp_path / "plain.safetensors", {"rng": state["rng"]})
+    assert not (tmp_path / "plain.safetensors").exists()
+
+
 def test_async_checkpointer(tmp_path):
     state = {"a": jax.device_put(make(jnp.bfloat16, (32, 8)), NamedSharding(mesh((2, 4)), P(None, "y")))}
     ckptr = ocp.AsyncCheckpointer(FerryCheckpointHandler())

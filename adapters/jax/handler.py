@@ -140,6 +140,7 @@ class _Leaf:
     dtype: str = ""
     was_jax: bool = False
     value: Any = None
+    prng_impl: str | None = None  # a typed PRNG key array: its implementation; the stored array is its key data
     chunks: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
 
@@ -172,9 +173,12 @@ class _Checkpoint:
                 for name, rec in meta["leaves"].items():
                     leaf = self.leaves.get(name)
                     if leaf is None:
+                        prng_impl = rec.get("prng_impl")
+                        if prng_impl is not None and not isinstance(prng_impl, str):
+                            raise TypeError(f"prng_impl of {name!r} is not a string")
                         leaf = self.leaves[name] = _Leaf(rec["kind"], tuple(rec.get("shape", ())),
                                                          rec.get("dtype", ""), rec.get("was_jax", False),
-                                                         rec.get("value"))
+                                                         rec.get("value"), prng_impl)
                     for key, offsets, sizes in rec.get("chunks", []):
                         leaf.chunks.append((rec["file"], key, tuple(offsets), tuple(sizes)))
             except (KeyError, TypeError, ValueError, AttributeError) as exc:  # sealed, yet not as written
@@ -337,6 +341,11 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         arrays: list[tuple[str, Any]] = []
         to_copy: list[int] = []  # indices into arrays
         for name, value in found.items():
+            prng_impl = None
+            if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+                # A typed PRNG key (jax.random.key) has no dtype numpy knows: its key data
+                # (uint32, one more dimension) is stored, with the implementation's name.
+                prng_impl, value = str(jax.random.key_impl(value)), jax.random.key_data(value)
             if isinstance(value, jax.Array):
                 chunks = []
                 for shard in value.addressable_shards:
@@ -350,6 +359,8 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                 records[name] = {"kind": "array", "was_jax": True, "shape": list(value.shape),
                                  "dtype": to_safetensors_dtype(np.dtype(value.dtype)), "file": filename,
                                  "chunks": chunks}
+                if prng_impl is not None:
+                    records[name]["prng_impl"] = prng_impl
             elif isinstance(value, (np.ndarray, np.generic)):
                 array = np.asarray(value)
                 record = {"kind": "array", "was_jax": False, "shape": list(array.shape),
@@ -441,6 +452,9 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             leaf = ckpt.leaves[name]
             if leaf.kind == "scalar":
                 return leaf.value
+            if leaf.prng_impl is not None:
+                return jax.eval_shape(lambda: jax.random.wrap_key_data(
+                    jax.numpy.zeros(leaf.shape, to_numpy_dtype(leaf.dtype)), impl=leaf.prng_impl))
             return jax.ShapeDtypeStruct(leaf.shape, to_numpy_dtype(leaf.dtype))
 
         return _decode_structure(ckpt.structure, describe)
@@ -507,6 +521,9 @@ def _host_value(ckpt: _Checkpoint, name: str) -> _LeafRead:
     if leaf.kind == "scalar":
         return _LeafRead(ckpt, name, [], 0, lambda started: leaf.value)
     box = ((0,) * len(leaf.shape), leaf.shape)
+    if leaf.prng_impl is not None:
+        return _LeafRead(ckpt, name, [box], math.prod(leaf.shape) * to_numpy_dtype(leaf.dtype).itemsize,
+                         lambda started: jax.random.wrap_key_data(started[box](), impl=leaf.prng_impl))
     return _LeafRead(ckpt, name, [box], math.prod(leaf.shape) * to_numpy_dtype(leaf.dtype).itemsize,
                      lambda started: started[box]())
 
@@ -534,6 +551,29 @@ def _leaf_for(ckpt: _Checkpoint, name: str, target: Any) -> _LeafRead:
         raise KeyError(missing_names(ckpt.directory, "leaf", [name], ckpt.leaves))
     if leaf.kind == "scalar":
         return _LeafRead(ckpt, name, [], 0, lambda started: _scalar_as(leaf.value, target, name))
+    if leaf.prng_impl is not None:
+        return _key_leaf_for(ckpt, name, leaf, target)
+    return _array_leaf_for(ckpt, name, leaf, target)
+
+
+def _key_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _LeafRead:
+    """A typed PRNG key array: its key data restored as the target's keys lie (their
+    shape; their sharding, with the data's trailing dimensions whole), then wrapped."""
+    key_shape = tuple(getattr(target, "shape", leaf.shape[:-1]))
+    if leaf.shape[:len(key_shape)] != key_shape or len(leaf.shape) == len(key_shape):
+        raise ValueError(f"{name}: saved as keys of shape {leaf.shape[:-1]}, the target has {key_shape}")
+    trailing = len(leaf.shape) - len(key_shape)
+    sharding = getattr(target, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (len(key_shape) - len(sharding.spec) + trailing)
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    data = _array_leaf_for(ckpt, name, leaf, jax.ShapeDtypeStruct(leaf.shape, to_numpy_dtype(leaf.dtype),
+                                                                    sharding=sharding))
+    return dataclasses.replace(data, finish=lambda started: jax.random.wrap_key_data(data.finish(started),
+                                                                                     impl=leaf.prng_impl))
+
+
+def _array_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _LeafRead:
     shape = tuple(getattr(target, "shape", leaf.shape))
     if shape != leaf.shape:
         raise ValueError(f"{name}: saved with shape {leaf.shape}, the target has {shape}")
@@ -631,6 +671,9 @@ def save_pytree(path: str | os.PathLike, tree: Any, *, engine: Engine | None = N
     with ShardWriter(path, engine, metadata=metadata, atomic=True) as writer:
         for keypath, value in leaves:
             name = jax.tree_util.keystr(keypath)
+            if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+                raise TypeError(f"{name} is a typed PRNG key array, which a plain safetensors file cannot mark "
+                                "as keys: save jax.random.key_data(key), or use FerryCheckpointHandler")
             if isinstance(value, jax.Array):
                 writer.add(name, to_safetensors_dtype(np.dtype(value.dtype)), value.shape,
                            lambda value=value: np.asarray(value))
