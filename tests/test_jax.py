@@ -304,6 +304,52 @@ def test_typed_prng_keys(tmp_path):
     assert not (tmp_path / "plain.safetensors").exists()
 
 
+def test_flax_train_states(tmp_path):
+    """What Flax users hand Orbax: a Linen TrainState with optax's Adam state (custom
+    pytree nodes, namedtuples, an int32 count) and an NNX model's state (Variables, and
+    the typed PRNG keys of its Rngs), each restored into its abstract form."""
+    optax = pytest.importorskip("optax")
+    nn = pytest.importorskip("flax.linen")
+    from flax import nnx
+    from flax.training import train_state
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(nn.relu(nn.Dense(16)(x)))
+
+    model = MLP()
+    state = train_state.TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(0), jnp.ones((1, 8))),
+                                          tx=optax.adam(1e-3))
+    state = state.apply_gradients(grads=jax.tree_util.tree_map(jnp.ones_like, state.params))
+    with ocp.CheckpointManager(tmp_path / "linen", item_handlers={"state": FerryCheckpointHandler()},
+                               options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True)) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=FerrySave(state)))
+        mngr.wait_until_finished()
+        restored = mngr.restore(1, args=ocp.args.Composite(state=FerryRestore(abstract(state, lambda x: x.sharding))))
+        restored = restored["state"]
+    assert type(restored) is train_state.TrainState and int(restored.step) == 1
+    assert_same(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored))
+    assert type(restored.opt_state[0]) is type(state.opt_state[0])  # optax's ScaleByAdamState
+
+    class Net(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.linear = nnx.Linear(8, 4, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dropout(self.linear(x))
+
+    net = Net(nnx.Rngs(0))
+    graph, saved = nnx.split(net)
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    ckptr.save(tmp_path / "nnx", args=FerrySave(saved))
+    abstract_state = nnx.state(nnx.eval_shape(lambda: Net(nnx.Rngs(1))))
+    back = nnx.merge(graph, ckptr.restore(tmp_path / "nnx", args=FerryRestore(abstract_state)))
+    x = jnp.ones((2, 8))
+    np.testing.assert_array_equal(back(x), net(x))  # same weights, same dropout keys: the same mask
+
+
 def test_async_checkpointer(tmp_path):
     state = {"a": jax.device_put(make(jnp.bfloat16, (32, 8)), NamedSharding(mesh((2, 4)), P(None, "y")))}
     ckptr = ocp.AsyncCheckpointer(FerryCheckpointHandler())
