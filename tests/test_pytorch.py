@@ -527,6 +527,11 @@ def scenario_save_sharded(rank: int, world: int, root: str) -> None:
     stray = os.path.join(root, f"rank{rank}.safetensors")
     with pytest.raises(TypeError, match="is a DTensor.*FSDPCheckpointer"):
         save(model.state_dict(), stray)
+    from torch.distributed._shard import sharded_tensor  # FSDP1's SHARDED_STATE_DICT holds these
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    legacy = sharded_tensor.zeros(ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world)]), 4, 2)
+    with pytest.raises(TypeError, match="w is a ShardedTensor.*FSDPCheckpointer"):
+        save({"w": legacy}, stray)
     assert not os.path.exists(stray)
     expected = full_params(model)  # a collective: every rank takes part
     if rank == 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import sys
 from typing import Any, Iterable, Mapping
 
 import numpy as np
@@ -42,11 +43,19 @@ def _storage_key(t: torch.Tensor) -> Any:
 
 
 def _check_savable(tensor: torch.Tensor, where: str) -> None:
-    """Refuses, naming the entry, what has no safetensors form: a dtype safetensors has no
-    name for, a sparse or nested tensor, a meta tensor (no data), and a DTensor: one
-    rank's part of a tensor spread over ranks, which saved as it is would have each rank
-    write its own shard under the full tensor's name."""
+    """Refuses, naming the entry, what has no safetensors form: a DTensor or ShardedTensor
+    (one rank's part of a tensor spread over ranks, which saved as it is would have each
+    rank write its own shard under the full tensor's name), a dtype safetensors has no
+    name for, a sparse or nested tensor, and a meta tensor (no data)."""
     where = where or "the object"
+    for module, name in _SPREAD_OVER_RANKS:  # first: a ShardedTensor answers few attributes
+        kind = getattr(sys.modules.get(module), name, None)  # looked up, not imported: none exists unless imported
+        if kind is not None and isinstance(tensor, kind):
+            raise TypeError(f"{where} is a {name} (a shard of a tensor spread over ranks, as FSDP and tensor "
+                            "parallelism make): save such a state with DCPWriter or FSDPCheckpointer, or gather "
+                            "it first (torch.distributed.checkpoint.state_dict.get_model_state_dict with "
+                            "StateDictOptions(full_state_dict=True, cpu_offload=True), as "
+                            "FSDPCheckpointer.save_consolidated does)")
     try:
         safetensors_dtype(tensor.dtype)
     except TypeError as exc:
@@ -59,13 +68,11 @@ def _check_savable(tensor: torch.Tensor, where: str) -> None:
     if tensor.device.type == "meta":
         raise TypeError(f"{where} is on the meta device and holds no data: materialize the model first "
                         "(model.to_empty(device=...) and load or initialize its weights)")
-    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
-    if dtensor is not None and isinstance(tensor, dtensor):
-        raise TypeError(f"{where} is a DTensor (a shard of a tensor spread over ranks, as FSDP2 "
-                        "and tensor parallelism make): save such a state with DCPWriter or FSDPCheckpointer, "
-                        "or gather it first (torch.distributed.checkpoint.state_dict.get_model_state_dict with "
-                        "StateDictOptions(full_state_dict=True, cpu_offload=True), as "
-                        "FSDPCheckpointer.save_consolidated does)")
+
+
+# FSDP2's and tensor parallelism's DTensor, FSDP1's ShardedTensor (whose device is "meta").
+_SPREAD_OVER_RANKS = (("torch.distributed.tensor", "DTensor"),
+                      ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor"))
 
 
 class _Encoder:
