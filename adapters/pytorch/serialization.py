@@ -65,6 +65,11 @@ def _check_savable(tensor: torch.Tensor, where: str) -> None:
     if tensor.layout != torch.strided:
         raise TypeError(f"{where} is a {str(tensor.layout).removeprefix('torch.')} tensor: safetensors holds "
                         "dense tensors; save tensor.to_dense(), or the sparse tensor's own index and value tensors")
+    _check_has_data(tensor, where)
+
+
+def _check_has_data(tensor: torch.Tensor, where: str) -> None:
+    # Apart, so that a test can let meta tensors stand in for device tensors.
     if tensor.device.type == "meta":
         raise TypeError(f"{where} is on the meta device and holds no data: materialize the model first "
                         "(model.to_empty(device=...) and load or initialize its weights)")
