@@ -395,6 +395,29 @@ def test_checkpointer_single_process(tmp_path) -> None:
     assert set(consolidated) == set(expected) and all(torch.equal(consolidated[k], expected[k]) for k in expected)
     with safe_open(path, "pt") as f:  # transformers 4.x refuses a file without it
         assert f.metadata()["format"] == "pt"
+    with pytest.raises(ValueError, match="cannot be named 'model' or 'optimizer'"):
+        FSDPCheckpointer(tmp_path, model, opt, extra={"optimizer": {}})
+
+
+def test_checkpointer_extra_state_with_async_saves(tmp_path) -> None:
+    """A GradScaler and a scheduler beside the model, through save_async: restored with it."""
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))  # its state is made at the first scale()
+    ckpt = FSDPCheckpointer(tmp_path, model, opt, extra={"scheduler": scheduler, "scaler": scaler})
+    for step in range(3):
+        train_step(model, opt, step)
+        scheduler.step()
+    scaler.update(512.0)
+    ckpt.save_async(3).result()
+    saved_lr = opt.param_groups[0]["lr"]
+    for step in range(3, 6):
+        scheduler.step()
+    scaler.update(64.0)
+    assert ckpt.load() == 3
+    assert scheduler.last_epoch == 3 and opt.param_groups[0]["lr"] == saved_lr and scaler.get_scale() == 512.0
 
 
 def test_checkpointer_passes_its_planners_to_dcp(tmp_path) -> None:
@@ -479,22 +502,33 @@ def run(world: int, root: str, scenario: str) -> None:
 
 
 def scenario_resume(rank: int, world: int, root: str) -> None:
-    """Train, save, train on (the reference), then load and train again: bit-identical."""
+    """Train, save, train on (the reference), then load and train again: bit-identical,
+    the LR schedule and the loop's own counters (extra state) included."""
     model = fsdp_model(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ckpt = FSDPCheckpointer(root, model, opt)
-    for step in range(3):
-        train_step(model, opt, step, rank)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    progress = {"samples": torch.zeros((), dtype=torch.int64), "phase": "warmup"}
+    ckpt = FSDPCheckpointer(root, model, opt, extra={"scheduler": scheduler, "progress": progress})
+
+    def run_steps(steps: range) -> None:
+        for step in steps:
+            train_step(model, opt, step, rank)
+            scheduler.step()
+            progress["samples"] += 16
+        progress["phase"] = f"after {steps.stop}"
+
+    run_steps(range(3))
     ckpt.save(3)
-    for step in range(3, 6):
-        train_step(model, opt, step, rank)
-    reference = full_params(model)
+    run_steps(range(3, 6))
+    reference, reference_lr = full_params(model), opt.param_groups[0]["lr"]
     assert ckpt.load() == 3
-    for step in range(3, 6):
-        train_step(model, opt, step, rank)
+    assert scheduler.last_epoch == 3 and opt.param_groups[0]["lr"] == 1e-2 * 0.5
+    assert int(progress["samples"]) == 48 and progress["phase"] == "after 3"
+    run_steps(range(3, 6))
     resumed = full_params(model)
     for k in reference:
         assert torch.equal(reference[k], resumed[k]), k
+    assert opt.param_groups[0]["lr"] == reference_lr
     # The sharded save, gathered one tensor at a time, as one portable file.
     path = ckpt.save_consolidated(6)
     if rank == 0:

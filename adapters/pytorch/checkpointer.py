@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,10 @@ class FSDPCheckpointer:
     ``save_async(step)`` does the same in the background; ``save_consolidated(step)``
     writes one safetensors file of the full model on rank 0; ``load()`` restores the
     latest complete step. ``keep_last`` keeps only the newest sharded checkpoints.
+    ``extra`` is more state saved and restored with them, by name: objects with
+    ``state_dict()`` and ``load_state_dict()`` (DCP's ``Stateful``: an LR scheduler, a
+    ``GradScaler``, torchdata's ``StatefulDataLoader``), restored through
+    ``load_state_dict``, or dicts of tensors and plain values, restored in place.
     ``save_planner`` and ``load_planner`` go to every ``dcp.save`` and ``dcp.load``:
     ``DefaultSavePlanner(enable_plan_caching=True)``, say, plans a save of an unchanged
     state once, or ``DefaultLoadPlanner(allow_partial_load=True)`` loads a checkpoint
@@ -41,7 +45,8 @@ class FSDPCheckpointer:
 
     Example::
 
-        ckpt = FSDPCheckpointer("/nvme/ckpt", model, optimizer, keep_last=3)
+        ckpt = FSDPCheckpointer("/nvme/ckpt", model, optimizer, keep_last=3,
+                                extra={"scheduler": scheduler, "progress": {"tokens": 0}})
         start = ckpt.load() if ckpt.latest_step() is not None else 0
         for step in range(start, steps):
             train_step()
@@ -54,9 +59,12 @@ class FSDPCheckpointer:
                  optimizer: torch.optim.Optimizer | None = None, *, keep_last: int | None = None,
                  engine: Engine | None = None, files_per_rank: int | None = None,
                  process_group: Any = None, save_planner: SavePlanner | None = None,
-                 load_planner: LoadPlanner | None = None) -> None:
+                 load_planner: LoadPlanner | None = None, extra: Mapping[str, Any] | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        self.extra = dict(extra or {})
+        if {"model", "optimizer"} & set(self.extra):
+            raise ValueError("extra state cannot be named 'model' or 'optimizer': those are the checkpointer's")
         self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
         self.model = model
         self.optimizer = optimizer
@@ -83,9 +91,11 @@ class FSDPCheckpointer:
 
     def _state(self) -> dict[str, Any]:
         if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optimizer": optim_state}
+            state = {"model": get_model_state_dict(self.model)}
+        else:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_state, "optimizer": optim_state}
+        return {**state, **self.extra}  # DCP calls state_dict()/load_state_dict() of what is Stateful
 
     def _writer(self, step: int) -> DCPWriter:
         return DCPWriter(self.step_path(step), engine=self.engine, files_per_rank=self.files_per_rank)
