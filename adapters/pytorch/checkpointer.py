@@ -36,7 +36,7 @@ class FSDPCheckpointer:
     latest complete step. ``keep_last`` keeps only the newest sharded checkpoints.
     ``extra`` is more state saved and restored with them, by name: objects with
     ``state_dict()`` and ``load_state_dict()`` (DCP's ``Stateful``: an LR scheduler, a
-    ``GradScaler``, torchdata's ``StatefulDataLoader``), restored through
+    ``GradScaler``, a data loader that keeps its position), restored through
     ``load_state_dict``, or dicts of tensors and plain values, restored in place.
     ``save_planner`` and ``load_planner`` go to every ``dcp.save`` and ``dcp.load``:
     ``DefaultSavePlanner(enable_plan_caching=True)``, say, plans a save of an unchanged
