@@ -55,7 +55,8 @@ def records_of(items: Iterable[Item]) -> list[Record]:
         if path not in sizes:
             st = os.stat(path)  # FileNotFoundError names the path
             if stat.S_ISDIR(st.st_mode):
-                raise IsADirectoryError(errno.EISDIR, "a FileSource item is a directory", path)
+                raise IsADirectoryError(errno.EISDIR, "a FileSource item is a directory: give the files in it "
+                                        "(sorted(glob.glob('DIR/*')), say)", path)
             sizes[path] = st.st_size
         records.append((path, offset, sizes[path] if length is None else length))
     return records

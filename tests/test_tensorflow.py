@@ -153,6 +153,9 @@ def test_errors(tmp_path) -> None:
     with pytest.raises(FileNotFoundError) as info:
         make_dataset([str(tmp_path / "absent.bin")])
     assert info.value.filename == str(tmp_path / "absent.bin")
+    with pytest.raises(IsADirectoryError, match="glob pattern") as info:  # a folder of data: its files are meant
+        make_dataset(str(tmp_path))
+    assert info.value.filename == str(tmp_path)
     with pytest.raises(ValueError):
         make_dataset([], tfrecord=True)
     with pytest.raises(ValueError, match="not both"):

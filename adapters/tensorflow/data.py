@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import errno
 import functools
 import glob
 import itertools
@@ -86,8 +87,11 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         raise ValueError(f"record_bytes must be positive, got {record_bytes}")
     paths = _expand(files)
     for p in paths:
+        if os.path.isdir(p):
+            raise IsADirectoryError(errno.EISDIR, "a directory, not a file: give a glob pattern of its files "
+                                    "(such as DIR/*) or a list of files", p)
         if not os.path.isfile(p):
-            raise FileNotFoundError(2, "no such file", p)
+            raise FileNotFoundError(errno.ENOENT, "no such file", p)
     engine = engine or default_engine()
     if tfrecord:
         # A file's framing is a chain of small reads (each header gives the next offset),
