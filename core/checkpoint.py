@@ -288,9 +288,23 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
         return read_manifest_file(path)
     except FileNotFoundError:
         if os.path.isdir(directory):
-            raise CheckpointNotFoundError(f"{directory} has no {MANIFEST}: not a complete checkpoint",
-                                          directory) from None
+            raise CheckpointNotFoundError(f"{directory} has no {MANIFEST}: not a complete checkpoint"
+                                          f"{_hint_checkpoints_inside(directory)}", directory) from None
         raise CheckpointNotFoundError(f"no checkpoint at {directory}", directory) from None
+
+
+def _hint_checkpoints_inside(directory: str) -> str:
+    """For a directory of checkpoints given as one (a run's root instead of a step of it):
+    the checkpoints it holds, by name. Only looks one level down, for a manifest."""
+    try:
+        inside = sorted(e.name for e in os.scandir(directory)
+                        if e.is_dir() and os.path.exists(os.path.join(e.path, MANIFEST)))
+    except OSError:
+        return ""
+    if not inside:
+        return ""
+    shown = ", ".join(inside[:3]) + (f" and {len(inside) - 3} more" if len(inside) > 3 else "")
+    return f"; it holds checkpoints ({shown}): give one of them, or tensorferry.latest_checkpoint({directory!r})"
 
 
 def read_manifest_file(path: str | os.PathLike) -> dict[str, Any]:

@@ -503,6 +503,9 @@ def test_directory_without_manifest_is_not_a_checkpoint(tmp_path) -> None:
     assert tensorferry.latest_checkpoint(tmp_path) is None
     tensorferry.save_checkpoint(tmp_path / "step_2", {"x": np.ones(3)})
     assert tensorferry.latest_checkpoint(tmp_path) == str(tmp_path / "step_2")
+    # The run's root given for one of its checkpoints: the error names those inside.
+    with pytest.raises(CheckpointNotFoundError, match=r"it holds checkpoints \(step_2\): give one of them"):
+        tensorferry.load_checkpoint(tmp_path)
 
 
 def test_latest_and_retention(tmp_path) -> None:
