@@ -115,8 +115,9 @@ def test_load_plain_safetensors_and_map_location(tmp_path) -> None:
     save_file(every, str(tmp_path / "dtypes.safetensors"))
     back = load(tmp_path / "dtypes.safetensors")
     assert all(same(t, back[name]) for name, t in every.items())
-    with pytest.raises(TypeError):
-        load(tmp_path / "peer.safetensors", map_location=lambda s, _: s)
+    for torch_load_form in (lambda s, _: s, {"cuda:1": "cuda:0"}):
+        with pytest.raises(TypeError, match="safetensors files record no device"):
+            load(tmp_path / "peer.safetensors", map_location=torch_load_form)
 
 
 ALL_DTYPES = DTYPES + [torch.uint16, torch.uint32, torch.uint64]

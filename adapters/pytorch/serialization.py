@@ -184,7 +184,9 @@ class _Decoder:
 
 def _check_map_location(map_location: Any) -> None:
     if map_location is not None and not isinstance(map_location, (str, torch.device)):
-        raise TypeError("map_location must be a device or a device name")
+        raise TypeError(f"map_location must be a device or a device name, not a {type(map_location).__name__}: "
+                        "safetensors files record no device, so torch.load's dict and callable forms have nothing "
+                        "to map (tensors load to the CPU unless map_location names a device)")
 
 
 def _to_tensors(arrays: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
