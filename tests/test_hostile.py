@@ -650,6 +650,8 @@ def test_dcp_metadata_that_would_run_code_is_refused_unrun(tmp_path, writer: str
         with pytest.raises(CorruptCheckpointError, match="posix.mkdir, which DCP metadata does not hold"):
             with layouts.open_layout(str(ckpt)) as source:
                 source.read()
+        with pytest.raises(CorruptCheckpointError, match="posix.mkdir, which DCP metadata does not hold"):
+            DCPReader(ckpt).read_metadata()  # torch's folder, handed to torch's reader: not its unpickling
     assert not marker.exists()
 
 

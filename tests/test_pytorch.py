@@ -255,6 +255,22 @@ def test_dcp_async_save_with_torchs_own_stager(tmp_path, pinned: bool) -> None:
     assert tensorferry.verify_checkpoint(tmp_path / "c") == []
 
 
+def test_dcp_reader_reads_folders_of_torchs_own_writer(tmp_path) -> None:
+    """Checkpoints from before a switch to tensorferry: DCPReader hands a folder of
+    torch's FileSystemWriter to torch's FileSystemReader, tensors and objects alike."""
+    state = {"model": {f"t{i}": random_tensor(d, (7, 5), i) for i, d in enumerate(DTYPES)},
+             "meta": {"step": 12, "note": "before"}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "torchs")))
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "meta": {"step": 0, "note": ""}}
+    dcp.load(target, storage_reader=DCPReader(tmp_path / "torchs"))
+    assert target["meta"] == {"step": 12, "note": "before"}
+    assert all(same(v, target["model"][k]) for k, v in state["model"].items())
+    partial = {"model": {"t1": torch.zeros(7, 5)}}  # a subset, as a model without its optimizer asks
+    dcp.load(partial, storage_reader=DCPReader(tmp_path / "torchs"),
+             planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    assert same(partial["model"]["t1"], state["model"]["t1"])
+
+
 def test_dcp_files_written_in_parallel_past_the_staging_window(tmp_path, monkeypatch) -> None:
     # A rank's files write in parallel, taking their tensors from one stager; past its window
     # one file takes a tensor the window has not reached yet. That once made the window make
@@ -620,6 +636,18 @@ def scenario_dcp_plain(rank: int, world: int, root: str) -> None:
     target = {"w": torch.zeros(10, 10), "step": 0}
     dcp.load(target, storage_reader=DCPReader(os.path.join(root, "plain")))
     assert torch.equal(target["w"], state["w"]) and target["step"] == 5
+    # An FSDP2 state sharded over the ranks, written by torch's own writer, read back by DCPReader.
+    model = fsdp_model(world)
+    dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(os.path.join(root, "torchs")))
+    expected = full_params(model)
+    fresh = fsdp_model(world)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    loaded = {"model": fresh.state_dict()}
+    dcp.load(loaded, storage_reader=DCPReader(os.path.join(root, "torchs")))
+    fresh.load_state_dict(loaded["model"])
+    assert all(torch.equal(v, expected[k]) for k, v in full_params(fresh).items())
 
 
 def scenario_dcp_plan_caching(rank: int, world: int, root: str) -> None:

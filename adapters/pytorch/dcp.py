@@ -16,6 +16,7 @@ is read from the safetensors files and the manifest alone. torch's own readers
 each tensor with ``torch.load``, which raw bytes are not: the tensors' storage
 entries name a stream transform that torch does not know, :data:`NOT_TORCH_SAVE`, so
 that those readers stop with an error that says what the folder is and how to read it.
+The other way round, DCPReader reads torch's folders through torch's FileSystemReader.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from torch.futures import Future
 from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_process, open_shard, read_manifest,
                            read_other_file, split_by_size, write_durably)
 from ...engine import Engine
-from ...errors import CheckpointNotFoundError, CorruptCheckpointError
-from ...layouts.dcp import DCP_METADATA, ITEMS_KEY, unpickle_dcp_metadata
+from ...errors import CorruptCheckpointError
+from ...layouts.dcp import DCP_METADATA, ITEMS_KEY, read_dcp_metadata, unpickle_dcp_metadata
 from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardInfo, ShardReader, gc_paused, write_order
 from .staging import DeviceToHost, leased, stage_state_dict, staging_pool
 from .tensors import FROM_SAFETENSORS, safetensors_dtype, writable_bytes
@@ -314,6 +315,10 @@ class DCPReader(StorageReader):
     the byte ranges its plan needs, straight into the destination tensors where the
     layout allows. Whole stored chunks are checked against their checksums unless
     ``verify=False``; partial reads (when resharding) cannot be.
+
+    A folder that torch's own ``FileSystemWriter`` wrote (no manifest) is read too, by
+    torch's ``FileSystemReader`` (its ``.metadata`` unpickled here, through the allowlist
+    of DCP's classes), so that checkpoints from before a switch to tensorferry still load.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, engine: Engine | None = None,
@@ -322,21 +327,33 @@ class DCPReader(StorageReader):
         self.path = None if path is None else os.path.abspath(os.fspath(path))
         self.engine = engine
         self.verify = verify
+        self._torchs: StorageReader | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
             self.path = os.path.abspath(os.fspath(checkpoint_id))
         if self.path is None:
             raise ValueError("DCPReader needs a path: DCPReader(path) or dcp.load(..., checkpoint_id=path)")
+        self._torchs = None
+
+    def _torch_folder(self) -> StorageReader | None:
+        """torch's reader, for a folder of torch's FileSystemWriter (a ``.metadata``, no
+        manifest); None for one of DCPWriter's."""
+        if self._torchs is None and not os.path.exists(os.path.join(self.path, MANIFEST)) \
+                and os.path.exists(os.path.join(self.path, DCP_METADATA)):
+            from torch.distributed.checkpoint import FileSystemReader
+            metadata = read_dcp_metadata(self.path)
+            reader = FileSystemReader(self.path)
+            reader.read_metadata = lambda *args, **kwargs: metadata  # not torch's own unpickling
+            self._torchs = reader
+        return self._torchs
 
     @gc_paused()
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        dcp_metadata = os.path.join(self.path, DCP_METADATA)
-        if not os.path.exists(os.path.join(self.path, MANIFEST)) and os.path.exists(dcp_metadata):
-            raise CheckpointNotFoundError(
-                f"{self.path} was written by torch's FileSystemWriter, not tensorferry's DCPWriter; "
-                "load it with torch.distributed.checkpoint.FileSystemReader", self.path)
+        if self._torch_folder() is not None:
+            return self._torchs.read_metadata()
         self._manifest = read_manifest(self.path)
+        dcp_metadata = os.path.join(self.path, DCP_METADATA)
         if not os.path.exists(dcp_metadata):
             raise CorruptCheckpointError(f"{self.path} is a tensorferry checkpoint without DCP metadata "
                                          "(not written by DCPWriter): use tensorferry.load_checkpoint")
@@ -345,6 +362,8 @@ class DCPReader(StorageReader):
 
     @gc_paused()
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._torch_folder() is not None:
+            return self._torchs.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         if not hasattr(self, "_manifest"):
             self._manifest = read_manifest(self.path)
         items = self._manifest["metadata"].get(ITEMS_KEY)
@@ -364,13 +383,15 @@ class DCPReader(StorageReader):
                                          f"at {index.offset} is stored") from None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return plan if self._torchs is None else self._torchs.prepare_local_plan(plan)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        return plans if self._torchs is None else self._torchs.prepare_global_plan(plans)
 
     @gc_paused()
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        if self._torchs is not None:
+            return self._torchs.read_data(plan, planner)
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self._place(item.storage_index)[0], []).append(item)
