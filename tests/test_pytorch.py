@@ -414,6 +414,14 @@ def test_checkpointer_single_process(tmp_path) -> None:
         assert f.metadata()["format"] == "pt"
     with pytest.raises(ValueError, match="cannot be named 'model' or 'optimizer'"):
         FSDPCheckpointer(tmp_path, model, opt, extra={"optimizer": {}})
+    # A step saved by torch's own writer, before the switch to FSDPCheckpointer, loads by its number.
+    torch_dir = tmp_path / "torchs"
+    dcp.save(ckpt._state(), storage_writer=dcp.FileSystemWriter(str(torch_dir / "step_7")))
+    before = FSDPCheckpointer(torch_dir, model, opt)
+    assert before.latest_step() is None  # the latest is looked for among tensorferry's checkpoints
+    train_step(model, opt, 100)
+    assert before.load(7) == 7
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
 
 
 def test_checkpointer_extra_state_with_async_saves(tmp_path) -> None:

@@ -14,9 +14,10 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from ...checkpoint import latest_checkpoint, prune_checkpoints, read_manifest
+from ...checkpoint import MANIFEST, latest_checkpoint, prune_checkpoints, read_manifest
 from ...errors import CheckpointNotFoundError, TensorferryError, TensorferryIOError
 from ...engine import Engine
+from ...layouts.dcp import DCP_METADATA
 from ...shard import ShardWriter, gc_paused, write_order
 from .dcp import DCPReader, DCPWriter
 from .serialization import TORCH_FORMAT
@@ -24,6 +25,11 @@ from .staging import DeviceToHost
 from .tensors import safetensors_dtype
 
 _STEP = re.compile(r"^step_(\d+)$")
+
+
+def _torchs_own_folder(path: str) -> bool:
+    """A step saved by torch's FileSystemWriter (before a switch to this class)."""
+    return os.path.isfile(os.path.join(path, DCP_METADATA)) and not os.path.exists(os.path.join(path, MANIFEST))
 
 
 class FSDPCheckpointer:
@@ -161,16 +167,20 @@ class FSDPCheckpointer:
 
     @gc_paused()
     def load(self, step: int | None = None) -> int:
-        """Restores model and optimizer from ``step`` (default: the latest complete one); returns the step."""
+        """Restores model and optimizer from ``step`` (default: the latest complete one); returns the step.
+        A ``step_<step>`` that torch's ``FileSystemWriter`` saved loads too (named by ``step``:
+        the latest is looked for among tensorferry's checkpoints)."""
         self.wait()
         if step is None:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"no complete checkpoint under {self.checkpoint_dir}",
                                               self.checkpoint_dir)
-        read_manifest(self.step_path(step))  # a clear error here, before DCP wraps it
+        path = self.step_path(step)
+        if not _torchs_own_folder(path):  # which DCPReader hands to torch's reader
+            read_manifest(path)  # a clear error here, before DCP wraps it
         state = self._state()
-        dcp.load(state, storage_reader=DCPReader(self.step_path(step), engine=self.engine),
+        dcp.load(state, storage_reader=DCPReader(path, engine=self.engine),
                  planner=self.load_planner, process_group=self.process_group)
         set_state_dict(self.model, self.optimizer if self.optimizer is not None else [],
                        model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
