@@ -298,6 +298,12 @@ def test_typed_prng_keys(tmp_path):
     np.testing.assert_array_equal(restored["raw"], state["raw"])  # old-style keys: plain uint32 arrays
     assert FerryCheckpointHandler().metadata(tmp_path / "c")["split"].dtype == split.dtype
     assert ckptr.restore(tmp_path / "c")["rng"].dtype == state["rng"].dtype  # no target: keys still
+    plain = {**target, "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}  # a plain target asks for the key data
+    np.testing.assert_array_equal(ckptr.restore(tmp_path / "c", args=FerryRestore(plain))["rng"],
+                                  jax.random.key_data(state["rng"]))
+    other_impl = {**target, "rbg": jax.ShapeDtypeStruct((), state["rng"].dtype)}
+    with pytest.raises(ValueError, match="saved as key<rbg> keys"):
+        ckptr.restore(tmp_path / "c", args=FerryRestore(other_impl))
     ckptr.close()
     with pytest.raises(TypeError, match=r"\['rng'\] is a typed PRNG key array"):
         save_pytree(tmp_path / "plain.safetensors", {"rng": state["rng"]})

@@ -558,7 +558,16 @@ def _leaf_for(ckpt: _Checkpoint, name: str, target: Any) -> _LeafRead:
 
 def _key_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _LeafRead:
     """A typed PRNG key array: its key data restored as the target's keys lie (their
-    shape; their sharding, with the data's trailing dimensions whole), then wrapped."""
+    shape; their sharding, with the data's trailing dimensions whole), then wrapped.
+    A target of a plain dtype asks for the key data itself."""
+    wanted = getattr(target, "dtype", None)
+    if wanted is not None and not jax.dtypes.issubdtype(wanted, jax.dtypes.prng_key):
+        return _array_leaf_for(ckpt, name, leaf, target)
+    if wanted is not None:
+        saved = jax.eval_shape(lambda: jax.random.wrap_key_data(
+            jax.numpy.zeros(leaf.shape, to_numpy_dtype(leaf.dtype)), impl=leaf.prng_impl)).dtype
+        if saved != wanted:
+            raise ValueError(f"{name}: saved as {saved} keys ({leaf.prng_impl}), the target asks for {wanted}")
     key_shape = tuple(getattr(target, "shape", leaf.shape[:-1]))
     if leaf.shape[:len(key_shape)] != key_shape or len(leaf.shape) == len(key_shape):
         raise ValueError(f"{name}: saved as keys of shape {leaf.shape[:-1]}, the target has {key_shape}")
