@@ -14,10 +14,10 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from ...checkpoint import MANIFEST, latest_checkpoint, prune_checkpoints, read_manifest
+from ...checkpoint import latest_checkpoint, prune_checkpoints, read_manifest
 from ...errors import CheckpointNotFoundError, TensorferryError, TensorferryIOError
 from ...engine import Engine
-from ...layouts.dcp import DCP_METADATA
+from ...layouts.dcp import written_by_torch
 from ...shard import ShardWriter, gc_paused, write_order
 from .dcp import DCPReader, DCPWriter
 from .serialization import TORCH_FORMAT
@@ -25,11 +25,6 @@ from .staging import DeviceToHost
 from .tensors import safetensors_dtype
 
 _STEP = re.compile(r"^step_(\d+)$")
-
-
-def _torchs_own_folder(path: str) -> bool:
-    """A step saved by torch's FileSystemWriter (before a switch to this class)."""
-    return os.path.isfile(os.path.join(path, DCP_METADATA)) and not os.path.exists(os.path.join(path, MANIFEST))
 
 
 class FSDPCheckpointer:
@@ -177,7 +172,7 @@ class FSDPCheckpointer:
                 raise CheckpointNotFoundError(f"no complete checkpoint under {self.checkpoint_dir}",
                                               self.checkpoint_dir)
         path = self.step_path(step)
-        if not _torchs_own_folder(path):  # which DCPReader hands to torch's reader
+        if not written_by_torch(path):  # a step from before a switch: DCPReader hands it to torch's reader
             read_manifest(path)  # a clear error here, before DCP wraps it
         state = self._state()
         dcp.load(state, storage_reader=DCPReader(path, engine=self.engine),

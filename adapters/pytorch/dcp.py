@@ -44,7 +44,7 @@ from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_proces
                            read_other_file, split_by_size, write_durably)
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
-from ...layouts.dcp import DCP_METADATA, ITEMS_KEY, read_dcp_metadata, unpickle_dcp_metadata
+from ...layouts.dcp import DCP_METADATA, ITEMS_KEY, read_dcp_metadata, unpickle_dcp_metadata, written_by_torch
 from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardInfo, ShardReader, gc_paused, write_order
 from .staging import DeviceToHost, leased, stage_state_dict, staging_pool
 from .tensors import FROM_SAFETENSORS, safetensors_dtype, writable_bytes
@@ -339,8 +339,7 @@ class DCPReader(StorageReader):
     def _torch_folder(self) -> StorageReader | None:
         """torch's reader, for a folder of torch's FileSystemWriter (a ``.metadata``, no
         manifest); None for one of DCPWriter's."""
-        if self._torchs is None and not os.path.exists(os.path.join(self.path, MANIFEST)) \
-                and os.path.exists(os.path.join(self.path, DCP_METADATA)):
+        if self._torchs is None and written_by_torch(self.path):
             from torch.distributed.checkpoint import FileSystemReader
             metadata = read_dcp_metadata(self.path)
             reader = FileSystemReader(self.path)

@@ -88,6 +88,13 @@ def unpickle_dcp_metadata(data: bytes, path: str) -> Any:
         raise CorruptCheckpointError(f"{path}: the DCP metadata cannot be read ({type(exc).__name__}: {exc})") from None
 
 
+def written_by_torch(directory: str) -> bool:
+    """Whether ``directory`` is a folder of torch's own FileSystemWriter: a ``.metadata``
+    and no tensorferry manifest."""
+    return os.path.isfile(os.path.join(directory, DCP_METADATA)) and \
+        not os.path.exists(os.path.join(directory, MANIFEST))
+
+
 def read_dcp_metadata(directory: str) -> Any:
     """The unpickled ``.metadata`` (torch's ``Metadata``)."""
     try:
@@ -259,4 +266,4 @@ def _torch_name(dtype: str) -> str:
     return next(name for name, st in TORCH_DTYPE_NAMES.items() if st == dtype)
 
 
-__all__ = ["DCPFolder", "DCP_METADATA", "ITEMS_KEY", "read_dcp_metadata", "safetensors_name"]
+__all__ = ["DCPFolder", "DCP_METADATA", "ITEMS_KEY", "read_dcp_metadata", "safetensors_name", "written_by_torch"]
