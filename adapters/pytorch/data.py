@@ -155,11 +155,8 @@ class GDSDataset(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         # What a DataLoader worker started by spawn or forkserver receives: the items and
         # settings; kvikio handles, copies in flight and the pinned pool stay here (the
-        # worker reads into host buffers of its own, as a forked one does).
-        if self._engine_pid is not None:
-            raise TypeError("GDSDataset was given an explicit engine, which cannot be sent to another "
-                            "process (a DataLoader worker); leave engine=None so that each process "
-                            "uses its own default engine")
+        # worker reads into host buffers of its own, as a forked one does). FileSource
+        # refuses to travel with an explicit engine.
         return {**self.__dict__, "_cufiles": {}, "_copying": [], "_warned_worker": False}
 
     def _warn_worker(self) -> None:
