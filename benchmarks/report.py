@@ -125,9 +125,9 @@ def all_results(results_dir: str) -> list[dict[str, Any]]:
     return sorted(documents, key=lambda d: d["started"])
 
 
-def latest_results(results_dir: str, documents: list[dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
-    """The newest result file of each benchmark, by the time the run started."""
-    return {d["benchmark"]: d for d in (all_results(results_dir) if documents is None else documents)}
+def latest_results(documents: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The newest of ``documents`` (oldest first, as :func:`all_results` gives them) of each benchmark."""
+    return {d["benchmark"]: d for d in documents}
 
 
 # The docs' ranges span this many of a benchmark's newest runs with the newest one's
@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(render_gpu_check(json.load(f)))
         return 0
     documents = all_results(args.results)
-    latest = latest_results(args.results, documents)
+    latest = latest_results(documents)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if args.plot:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
