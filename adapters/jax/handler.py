@@ -453,8 +453,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             if leaf.kind == "scalar":
                 return leaf.value
             if leaf.prng_impl is not None:
-                return jax.eval_shape(lambda: jax.random.wrap_key_data(
-                    jax.numpy.zeros(leaf.shape, to_numpy_dtype(leaf.dtype)), impl=leaf.prng_impl))
+                return _abstract_keys(leaf)
             return jax.ShapeDtypeStruct(leaf.shape, to_numpy_dtype(leaf.dtype))
 
         return _decode_structure(ckpt.structure, describe)
@@ -556,6 +555,12 @@ def _leaf_for(ckpt: _Checkpoint, name: str, target: Any) -> _LeafRead:
     return _array_leaf_for(ckpt, name, leaf, target)
 
 
+def _abstract_keys(leaf: _Leaf) -> jax.ShapeDtypeStruct:
+    """The keys a leaf of key data holds, as shape and key dtype (nothing computed)."""
+    return jax.eval_shape(lambda: jax.random.wrap_key_data(jax.numpy.zeros(leaf.shape, to_numpy_dtype(leaf.dtype)),
+                                                           impl=leaf.prng_impl))
+
+
 def _key_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _LeafRead:
     """A typed PRNG key array: its key data restored as the target's keys lie (their
     shape; their sharding, with the data's trailing dimensions whole), then wrapped.
@@ -564,8 +569,7 @@ def _key_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _Le
     if wanted is not None and not jax.dtypes.issubdtype(wanted, jax.dtypes.prng_key):
         return _array_leaf_for(ckpt, name, leaf, target)
     if wanted is not None:
-        saved = jax.eval_shape(lambda: jax.random.wrap_key_data(
-            jax.numpy.zeros(leaf.shape, to_numpy_dtype(leaf.dtype)), impl=leaf.prng_impl)).dtype
+        saved = _abstract_keys(leaf).dtype
         if saved != wanted:
             raise ValueError(f"{name}: saved as {saved} keys ({leaf.prng_impl}), the target asks for {wanted}")
     key_shape = tuple(getattr(target, "shape", leaf.shape[:-1]))
