@@ -109,4 +109,5 @@ def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
     return [path for path in stale_temporaries(root, target, keep) if remove_if_stale(path)]
 
 
-__all__ = ["TMP_MARKER", "held_here", "hold", "release", "remove_if_stale", "remove_stale_temporaries", "stale_temporaries"]
+__all__ = ["TMP_MARKER", "held_here", "hold", "release", "remove_if_stale", "remove_stale_temporaries",
+           "stale_temporaries"]
