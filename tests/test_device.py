@@ -580,6 +580,74 @@ def test_dcp_of_cuda_tensors_with_async_save(tmp_path) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_complex_and_e8m0_cuda_tensors_round_trip(tmp_path) -> None:
+    # No __cuda_array_interface__ typestr for either: the device path goes by bytes.
+    state = {"c64": torch.randn(17, 3, dtype=torch.complex64, device="cuda"),
+             "e8m0": torch.randint(0, 255, (64,), dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)}
+    save(state, tmp_path / "s.safetensors")
+    save_checkpoint(tmp_path / "ckpt", state)
+    for loaded in (load(tmp_path / "s.safetensors", map_location="cuda"), load_checkpoint(tmp_path / "ckpt")):
+        for k, v in state.items():
+            assert loaded[k].dtype == v.dtype and loaded[k].shape == v.shape, k
+            assert torch.equal(loaded[k].to("cuda").view(torch.uint8), v.view(torch.uint8)), k
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_dcp_reader_loads_torchs_own_folders_into_cuda_tensors(tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {k: v for k, v in cuda_state().items() if isinstance(v, torch.Tensor) and v.is_cuda}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "torchs")))
+    into = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(into, storage_reader=DCPReader(tmp_path / "torchs"))
+    assert_same(state, into)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_checkpointer_of_a_cuda_model_with_extra_state(tmp_path) -> None:
+    """A CUDA model, its AdamW, a CUDA GradScaler, a scheduler and a CUDA counter, through
+    save_async and load: all back on the GPU as saved."""
+    from tensorferry.adapters.pytorch import FSDPCheckpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
+    progress = {"samples": torch.zeros((), dtype=torch.int64, device="cuda")}
+
+    def train_step() -> None:
+        loss = model(torch.randn(16, 64, device="cuda")).square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scheduler.step()
+        progress["samples"] += 16
+
+    ckpt = FSDPCheckpointer(tmp_path, model, opt, extra={"scheduler": scheduler, "scaler": scaler,
+                                                         "progress": progress})
+    for _ in range(3):
+        train_step()
+    ckpt.save_async(3).result()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_opt = {k: v.clone() for k, v in opt.state[opt.param_groups[0]["params"][0]].items()}
+    lr, scale = opt.param_groups[0]["lr"], scaler.get_scale()
+    for _ in range(2):
+        train_step()
+    assert ckpt.load() == 3
+    assert_same(expected, model.state_dict())
+    restored_opt = opt.state[opt.param_groups[0]["params"][0]]
+    assert all(torch.equal(restored_opt[k].to(v.device), v) for k, v in expected_opt.items())
+    assert restored_opt["exp_avg"].is_cuda
+    assert opt.param_groups[0]["lr"] == lr and scaler.get_scale() == scale and scheduler.last_epoch == 3
+    assert progress["samples"].is_cuda and int(progress["samples"]) == 48
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @needs_kvikio
 def test_engine_reads_and_writes_device_memory_through_kvikio(tmp_path) -> None:
     with Engine() as engine:
@@ -614,7 +682,8 @@ if not gpus:
     print(f"needs JAX with a GPU (devices: {jax.devices()})")
     sys.exit(77)
 state = {"w": jax.device_put(jnp.arange(1 << 20, dtype=jnp.bfloat16), gpus[0]),
-         "b": jax.device_put(jnp.ones((33, 7), jnp.float32), gpus[0]), "step": 5}
+         "b": jax.device_put(jnp.ones((33, 7), jnp.float32), gpus[0]), "step": 5,
+         "rng": jax.device_put(jax.random.key(3), gpus[0])}
 with ocp.CheckpointManager(sys.argv[1], item_handlers={"state": FerryCheckpointHandler()}) as manager:
     manager.save(1, args=ocp.args.Composite(state=FerrySave(state)))
     manager.wait_until_finished()
@@ -624,6 +693,8 @@ with ocp.CheckpointManager(sys.argv[1], item_handlers={"state": FerryCheckpointH
 assert restored["step"] == 5
 for k in ("w", "b"):
     assert restored[k].devices() == {gpus[0]} and bool((restored[k] == state[k]).all()), k
+assert restored["rng"].dtype == state["rng"].dtype and restored["rng"].devices() == {gpus[0]}
+assert bool((jax.random.key_data(restored["rng"]) == jax.random.key_data(state["rng"])).all())
 """
 
 
