@@ -651,9 +651,17 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
 
     Each problem starts with the file's name and ``": "``. ``progress``, if given, is
     called with counts of bytes checked, which add up to the size of every file the
-    manifest lists (a missing or bad file counts as checked).
+    manifest lists (a missing or bad file counts as checked). What else
+    :func:`load_checkpoint` reads (a single safetensors file, a Hugging Face folder,
+    torch's DCP, an Orbax step) is checked as ``tensorferry verify`` checks it: against
+    the checksums its files carry, else for consistent headers and sizes.
     """
     directory = resolve_checkpoint(directory)
+    if not os.path.isfile(os.path.join(directory, MANIFEST)):
+        from .layouts import foreign_layout
+        foreign = foreign_layout(directory)
+        if foreign is not None:
+            return foreign.verify(progress).problems
     manifest = read_manifest(directory)
     placed: dict[str, list[str]] = {}
     for name, entry in manifest["tensors"].items():

@@ -493,6 +493,28 @@ def test_checkpoint_detects_damage(tmp_path) -> None:
         tensorferry.load_checkpoint(path, list(arrays)[:1])
 
 
+def test_verify_checks_what_load_reads_besides_checkpoint_directories(tmp_path) -> None:
+    """A single file (as the adapters' save writes it) and a Hugging Face folder are
+    verified as load_checkpoint reads them, not refused for lacking a manifest."""
+    from safetensors.numpy import save_file
+
+    arrays = {f"w{i}": sample(np.float32, (40_000,), i) for i in range(3)}
+    with ShardWriter(tmp_path / "one.safetensors") as w:
+        for name, a in arrays.items():
+            w.add(name, a)
+    assert tensorferry.verify_checkpoint(tmp_path / "one.safetensors") == []
+    with open(tmp_path / "one.safetensors", "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        f.write(b"\xff")
+    (problem,) = tensorferry.verify_checkpoint(tmp_path / "one.safetensors")
+    assert problem.startswith("one.safetensors: ") and "checksum" in problem
+    (tmp_path / "hf").mkdir()
+    save_file(arrays, str(tmp_path / "hf" / "model.safetensors"))  # no checksums: headers and sizes
+    assert tensorferry.verify_checkpoint(tmp_path / "hf") == []
+    os.truncate(tmp_path / "hf" / "model.safetensors", 1000)
+    assert tensorferry.verify_checkpoint(tmp_path / "hf")[0].startswith("model.safetensors: ")
+
+
 def test_directory_without_manifest_is_not_a_checkpoint(tmp_path) -> None:
     (tmp_path / "step_5").mkdir()
     (tmp_path / "step_5" / "shard-00000.safetensors").write_bytes(b"junk")

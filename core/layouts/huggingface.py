@@ -120,8 +120,9 @@ class HuggingFaceFolder(Layout):
     def verify(self, progress: Callable[[int], None] | None = None) -> Verification:
         try:
             _, _, problems, _ = self._survey()
-        except CorruptCheckpointError as exc:
-            return Verification([os.path.basename(_index_of(self.path) or SINGLE)], None, [str(exc)], "")
+        except CorruptCheckpointError as exc:  # the index, or the single file's header
+            name = os.path.basename(_index_of(self.path) or SINGLE)
+            return Verification([name], None, [f"{name}: {exc}"], "")
         weight_map, _ = self._index()
         found = verify_files(self.directory, self._files(weight_map), progress,
                              lambda file: self._reader(file, verify=True))
