@@ -147,6 +147,77 @@ def test_tf_distribute_input_pipeline(tmp_path) -> None:
     np.testing.assert_array_equal(np.concatenate(rows), raw)
 
 
+_WORKER = r"""
+import json, sys
+import tensorflow as tf
+from tensorferry.adapters.tensorflow import make_dataset
+
+paths = sys.argv[1:]
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+task = strategy.cluster_resolver.task_id
+
+
+def rows_of(distributed) -> list:
+    return [bytes(row).hex() for batch in distributed for local in strategy.experimental_local_results(batch)
+            for row in local.numpy()]
+
+
+ways = {
+    "from_function": strategy.distribute_datasets_from_function(
+        lambda ctx: make_dataset(paths, record_bytes=16, shard=(ctx.input_pipeline_id, ctx.num_input_pipelines))
+        .batch(4)),
+    "sharded, then distributed": strategy.experimental_distribute_dataset(
+        make_dataset(paths, record_bytes=16, shard=(task, 2)).batch(4)),
+    "auto-sharded": strategy.experimental_distribute_dataset(make_dataset(paths, record_bytes=16).batch(4)),
+}
+print("ROWS" + json.dumps({way: rows_of(dataset) for way, dataset in ways.items()}))
+"""
+
+
+def test_two_workers_of_multi_worker_mirrored_strategy(tmp_path) -> None:
+    """Two processes of MultiWorkerMirroredStrategy: every record reaches exactly one
+    worker, whether the dataset is sharded per input pipeline, sharded by hand and then
+    distributed (auto-sharding must not shard it again), or left to auto-sharding."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    raw = np.random.default_rng(3).integers(0, 256, (4, 40, 16), dtype=np.uint8)
+    paths = []
+    for i, rows in enumerate(raw):
+        (tmp_path / f"f{i}.bin").write_bytes(rows.tobytes())
+        paths.append(str(tmp_path / f"f{i}.bin"))
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            ports.append(s.getsockname()[1])
+    procs = []
+    for index in range(2):
+        config = {"cluster": {"worker": [f"localhost:{port}" for port in ports]}, "task": {"type": "worker",
+                                                                                           "index": index}}
+        env = dict(os.environ, TF_CONFIG=json.dumps(config), TF_CPP_MIN_LOG_LEVEL="2")
+        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, *paths], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=180)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    results = [json.loads(next(line for line in out.splitlines() if line.startswith("ROWS"))[4:]) for out in outputs]
+    every_row = sorted(bytes(row).hex() for rows in raw for row in rows)
+    for way in results[0]:
+        first, second = (r[way] for r in results)
+        assert sorted(first + second) == every_row, way
+        assert len(first) == len(second) == len(every_row) // 2, way
+
+
 def test_errors(tmp_path) -> None:
     with pytest.raises(ValueError, match="matches no files"):
         make_dataset(str(tmp_path / "*.nothing"))

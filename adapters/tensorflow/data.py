@@ -74,7 +74,14 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         num_parallel_reads: batches of reads started ahead of the items handed out.
             AUTOTUNE (the default) starts enough to keep about 64 MiB in flight.
         shard: ``(index, count)``: keep every count-th item starting at index, for
-            data-parallel workers (tf.distribute's auto-sharding works too).
+            data-parallel workers; the reads are of those items alone. With
+            ``tf.distribute``, build the dataset in
+            ``strategy.distribute_datasets_from_function(lambda ctx: make_dataset(...,
+            shard=(ctx.input_pipeline_id, ctx.num_input_pipelines)))``. A sharded dataset
+            turns tf.distribute's auto-sharding off (it would shard it again). Without
+            ``shard``, ``experimental_distribute_dataset`` still hands each worker its own
+            items, but through auto-sharding's data policy: every worker reads every item
+            and drops the others' (no file-level sharding of custom reads).
         reads_per_call: items whose reads one call starts together (neighbouring
             ranges of a file merge into one read). By default about 8 MiB, at most 256
             items, at least one.
@@ -124,6 +131,9 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     if shard is not None:
         index, count = shard
         dataset = dataset.shard(count, index)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        dataset = dataset.with_options(options)
     if shuffle:
         dataset = dataset.shuffle(len(records), seed=seed, reshuffle_each_iteration=True)
     start, take = _read_ops(engine, files, record_bytes, tfrecord)
