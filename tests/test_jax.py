@@ -310,6 +310,18 @@ def test_typed_prng_keys(tmp_path):
     assert not (tmp_path / "plain.safetensors").exists()
 
 
+@pytest.mark.parametrize("bad", [np.zeros(3, np.complex128), jnp.zeros(4, jnp.int4)], ids=["complex128", "int4"])
+def test_dtypes_without_a_safetensors_name_are_refused_naming_the_leaf(tmp_path, bad):
+    tree = {"ok": jnp.ones(2), "opt": {"mu": bad}}
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    with pytest.raises(TypeError, match=r"\['opt'\]\['mu'\]: dtype \w+ has no safetensors equivalent"):
+        ckptr.save(tmp_path / "c", args=FerrySave(tree))
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(TypeError, match=r"\['opt'\]\['mu'\]: dtype"):
+        save_pytree(tmp_path / "p.safetensors", tree)
+    assert not (tmp_path / "p.safetensors").exists()
+
+
 def test_flax_train_states(tmp_path):
     """What Flax users hand Orbax: a Linen TrainState with optax's Adam state (custom
     pytree nodes, namedtuples, an int32 count) and an NNX model's state (Variables, and

@@ -355,6 +355,14 @@ def test_dcp_refuses_to_overwrite(tmp_path) -> None:
     assert x["x"].sum() == 0
 
 
+def test_dcp_refuses_dtypes_without_a_safetensors_name_before_writing(tmp_path) -> None:
+    for dtype in (torch.complex128, torch.float8_e4m3fnuz):
+        with pytest.raises(CheckpointException, match=rf"model\.w: torch dtype {dtype} has no safetensors"):
+            dcp.save({"model": {"b": torch.ones(3), "w": torch.zeros(2, dtype=dtype)}},
+                     storage_writer=DCPWriter(tmp_path / "c"))
+        assert os.listdir(tmp_path) == [], "nothing written, not even the temporary"
+
+
 def test_dcp_load_errors(tmp_path) -> None:
     state = {"w": torch.randn(64, 64), "b": torch.randn(64)}
     dcp.save(state, storage_writer=DCPWriter(tmp_path / "c", files_per_rank=2))

@@ -357,14 +357,14 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                     arrays.append((key, shard.data))
                     chunks.append([key, offsets, sizes])
                 records[name] = {"kind": "array", "was_jax": True, "shape": list(value.shape),
-                                 "dtype": to_safetensors_dtype(np.dtype(value.dtype)), "file": filename,
+                                 "dtype": _stored_dtype(name, value.dtype), "file": filename,
                                  "chunks": chunks}
                 if prng_impl is not None:
                     records[name]["prng_impl"] = prng_impl
             elif isinstance(value, (np.ndarray, np.generic)):
                 array = np.asarray(value)
                 record = {"kind": "array", "was_jax": False, "shape": list(array.shape),
-                          "dtype": to_safetensors_dtype(array.dtype), "file": filename, "chunks": []}
+                          "dtype": _stored_dtype(name, array.dtype), "file": filename, "chunks": []}
                 if primary:
                     key = _chunk_key(name, [0] * array.ndim)
                     arrays.append((key, array))
@@ -468,6 +468,14 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
 
     def close(self) -> None:
         pass
+
+
+def _stored_dtype(name: str, dtype: Any) -> str:
+    """The safetensors name of leaf ``name``'s dtype; the refusal names the leaf."""
+    try:
+        return to_safetensors_dtype(np.dtype(dtype))
+    except TypeError as exc:
+        raise TypeError(f"{name or 'the item'}: {exc}") from None
 
 
 def _in_window(starts: Iterable[Callable[[], tuple[int, Callable[[], Any]]]]) -> list[Any]:
@@ -688,7 +696,8 @@ def save_pytree(path: str | os.PathLike, tree: Any, *, engine: Engine | None = N
                 raise TypeError(f"{name} is a typed PRNG key array, which a plain safetensors file cannot mark "
                                 "as keys: save jax.random.key_data(key), or use FerryCheckpointHandler")
             if isinstance(value, jax.Array):
-                writer.add(name, to_safetensors_dtype(np.dtype(value.dtype)), value.shape,
-                           lambda value=value: np.asarray(value))
+                writer.add(name, _stored_dtype(name, value.dtype), value.shape, lambda value=value: np.asarray(value))
             else:
-                writer.add(name, np.asarray(value))
+                array = np.asarray(value)
+                _stored_dtype(name, array.dtype)
+                writer.add(name, array)

@@ -167,6 +167,12 @@ class DCPWriter(StorageWriter):
         # Fail on every rank before anything is written.
         if os.path.lexists(self.path) and not self.overwrite:
             raise FileExistsError(f"{self.path} exists; pass DCPWriter(..., overwrite=True) to replace it")
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO:
+                try:
+                    safetensors_dtype(item.tensor_data.properties.dtype)
+                except TypeError as exc:
+                    raise TypeError(f"{item.index.fqn}: {exc}") from None
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
