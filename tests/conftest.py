@@ -7,9 +7,11 @@ import contextlib
 import multiprocessing.util
 import os
 import shutil
+import socket
 import subprocess
+import sys
 import tempfile
-from typing import Iterator
+from typing import Iterator, Mapping, Sequence
 
 import pytest
 
@@ -112,6 +114,35 @@ def mounted(fstype: str, options: str | None = None) -> Iterator[str]:
     finally:
         subprocess.run(["umount", "-l", target], capture_output=True)
         os.rmdir(target)
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free now, for the coordinator or workers of a multi-process test."""
+    ports = []
+    for _ in range(count):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    return ports
+
+
+def run_processes(script: str, runs: Sequence[tuple[Sequence[str], Mapping[str, str]]], timeout: float) -> list[str]:
+    """Runs ``python -c script`` once per ``(args, env)`` of ``runs``, all at once (the
+    processes of one distributed job); asserts that each exits 0 and returns their
+    outputs (stdout and stderr together). None is left running."""
+    procs = [subprocess.Popen([sys.executable, "-c", script, *args], env=dict(env), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for args, env in runs]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return outputs
 
 
 @pytest.fixture

@@ -496,6 +496,19 @@ def cuda_state() -> dict:
             "host": torch.ones(3), "np": np.arange(4)}
 
 
+def cuda_tensors() -> dict:
+    return {k: v for k, v in cuda_state().items() if isinstance(v, torch.Tensor) and v.is_cuda}
+
+
+def dcp_loaded(reader: DCPReader, like: dict) -> dict:
+    """``dcp.load`` into new tensors like those of ``like``."""
+    import torch.distributed.checkpoint as dcp
+
+    into = {k: torch.empty_like(v) for k, v in like.items()}
+    dcp.load(into, storage_reader=reader)
+    return into
+
+
 def assert_same(a: dict, b: dict) -> None:
     for k, v in a.items():
         if isinstance(v, torch.Tensor):
@@ -524,7 +537,7 @@ def test_cuda_state_round_trips(tmp_path, as_directory: bool) -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_cuda_load_without_checksums_takes_gds_where_it_runs(tmp_path) -> None:
-    state = {k: v for k, v in cuda_state().items() if isinstance(v, torch.Tensor) and v.is_cuda}
+    state = cuda_tensors()
     state["strided"] = state["strided"].contiguous()
     save(state, tmp_path / "s.safetensors")
     with Engine() as engine:  # GDS where gds_mode is "gds", the pinned bounce otherwise
@@ -535,7 +548,7 @@ def test_cuda_load_without_checksums_takes_gds_where_it_runs(tmp_path) -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_cuda_loads_in_place_and_checksums_catch_corruption(tmp_path) -> None:
-    state = {k: v for k, v in cuda_state().items() if isinstance(v, torch.Tensor) and v.is_cuda}
+    state = cuda_tensors()
     save_checkpoint(tmp_path / "ckpt", state)
     out = {k: torch.empty_like(v).contiguous() for k, v in state.items()}
     loaded = load_checkpoint(tmp_path / "ckpt", out=out)
@@ -567,15 +580,13 @@ def test_staging_pool_is_registered_with_cuda() -> None:
 def test_dcp_of_cuda_tensors_with_async_save(tmp_path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    state = {k: v for k, v in cuda_state().items() if isinstance(v, torch.Tensor) and v.is_cuda}
+    state = cuda_tensors()
     future = dcp.async_save(state, storage_writer=DCPWriter(tmp_path / "c"))
     expected = {k: v.clone() for k, v in state.items()}
     for v in state.values():
         v.zero_()
     future.result()
-    into = {k: torch.empty_like(v) for k, v in state.items()}
-    dcp.load(into, storage_reader=DCPReader(tmp_path / "c"))
-    assert_same(expected, into)
+    assert_same(expected, dcp_loaded(DCPReader(tmp_path / "c"), state))
 
 
 @pytest.mark.cuda
@@ -597,11 +608,9 @@ def test_complex_and_e8m0_cuda_tensors_round_trip(tmp_path) -> None:
 def test_dcp_reader_loads_torchs_own_folders_into_cuda_tensors(tmp_path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    state = {k: v for k, v in cuda_state().items() if isinstance(v, torch.Tensor) and v.is_cuda}
+    state = cuda_tensors()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "torchs")))
-    into = {k: torch.empty_like(v) for k, v in state.items()}
-    dcp.load(into, storage_reader=DCPReader(tmp_path / "torchs"))
-    assert_same(state, into)
+    assert_same(state, dcp_loaded(DCPReader(tmp_path / "torchs"), state))
 
 
 @pytest.mark.cuda

@@ -551,27 +551,13 @@ print("OK", sorted(os.listdir(path)), flush=True)
 
 @pytest.mark.slow
 def test_two_processes(tmp_path):
-    import socket
-    import subprocess
-    import sys
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from conftest import free_ports, run_processes
+
+    (port,) = free_ports(1)
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESSES, str(tmp_path / "c"), str(i), str(port)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=60)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
+    outputs = run_processes(_TWO_PROCESSES, [([str(tmp_path / "c"), str(i), str(port)], env) for i in range(2)],
+                            timeout=60)
     assert "process-0.safetensors" in outputs[0] and "process-1.json" in outputs[0]
 
 

@@ -179,37 +179,18 @@ def test_two_workers_of_multi_worker_mirrored_strategy(tmp_path) -> None:
     worker, whether the dataset is sharded per input pipeline, sharded by hand and then
     distributed (auto-sharding must not shard it again), or left to auto-sharding."""
     import json
-    import socket
-    import subprocess
-    import sys
+
+    from conftest import free_ports, run_processes
 
     raw = np.random.default_rng(3).integers(0, 256, (4, 40, 16), dtype=np.uint8)
     paths = []
     for i, rows in enumerate(raw):
         (tmp_path / f"f{i}.bin").write_bytes(rows.tobytes())
         paths.append(str(tmp_path / f"f{i}.bin"))
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("localhost", 0))
-            ports.append(s.getsockname()[1])
-    procs = []
-    for index in range(2):
-        config = {"cluster": {"worker": [f"localhost:{port}" for port in ports]}, "task": {"type": "worker",
-                                                                                           "index": index}}
-        env = dict(os.environ, TF_CONFIG=json.dumps(config), TF_CPP_MIN_LOG_LEVEL="2")
-        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, *paths], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=180)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
+    workers = [f"localhost:{port}" for port in free_ports(2)]
+    outputs = run_processes(_WORKER, [(paths, dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=json.dumps(
+        {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}))) for index in range(2)],
+        timeout=180)
     results = [json.loads(next(line for line in out.splitlines() if line.startswith("ROWS"))[4:]) for out in outputs]
     every_row = sorted(bytes(row).hex() for rows in raw for row in rows)
     for way in results[0]:
