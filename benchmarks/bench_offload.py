@@ -9,12 +9,15 @@ layer's compute takes at least as long as reading its weights, the case the over
 is about.
 
     python benchmarks/bench_offload.py --dir /nvme/tmp --size 512M [--steps 3] [--weights 1G]
+        [--results benchmarks/results]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from typing import Any
 
 import torch
 
@@ -43,8 +46,19 @@ def timed_steps(optimizer: torch.optim.Optimizer, steps: int) -> float:
     return min(times)
 
 
+def figures(case: str, nbytes: int, in_memory: float, offloaded: float, io: float, fio_gbps: float | None,
+            io_gbps: float) -> dict[str, Any]:
+    """One row of the result file: a case's times (best of its rounds) and what they make."""
+    return {"case": case, "MiB moved": round(nbytes / 2**20), "in memory, s": round(in_memory, 3),
+            "offloaded, s": round(offloaded, 3), "I/O GB/s": round(io_gbps, 2),
+            "x fio": round(io_gbps / fio_gbps, 2) if fio_gbps else None,
+            "overlap efficiency": round((in_memory + io) / offloaded, 2),
+            "best possible": round((in_memory + io) / max(in_memory, io), 2),
+            "I/O hidden": f"{(in_memory + io - offloaded) / io:.0%}"}
+
+
 def stream_case(directory: str, weights_bytes: int, fio_read_gbps: float | None, batch: int,
-                rounds: int = 3) -> None:
+                rounds: int = 3) -> dict[str, Any]:
     """A stack of 4096x4096 float32 Linear layers (64 MiB each) run with its weights on NVMe."""
     width = 4096
     layers = max(2, weights_bytes // (width * width * 4))
@@ -82,6 +96,8 @@ def stream_case(directory: str, weights_bytes: int, fio_read_gbps: float | None,
           + (f", {moved / io / 1e9 / fio_read_gbps:.2f} of fio's read)" if fio_read_gbps else ")"))
     print(f"  overlap efficiency (compute + I/O) / wall = {(compute + io) / wall:.2f} "
           f"(best possible {(compute + io) / max(compute, io):.2f}); I/O hidden {(compute + io - wall) / io:.0%}")
+    # I/O alone is the one-row forward's time; fio's read is its ceiling.
+    return figures(f"stream_weights, batch {batch}", moved, compute, wall, io, fio_read_gbps, moved / io / 1e9)
 
 
 def main() -> None:
@@ -93,7 +109,9 @@ def main() -> None:
     parser.add_argument("--weights", default="1G", help="bytes of weights for the stream_weights case")
     parser.add_argument("--batch", type=int, default=512,
                         help="rows per forward in the stream_weights case (compute per layer grows with it)")
+    bench.add_results_option(parser)
     args = parser.parse_args()
+    started = time.time()
     size = parse_size(args.size)
     resident = parse_size(args.resident) if args.resident else size // 4
 
@@ -116,6 +134,7 @@ def main() -> None:
           f"{io_per_step / 2**20:.0f} MiB moved per step")
     swap_gbps = io_per_step / offloaded / 1e9
     print(f"swap bandwidth (read + write, over wall time): {swap_gbps:.2f} GB/s")
+    fio_gbps = io_time = None
     if bench.fio_available():
         write = bench.run_fio(args.dir, "write", size // 2)
         read = bench.run_fio(args.dir, "read", size // 2)
@@ -131,8 +150,11 @@ def main() -> None:
     else:
         print("fio not installed: no ceiling, no overlap figure")
         read = None
-    stream_case(args.dir, parse_size(args.weights), read.gbps if read else None, args.batch)
-
+    rows = [] if io_time is None else [
+        figures("OffloadedOptimizer (Adam), I/O at fio's speed", round(io_per_step), in_memory, offloaded, io_time,
+                fio_gbps, swap_gbps)]
+    rows.append(stream_case(args.dir, parse_size(args.weights), read.gbps if read else None, args.batch))
+    bench.save_run(args, "offload", sys.argv, args.dir, started, rows=rows)
 
 if __name__ == "__main__":
     with bench.freed_memory_kept():

@@ -110,8 +110,8 @@ COMMANDS = [
      "`GDSDataset` + `DataLoader` against a `Dataset` of `open().read()`"),
     ("data_tf", "python benchmarks/bench_data_tf.py --dir DIR --size 2G --repeat 3 --results benchmarks/results",
      "`make_dataset` against `TFRecordDataset`, `FixedLengthRecordDataset`, `read_file`"),
-    ("offload", "python benchmarks/bench_offload.py --dir DIR --size 1G --weights 1G",
-     "`OffloadedOptimizer` and `stream_weights` (prints its figures; no result file yet)"),
+    ("offload", "python benchmarks/bench_offload.py --dir DIR --size 1G --weights 1G --results benchmarks/results",
+     "`OffloadedOptimizer` and `stream_weights` against the same work in memory, and fio"),
 ]
 
 
