@@ -27,7 +27,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -136,6 +136,27 @@ def run_fio(directory: str, op: str, nbytes: int, block_size: int = 1 << 20, iod
     cpu = _cpu_seconds(resource.RUSAGE_CHILDREN) - cpu0
     job = json.loads(output[output.index("{"):])["jobs"][0]
     return Measurement("fio", op, nbytes, job["job_runtime"] / 1e3, cpu)
+
+
+def rounds_beside_fio(action: Callable[[], float], directory: str, nbytes: int, rounds: int,
+                      ops: Sequence[str] = ("read",)) -> tuple[list[float], list[float]]:
+    """Each of ``rounds`` runs of ``action`` (which returns the seconds it took) right
+    after fio moved ``nbytes`` with each op of ``ops`` in turn: the action's seconds, and
+    fio's (its ops' summed, per round; empty without fio). The disk here changes speed
+    from minute to minute, so each round is judged against the fio run beside it."""
+    times: list[float] = []
+    fio_times: list[float] = []
+    paired = fio_available()
+    try:
+        if paired and ops[0] != "write":  # a read needs the file a write makes
+            run_fio(directory, "write", nbytes)
+        for _ in range(rounds):
+            if paired:
+                fio_times.append(sum(run_fio(directory, op, nbytes).seconds for op in ops))
+            times.append(action())
+    finally:
+        remove_fio_file(directory)
+    return times, fio_times
 
 
 def remove_fio_file(directory: str) -> None:

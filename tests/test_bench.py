@@ -86,6 +86,22 @@ def test_best_of_keeps_the_fastest_round_and_the_median_same_round_ratio() -> No
     assert "median same-round vs fio" in bench.report([fio, ours])
 
 
+def test_rounds_beside_fio_runs_fio_before_each_round_and_cleans_up(tmp_path) -> None:
+    seen = []
+
+    def action() -> float:
+        seen.append(os.listdir(tmp_path))  # fio's file is there, made by the run just before
+        return 0.5
+
+    times, fio = bench.rounds_beside_fio(action, str(tmp_path), 1 << 20, 3, ("write", "read"))
+    assert times == [0.5] * 3
+    if bench.fio_available():
+        assert len(fio) == 3 and all(f > 0 for f in fio) and all(files for files in seen)
+    else:
+        assert fio == []
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
 def test_in_turn_balances_places_and_predecessors(n: int) -> None:
     rounds = [bench.in_turn(list(range(n)), turn) for turn in range(n if n % 2 == 0 else 2 * n)]
