@@ -83,7 +83,7 @@ def main() -> int:
         shutil.rmtree(folder, ignore_errors=True)
     results = bench.best_of(rounds)
     print(bench.report(results, as_json=args.json))
-    bench.save_run(args, "hf", sys.argv, os.path.abspath(args.dir), started, measurements=rounds)
+    bench.save_run(args, "hf", ["python", *sys.argv], os.path.abspath(args.dir), started, measurements=rounds)
     return 0
 
 

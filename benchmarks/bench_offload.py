@@ -132,7 +132,7 @@ def main() -> None:
         print("fio not installed: no ceiling")
     rows = [optimizer_case(args.dir, size, resident, args.rounds),
             stream_case(args.dir, parse_size(args.weights), args.batch, args.rounds)]
-    bench.save_run(args, "offload", sys.argv, args.dir, started, rows=rows)
+    bench.save_run(args, "offload", ["python", *sys.argv], args.dir, started, rows=rows)
 
 
 if __name__ == "__main__":
