@@ -1,7 +1,8 @@
 """GDSDataset + DataLoader vs a plain Dataset doing open().read(), bytes/s, against fio.
 
-The data is ``--size`` bytes as 64 files, and again as one file of 1 MiB records; the page
-cache is dropped before each reader.
+The data is ``--size`` bytes as 64 files, and again as one file read as 1 MiB records and
+as 64 KiB records (small items, such as tokenized sequences or thumbnails, in batches of
+128); the page cache is dropped before each reader.
 
     python benchmarks/bench_data_torch.py --dir /nvme/tmp --size 2G [--workers 0] [--batch 8] [--repeat 2]
         [--results benchmarks/results]
@@ -24,6 +25,8 @@ from tensorferry.adapters.pytorch import GDSDataset
 
 FILES = 64
 RECORD = 1 << 20
+SMALL_RECORD = 64 << 10
+SMALL_BATCH = 128
 
 
 class OpenReadDataset(Dataset):
@@ -75,14 +78,17 @@ def main() -> None:
                 with open(path, "rb") as src:
                     shutil.copyfileobj(src, f)
         records = [(records_file, offset, RECORD) for offset in range(0, nbytes - RECORD + 1, RECORD)]
-        cases = {
-            f"GDSDataset, {FILES} files": GDSDataset(paths),
-            f"open().read(), {FILES} files": OpenReadDataset(paths),
-            "GDSDataset, 1 MiB records": GDSDataset(records),
-            "open().read(), 1 MiB records": OpenReadDataset(records),
+        small = [(records_file, offset, SMALL_RECORD) for offset in range(0, nbytes - SMALL_RECORD + 1, SMALL_RECORD)]
+        cases = {  # dataset, batch size
+            f"GDSDataset, {FILES} files": (GDSDataset(paths), args.batch),
+            f"open().read(), {FILES} files": (OpenReadDataset(paths), args.batch),
+            "GDSDataset, 1 MiB records": (GDSDataset(records), args.batch),
+            "open().read(), 1 MiB records": (OpenReadDataset(records), args.batch),
+            f"GDSDataset, 64 KiB records, batches of {SMALL_BATCH}": (GDSDataset(small), SMALL_BATCH),
+            f"open().read(), 64 KiB records, batches of {SMALL_BATCH}": (OpenReadDataset(small), SMALL_BATCH),
         }
-        loaders = {name: DataLoader(dataset, batch_size=args.batch, num_workers=args.workers, collate_fn=list)
-                   for name, dataset in cases.items()}
+        loaders = {name: DataLoader(dataset, batch_size=batch, num_workers=args.workers, collate_fn=list)
+                   for name, (dataset, batch) in cases.items()}
         results = bench.reader_rounds(directory, [*paths, records_file], nbytes,
                                       {name: lambda loader=loader: drain(loader) for name, loader in loaders.items()},
                                       args.repeat, rounds=True)

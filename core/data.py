@@ -7,6 +7,7 @@ import errno
 import operator
 import os
 import stat
+import threading
 import weakref
 from typing import Any, Iterable, Sequence, Tuple, Union
 
@@ -19,15 +20,55 @@ Record = Tuple[str, int, int]
 Item = Union[PathLike, Tuple[PathLike, int, int]]
 
 
+# Where each item of a batch starts in the batch's buffer: O_DIRECT needs aligned memory.
+SLOT_ALIGNMENT = 4096
+
+
+def _root(array: np.ndarray) -> np.ndarray:
+    """The pool buffer an array handed out is a view of."""
+    return array.base if isinstance(array.base, np.ndarray) else array
+
+
 class _Shared:
     """What a source and the sources derived from it (shuffle, shard) use together."""
 
     def __init__(self, engine: Engine | None, pool: PinnedPool | None) -> None:
         self._engine = engine
         self.pool = pool if pool is not None else PinnedPool()
-        # Buffers handed to callers, by id, so that release() refuses strangers and
+        self._lock = threading.Lock()
+        # Arrays handed to callers, by id, so that release() refuses strangers and
         # double releases, which would let two later reads share one buffer.
-        self.lent: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+        self._lent: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+        # The arrays of a batch share one pool buffer, which goes back once every one of
+        # them is given back: the count of those still out, by the buffer's id (forgotten
+        # when the buffer itself goes, should some never come back).
+        self._out: dict[int, int] = {}
+        self._counted: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+    def lend(self, buffer: np.ndarray, arrays: Sequence[np.ndarray]) -> None:
+        """Hands ``arrays``, views of the pool's ``buffer``, to the caller."""
+        key = id(buffer)
+        with self._lock:
+            if self._counted.get(key) is not buffer:
+                self._counted[key] = buffer
+                weakref.finalize(buffer, self._out.pop, key, None)
+            self._out[key] = self._out.get(key, 0) + len(arrays)
+            for array in arrays:
+                self._lent[id(array)] = array
+
+    def give_back(self, array: np.ndarray) -> None:
+        """Takes back an array :meth:`lend` handed out; its buffer goes back to the pool
+        with the last of the arrays that share it."""
+        with self._lock:
+            if self._lent.pop(id(array), None) is not array:
+                raise ValueError("not an array handed out by this source, or released already")
+            buffer = _root(array)
+            left = self._out[id(buffer)] - 1
+            if left:
+                self._out[id(buffer)] = left
+                return
+            del self._out[id(buffer)]
+        self.pool.release(buffer)
 
     @property
     def engine(self) -> Engine:
@@ -81,7 +122,9 @@ class FileSource:
 
     Buffers: every array handed out belongs to the caller and stays valid for as
     long as it is referenced. Giving it back with :meth:`release` when done lets
-    later reads reuse its pinned memory instead of allocating more.
+    later reads reuse its pinned memory instead of allocating more. The arrays of one
+    :meth:`read_batch` share one buffer, which is reused once all of them are given
+    back (and kept for as long as any of them is referenced).
 
     Processes: a source pickles as its items and window (for workers that spawn or a
     forkserver starts), and reads there with that process's own engine and buffers;
@@ -128,19 +171,36 @@ class FileSource:
         return self.read_batch([index])[0]
 
     def read_batch(self, indices: Iterable[int]) -> list[np.ndarray]:
-        """The bytes of the items at ``indices``, all read at once, in the order asked."""
-        reads = [self._start(self._records[self._position(i)]) for i in indices]
-        errors = []
-        for buffer, read in reads:
-            error = self._wait(buffer, read)
-            if error is not None:
-                errors.append(error)
-        if errors:
-            for buffer, _ in reads:
-                if buffer is not None and id(buffer) in self._shared.lent:
-                    self.release(buffer)
-            raise errors[0]
-        return [buffer for buffer, _ in reads]
+        """The bytes of the items at ``indices``, all read at once, in the order asked.
+
+        The items share one buffer from the pool (one allocation, and one request per
+        file, however many items): it is freed, or back in the pool, once all of them
+        are gone or given back."""
+        records = [self._records[self._position(i)] for i in indices]
+        if not records:
+            return []
+        starts, end = [], 0
+        for _, _, length in records:
+            starts.append(end)
+            end += -(-length // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+        buffer = _root(self._shared.pool.acquire(end))
+        arrays = [buffer[start:start + length] for start, (_, _, length) in zip(starts, records)]
+        per_file: dict[str, list[tuple[np.ndarray, int]]] = {}
+        for array, (path, offset, _) in zip(arrays, records):
+            per_file.setdefault(path, []).append((array, offset))
+        reads: list[IOFuture | OSError] = []
+        for path, parts in per_file.items():
+            try:
+                reads.append(self._shared.engine.pread_many(parts, path))
+            except OSError as exc:  # raised in turn, once the reads started are done
+                reads.append(exc)
+        errors = [read if isinstance(read, OSError) else read.exception() for read in reads]
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            self._shared.pool.release(buffer)
+            raise error
+        self._shared.lend(buffer, arrays)
+        return arrays
 
     def shuffle(self, seed: int) -> "FileSource":
         """A source of the same items in a permuted order, the same for the same ``seed``."""
@@ -155,9 +215,7 @@ class FileSource:
 
     def release(self, array: np.ndarray) -> None:
         """Gives an array this source handed out back to the pool; it must not be used after."""
-        if self._shared.lent.pop(id(array), None) is not array:
-            raise ValueError("not an array handed out by this source, or released already")
-        self._shared.pool.release(array)
+        self._shared.give_back(array)
 
     def __repr__(self) -> str:
         return f"<tensorferry.FileSource {len(self._records)} items window={self.window}>"
@@ -199,7 +257,7 @@ class FileSource:
         if error is not None:
             self._shared.pool.release(buffer)
             return error
-        self._shared.lent[id(buffer)] = buffer
+        self._shared.lend(_root(buffer), [buffer])
         return None
 
 

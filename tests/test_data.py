@@ -192,6 +192,46 @@ def test_release_recycles_buffers(files, engine):
     source.release(array)
 
 
+def test_a_batch_shares_one_buffer_given_back_with_its_last_array(tmp_path, engine):
+    """read_batch reads its items into one pool buffer (aligned slots, one request per
+    file): it goes back to the pool when every array of the batch has been released,
+    and lives on while any of them is referenced."""
+    paths, contents = write_files(tmp_path, [5000, 4096, 1, 0, 70_000])
+    pool = tensorferry.PinnedPool()
+    source = FileSource([*paths, (paths[4], 3, 60_000)], engine=engine, pool=pool)
+    batch = source.read_batch([4, 0, 5, 2, 3, 0])
+    expected = [contents[4], contents[0], contents[4][3:60_003], contents[2], contents[3], contents[0]]
+    for array, want in zip(batch, expected):
+        np.testing.assert_array_equal(array, want)
+        assert array.ctypes.data % 4096 == 0  # O_DIRECT's alignment, each in its own slot
+    assert len({a.base.ctypes.data for a in batch}) == 1, "one buffer"
+    assert batch[1].ctypes.data != batch[5].ctypes.data
+    for array in batch[:-1]:
+        source.release(array)
+    assert pool.cached_bytes == 0, "back only with the last array"
+    with pytest.raises(ValueError):
+        source.release(batch[0])
+    source.release(batch[-1])
+    assert pool.cached_bytes > 0
+    # Never released: the arrays keep their buffer, whatever reads come after.
+    kept = source.read_batch([0, 4])
+    again = source.read_batch([0, 4])
+    del again
+    np.testing.assert_array_equal(kept[0], contents[0])
+    np.testing.assert_array_equal(kept[1], contents[4])
+
+
+def test_a_failed_batch_raises_once_its_reads_are_done_and_keeps_nothing(tmp_path, engine):
+    (first, second), (data, _) = write_files(tmp_path, [10_000, 100])
+    pool = tensorferry.PinnedPool()
+    source = FileSource([(first, 0, 100), (second, 50, 100), (first, 200, 50)], engine=engine, pool=pool)
+    with pytest.raises(tensorferry.TensorferryIOError, match=os.path.basename(second)) as info:
+        source.read_batch([0, 1, 2])
+    assert info.value.errno == errno.ENODATA
+    assert pool.cached_bytes > 0, "the batch's buffer went back to the pool"
+    np.testing.assert_array_equal(source.read_batch([2])[0], data[200:250])
+
+
 def test_closing_an_iterator_early_returns_its_buffers(files, engine):
     paths, _ = files
     pool = tensorferry.PinnedPool()
