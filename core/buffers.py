@@ -91,10 +91,16 @@ class PinnedPool:
     and device memory are asynchronous DMA rather than staged by the driver. A buffer
     is unregistered when the pool drops it (on a release past the cap, or ``clear``);
     one acquired and never released stays registered, so give buffers back.
+
+    ``lock=False`` leaves the buffers pageable (page-aligned all the same): what host-only
+    I/O wants, since O_DIRECT pins the pages of each transfer itself; such a pool gives
+    no :class:`PinnedMemoryWarning` where ``RLIMIT_MEMLOCK`` forbids locking.
     """
 
-    def __init__(self, max_cached_bytes: int = 256 << 20, *, register: HostRegister | None = None) -> None:
+    def __init__(self, max_cached_bytes: int = 256 << 20, *, register: HostRegister | None = None,
+                 lock: bool = True) -> None:
         self.max_cached_bytes = max_cached_bytes
+        self.lock = lock
         self._free: dict[int, list[np.ndarray]] = {}
         self._cached = 0
         self._lock = threading.Lock()
@@ -148,7 +154,7 @@ class PinnedPool:
                 base = free.pop()
                 self._cached -= size
                 return base[:nbytes]
-        base = alloc_pinned(size)
+        base = alloc_pinned(size) if self.lock else _native.alloc_pinned(size, lock=False)[0]
         with self._lock:
             self._ensure_registered(base)
         return base[:nbytes]

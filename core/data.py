@@ -34,7 +34,8 @@ class _Shared:
 
     def __init__(self, engine: Engine | None, pool: PinnedPool | None) -> None:
         self._engine = engine
-        self.pool = pool if pool is not None else PinnedPool()
+        # Host arrays by default: pageable (a device's staging pool is passed in).
+        self.pool = pool if pool is not None else PinnedPool(lock=False)
         self._lock = threading.Lock()
         # Arrays handed to callers, by id, so that release() refuses strangers and
         # double releases, which would let two later reads share one buffer.
@@ -117,8 +118,9 @@ class FileSource:
         engine: the :class:`Engine` to read with (default: :func:`default_engine`,
             looked up at each read, so a source survives a fork into worker processes).
         window: reads kept in flight ahead of the consumer.
-        pool: the :class:`PinnedPool` that buffers come from (default: a new one,
-            shared with derived sources).
+        pool: the :class:`PinnedPool` that buffers come from (default: a new one of
+            pageable buffers, ``lock=False``, shared with derived sources; pass a locked
+            one, registered with the device, for buffers copied to a GPU).
 
     Buffers: every array handed out belongs to the caller and stays valid for as
     long as it is referenced. Giving it back with :meth:`release` when done lets

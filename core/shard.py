@@ -75,7 +75,10 @@ class Deferred(NamedTuple):
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * to_numpy_dtype(self.dtype).itemsize
-_pool = PinnedPool()
+
+
+# Staging between files and host memory only: pageable (device copies use their own pools).
+_pool = PinnedPool(lock=False)
 
 
 _gc_pause_lock = threading.Lock()

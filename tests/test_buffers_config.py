@@ -25,7 +25,9 @@ def test_alloc_pinned_is_aligned_and_usable_from_numpy_and_torch() -> None:
     assert buf[0] == 9  # same memory
 
 
-def test_pinned_falls_back_with_one_warning_beyond_memlock() -> None:
+def run_without_memlock(script: str, **fields: object) -> None:
+    """Runs ``script`` (formatted with ``fields`` and ``limit``, RLIMIT_MEMLOCK's soft limit)
+    in a process that cannot lock memory past that limit; it must print "ok"."""
     import resource
     import shutil
     import subprocess
@@ -39,20 +41,43 @@ def test_pinned_falls_back_with_one_warning_beyond_memlock() -> None:
         if shutil.which("setpriv") is None:
             pytest.skip("running as root without setpriv to drop CAP_IPC_LOCK")
         prefix = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock"]
-    script = f"""
+    result = subprocess.run(prefix + [sys.executable, "-c", script.format(limit=soft, **fields)], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_pinned_falls_back_with_one_warning_beyond_memlock() -> None:
+    run_without_memlock("""
 import warnings, tensorferry
 with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
-    a = tensorferry.alloc_pinned({soft} + (1 << 20))
-    b = tensorferry.alloc_pinned({soft} + (1 << 20))
+    a = tensorferry.alloc_pinned({limit} + (1 << 20))
+    b = tensorferry.alloc_pinned({limit} + (1 << 20))
 assert [w.category.__name__ for w in record] == ["PinnedMemoryWarning"], record
 assert a.ctypes.data % 4096 == 0 and b.ctypes.data % 4096 == 0
 a[-1] = 1
 print("ok")
-"""
-    result = subprocess.run(prefix + [sys.executable, "-c", script], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
+""")
+
+
+def test_host_only_io_neither_locks_nor_warns_beyond_memlock(tmp_path) -> None:
+    """Saves, loads and FileSource reads stage through pageable pools: a process that may
+    not lock memory (a container's default ulimit -l) gets no PinnedMemoryWarning."""
+    run_without_memlock("""
+import warnings, numpy as np, tensorferry
+with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    state = {{"w": np.arange(({limit} + (8 << 20)) // 4, dtype=np.float32), "b": np.ones(3)}}
+    tensorferry.save_checkpoint("{tmp_path}/ckpt", state)
+    back = tensorferry.load_checkpoint("{tmp_path}/ckpt")
+    assert all(np.array_equal(back[k], v) for k, v in state.items())
+    shard = next(f for f in tensorferry.read_manifest("{tmp_path}/ckpt")["files"])
+    source = tensorferry.FileSource([("{tmp_path}/ckpt/" + shard, 0, 1 << 20)] * 40)
+    assert len(source.read_batch(range(40))) == 40
+assert record == [], [str(w.message) for w in record]
+print("ok")
+""", tmp_path=tmp_path)
 
 
 def test_pool_reuses_and_bounds() -> None:

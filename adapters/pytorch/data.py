@@ -86,8 +86,8 @@ class GDSDataset(Dataset):
             their own, whether forked, spawned or started by a forkserver). An explicit
             engine cannot be used in worker processes: its I/O threads do not survive a
             fork, and it cannot be sent to a spawned process.
-        pool: the pinned pool host reads take buffers from (default: a new one, or for
-            a CUDA device the staging pool registered with CUDA).
+        pool: the pool host reads take buffers from (default: a new one of pageable
+            buffers, or for a CUDA device the staging pool, locked and registered with CUDA).
 
     With ``num_workers > 0`` and a CUDA device, workers return host tensors and one
     :class:`GDSWorkerWarning` per worker process says why.
