@@ -145,16 +145,25 @@ class PinnedPool:
         """The bytes a buffer of ``nbytes`` really takes from the pool (a power of two, >= 4 KiB)."""
         return max(4096, 1 << (max(nbytes, 1) - 1).bit_length())
 
-    def acquire(self, nbytes: int) -> np.ndarray:
-        """A pinned uint8 buffer of exactly ``nbytes`` (a view into its size class)."""
-        size = self.size_class(nbytes)
+    def acquire(self, nbytes: int, *, exact: bool = False) -> np.ndarray:
+        """A pinned uint8 buffer of exactly ``nbytes`` (a view into its size class; with
+        ``exact``, into a buffer of ``nbytes`` rounded up to the page, which only a request
+        of the same rounded size reuses: for memory that is mostly handed away, where a
+        size class would cost up to twice the memory)."""
+        size = -(-max(nbytes, 1) // 4096) * 4096 if exact else self.size_class(nbytes)
         with self._lock:
             free = self._free.get(size)
             if free:
                 base = free.pop()
                 self._cached -= size
                 return base[:nbytes]
-        base = alloc_pinned(size) if self.lock else _native.alloc_pinned(size, lock=False)[0]
+        if self.lock:
+            base = alloc_pinned(size)
+        else:
+            base = _native.alloc_pinned(size, lock=False)[0]
+            # Faulted in at once, as mlock does: cheaper than page by page as reads land
+            # (measured, 1 MiB reads: 0.10-0.16 s of system time per GB against 0.15-0.18).
+            _native.populate(base.ctypes.data, base.nbytes)
         with self._lock:
             self._ensure_registered(base)
         return base[:nbytes]

@@ -185,7 +185,10 @@ class FileSource:
         for _, _, length in records:
             starts.append(end)
             end += -(-length // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
-        buffer = _root(self._shared.pool.acquire(end))
+        pool = self._shared.pool
+        # Batches are mostly handed away (a DataLoader's): a size class would double the
+        # memory of some. A device's registered pool reuses by size class all the same.
+        buffer = _root(pool.acquire(end, exact=not pool.registered))
         arrays = [buffer[start:start + length] for start, (_, _, length) in zip(starts, records)]
         per_file: dict[str, list[tuple[np.ndarray, int]]] = {}
         for array, (path, offset, _) in zip(arrays, records):

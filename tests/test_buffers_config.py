@@ -97,6 +97,17 @@ def test_pool_reuses_and_bounds() -> None:
     assert pool.cached_bytes == 0
 
 
+def test_exact_buffers_are_page_rounded_and_reused_at_that_size() -> None:
+    pool = tensorferry.PinnedPool(lock=False)
+    a = pool.acquire(12 << 20 | 5, exact=True)
+    assert a.nbytes == 12 << 20 | 5 and a.base.nbytes == (12 << 20) + 4096, "not the 16 MiB size class"
+    address = a.ctypes.data
+    pool.release(a)
+    assert pool.acquire(12 << 20, exact=True).ctypes.data != address, "another size: not this buffer"
+    assert pool.acquire((12 << 20) + 1, exact=True).ctypes.data == address
+    assert pool.acquire(300_000).base.nbytes == 512 << 10  # size classes otherwise
+
+
 def test_config_defaults_and_validation() -> None:
     c = IOConfig()
     assert c.block_size == 1 << 20 and c.backend == "auto"
