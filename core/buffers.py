@@ -100,7 +100,7 @@ class PinnedPool:
     def __init__(self, max_cached_bytes: int = 256 << 20, *, register: HostRegister | None = None,
                  lock: bool = True) -> None:
         self.max_cached_bytes = max_cached_bytes
-        self.lock = lock
+        self.page_locked = lock
         self._free: dict[int, list[np.ndarray]] = {}
         self._cached = 0
         self._lock = threading.Lock()
@@ -146,7 +146,7 @@ class PinnedPool:
         return max(4096, 1 << (max(nbytes, 1) - 1).bit_length())
 
     def acquire(self, nbytes: int, *, exact: bool = False) -> np.ndarray:
-        """A pinned uint8 buffer of exactly ``nbytes`` (a view into its size class; with
+        """A page-aligned uint8 buffer of exactly ``nbytes`` (a view into its size class; with
         ``exact``, into a buffer of ``nbytes`` rounded up to the page, which only a request
         of the same rounded size reuses: for memory that is mostly handed away, where a
         size class would cost up to twice the memory)."""
@@ -157,7 +157,7 @@ class PinnedPool:
                 base = free.pop()
                 self._cached -= size
                 return base[:nbytes]
-        if self.lock:
+        if self.page_locked:
             base = alloc_pinned(size)
         else:
             base = _native.alloc_pinned(size, lock=False)[0]

@@ -202,7 +202,7 @@ class FileSource:
         errors = [read if isinstance(read, OSError) else read.exception() for read in reads]
         error = next((e for e in errors if e is not None), None)
         if error is not None:
-            self._shared.pool.release(buffer)
+            pool.release(buffer)
             raise error
         self._shared.lend(buffer, arrays)
         return arrays
