@@ -699,5 +699,5 @@ def save_pytree(path: str | os.PathLike, tree: Any, *, engine: Engine | None = N
                 writer.add(name, _stored_dtype(name, value.dtype), value.shape, lambda value=value: np.asarray(value))
             else:
                 array = np.asarray(value)
-                _stored_dtype(name, array.dtype)
+                _stored_dtype(name, array.dtype)  # refused here, naming the leaf
                 writer.add(name, array)
