@@ -258,6 +258,31 @@ def test_large_and_unaligned_items_read_straight_into_tensorflow_strings(tmp_pat
     np.testing.assert_array_equal(got, big_rows)
 
 
+def test_items_of_64_to_512_kib_read_into_their_own_strings(tmp_path) -> None:
+    """Whole files and TFRecord records of that size are read into their strings' own
+    memory (CRCs checked there), aligned or not, beside smaller and larger ones."""
+    rng = np.random.default_rng(9)
+    sizes = [64 << 10, 100_000, (300 << 10) + 7, (512 << 10) - 1, 512 << 10, 5000]
+    data = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in sizes]
+    for i, d in enumerate(data):
+        (tmp_path / f"img{i}.bin").write_bytes(d)
+    assert [x.numpy() for x in make_dataset(str(tmp_path / "img*.bin"))] == data
+    path = str(tmp_path / "mid.tfrecord")
+    with tf.io.TFRecordWriter(path) as w:
+        for d in data:
+            w.write(d)
+    assert [x.numpy() for x in make_dataset(path, tfrecord=True)] == data
+    assert [x.numpy() for x in make_dataset(path, tfrecord=True)] == [
+        x.numpy() for x in tf.data.TFRecordDataset(path)]
+    with open(path, "r+b") as f:  # a flipped byte inside the 100 000-byte record
+        f.seek((64 << 10) + 16 + 12 + 50_000)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(tf.errors.DataLossError, match="bad data CRC"):
+        list(make_dataset(path, tfrecord=True))
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["O_DIRECT", "buffered"])
 def test_large_records_become_tensors_uncopied_and_outlive_their_dataset(tmp_path, direct: bool) -> None:
     """Records taken one at a time are read into slots that become the tensors (no copy
