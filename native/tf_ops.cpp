@@ -217,7 +217,8 @@ class RecordSlots {
     std::lock_guard<std::mutex> lock(mu_);
     if (free_.empty()) {
       uint64_t mapped = 0;  // at least 8 slots a slab, in whole huge pages
-      char *slab = static_cast<char *>(tf::map_transfer_memory(std::max<uint64_t>(8 * slot_bytes_, 2u << 20), &mapped));
+      const uint64_t slab_bytes = std::max<uint64_t>(8 * slot_bytes_, 2u << 20);
+      char *slab = static_cast<char *>(tf::map_transfer_memory(slab_bytes, &mapped));
       slabs_.emplace_back(slab, mapped);
       for (uint64_t at = 0; at + slot_bytes_ <= mapped; at += slot_bytes_) free_.push_back(slab + at);
     }
@@ -658,8 +659,10 @@ void compute_take_record(void *kernel, TF_OpKernelContext *ctx) {
     TensorHolder tensor(TF_NewTensor(kUint8, shape.data(), static_cast<int>(shape.size()), items[0].data,
                                      static_cast<size_t>(k.record_bytes), give_back_slot, lent),
                         TF_DeleteTensor);
-    if (!tensor) return fail(ctx, kResourceExhausted, "no tensor for a record of " + std::to_string(k.record_bytes) +
-                                                          " bytes");
+    if (!tensor) {  // TensorFlow refused the memory without taking it
+      give_back_slot(nullptr, 0, lent);
+      return fail(ctx, kResourceExhausted, "no tensor for a record of " + std::to_string(k.record_bytes) + " bytes");
+    }
     Status status;
     TF_SetOutput(ctx, 0, tensor.get(), status.get());
     if (!status.ok()) TF_OpKernelContext_Failure(ctx, status.get());
