@@ -74,6 +74,12 @@ def byte_view(buffer: Any, *, writable: bool) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
+def pool_buffer(array: np.ndarray) -> np.ndarray:
+    """The buffer that ``array``, handed out by a :class:`PinnedPool` (a view of it, or
+    a view of one of its views), lies in; ``array`` itself if it is one."""
+    return array.base if isinstance(array.base, np.ndarray) else array
+
+
 HostRegister = Callable[[int, int], Callable[[], None]]
 """Registers ``(address, nbytes)`` of host memory with a device runtime (``cudaHostRegister``)
 and returns the function that unregisters it."""
@@ -170,7 +176,7 @@ class PinnedPool:
 
     def release(self, buffer: np.ndarray) -> None:
         """Returns a buffer from :meth:`acquire` to the pool (dropped if the pool is full)."""
-        base = buffer.base if buffer.base is not None and isinstance(buffer.base, np.ndarray) else buffer
+        base = pool_buffer(buffer)
         size = base.nbytes
         with self._lock:
             if self._cached + size <= self.max_cached_bytes:

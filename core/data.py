@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence, Tuple, Union
 
 import numpy as np
 
-from .buffers import PinnedPool
+from .buffers import PinnedPool, pool_buffer
 from .engine import Engine, IOFuture, PathLike, default_engine
 
 Record = Tuple[str, int, int]
@@ -22,11 +22,6 @@ Item = Union[PathLike, Tuple[PathLike, int, int]]
 
 # Where each item of a batch starts in the batch's buffer: O_DIRECT needs aligned memory.
 SLOT_ALIGNMENT = 4096
-
-
-def _root(array: np.ndarray) -> np.ndarray:
-    """The pool buffer an array handed out is a view of."""
-    return array.base if isinstance(array.base, np.ndarray) else array
 
 
 class _Shared:
@@ -63,7 +58,7 @@ class _Shared:
         with self._lock:
             if self._lent.pop(id(array), None) is not array:
                 raise ValueError("not an array handed out by this source, or released already")
-            buffer = _root(array)
+            buffer = pool_buffer(array)
             left = self._out[id(buffer)] - 1
             if left:
                 self._out[id(buffer)] = left
@@ -188,7 +183,7 @@ class FileSource:
         pool = self._shared.pool
         # Batches are mostly handed away (a DataLoader's): a size class would double the
         # memory of some. A device's registered pool reuses by size class all the same.
-        buffer = _root(pool.acquire(end, exact=not pool.registered))
+        buffer = pool_buffer(pool.acquire(end, exact=not pool.registered))
         arrays = [buffer[start:start + length] for start, (_, _, length) in zip(starts, records)]
         per_file: dict[str, list[tuple[np.ndarray, int]]] = {}
         for array, (path, offset, _) in zip(arrays, records):
@@ -262,7 +257,7 @@ class FileSource:
         if error is not None:
             self._shared.pool.release(buffer)
             return error
-        self._shared.lend(_root(buffer), [buffer])
+        self._shared.lend(pool_buffer(buffer), [buffer])
         return None
 
 
