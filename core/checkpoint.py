@@ -411,12 +411,10 @@ def load_with_manifest(directory: str | os.PathLike, names: Iterable[str] | None
     if mmap:
         refuse_out_when_mapped(out)
     directory = resolve_checkpoint(directory)
-    if not os.path.isfile(os.path.join(directory, MANIFEST)):
-        from .layouts import foreign_layout
-        foreign = foreign_layout(directory)  # a Hugging Face folder, say
-        if foreign is not None:
-            with foreign.open(engine=engine, verify=verify) as source:
-                return None, source.read(names, out, mmap=mmap)
+    foreign = _foreign_layout(directory)
+    if foreign is not None:
+        with foreign.open(engine=engine, verify=verify) as source:
+            return None, source.read(names, out, mmap=mmap)
     manifest = read_manifest(directory)
     try:
         return manifest, _load_as_listed(directory, manifest, names, out, engine, verify, mmap)
@@ -428,6 +426,16 @@ def load_with_manifest(directory: str | os.PathLike, names: Iterable[str] | None
         if (again["files"], again.get("committed_at")) == (manifest["files"], manifest.get("committed_at")):
             raise
     return again, _load_as_listed(directory, again, names, out, engine, verify, mmap)
+
+
+def _foreign_layout(directory: str) -> Any:
+    """The layout of what ``directory`` holds when it is not one of our checkpoint
+    directories but something :mod:`tensorferry.layouts` reads (a single safetensors file,
+    a Hugging Face folder, torch's DCP, an Orbax step); None otherwise."""
+    if os.path.isfile(os.path.join(directory, MANIFEST)):
+        return None
+    from .layouts import foreign_layout  # the layouts build on this module
+    return foreign_layout(directory)
 
 
 def refuse_out_when_mapped(out: Mapping[str, Any] | None) -> None:
@@ -657,11 +665,9 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
     the checksums its files carry, else for consistent headers and sizes.
     """
     directory = resolve_checkpoint(directory)
-    if not os.path.isfile(os.path.join(directory, MANIFEST)):
-        from .layouts import foreign_layout
-        foreign = foreign_layout(directory)
-        if foreign is not None:
-            return foreign.verify(progress).problems
+    foreign = _foreign_layout(directory)
+    if foreign is not None:
+        return foreign.verify(progress).problems
     manifest = read_manifest(directory)
     placed: dict[str, list[str]] = {}
     for name, entry in manifest["tensors"].items():
