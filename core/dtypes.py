@@ -55,8 +55,9 @@ def to_numpy_dtype(name: str) -> np.dtype:
     raise CorruptCheckpointError(f"unknown dtype {name!r} (known: {', '.join(SAFETENSORS_DTYPES)})")
 
 
-def to_safetensors_dtype(dtype: np.dtype | str) -> str:
-    """The safetensors name of a numpy dtype (or a safetensors name, checked)."""
+def to_safetensors_dtype(dtype: np.dtype | str, where: str = "") -> str:
+    """The safetensors name of a numpy dtype (or a safetensors name, checked); the
+    refusal of a dtype without one starts with ``where`` (the entry's name), if given."""
     if isinstance(dtype, str) and dtype in SAFETENSORS_DTYPES:
         return dtype
     _, from_numpy = _tables()
@@ -66,5 +67,5 @@ def to_safetensors_dtype(dtype: np.dtype | str) -> str:
     try:
         return from_numpy[dt]
     except KeyError:
-        raise TypeError(f"dtype {dt} has no safetensors equivalent "
+        raise TypeError(f"{where}{': ' if where else ''}dtype {dt} has no safetensors equivalent "
                         f"(supported: {', '.join(SAFETENSORS_DTYPES)})") from None

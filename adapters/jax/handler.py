@@ -472,10 +472,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
 
 def _stored_dtype(name: str, dtype: Any) -> str:
     """The safetensors name of leaf ``name``'s dtype; the refusal names the leaf."""
-    try:
-        return to_safetensors_dtype(np.dtype(dtype))
-    except TypeError as exc:
-        raise TypeError(f"{name or 'the item'}: {exc}") from None
+    return to_safetensors_dtype(np.dtype(dtype), name or "the item")
 
 
 def _in_window(starts: Iterable[Callable[[], tuple[int, Callable[[], Any]]]]) -> list[Any]:

@@ -169,10 +169,7 @@ class DCPWriter(StorageWriter):
             raise FileExistsError(f"{self.path} exists; pass DCPWriter(..., overwrite=True) to replace it")
         for item in plan.items:
             if item.type != WriteItemType.BYTE_IO:
-                try:
-                    safetensors_dtype(item.tensor_data.properties.dtype)
-                except TypeError as exc:
-                    raise TypeError(f"{item.index.fqn}: {exc}") from None
+                safetensors_dtype(item.tensor_data.properties.dtype, item.index.fqn)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

@@ -56,10 +56,7 @@ def _check_savable(tensor: torch.Tensor, where: str) -> None:
                             "it first (torch.distributed.checkpoint.state_dict.get_model_state_dict with "
                             "StateDictOptions(full_state_dict=True, cpu_offload=True), as "
                             "FSDPCheckpointer.save_consolidated does)")
-    try:
-        safetensors_dtype(tensor.dtype)
-    except TypeError as exc:
-        raise TypeError(f"{where}: {exc}") from None
+    safetensors_dtype(tensor.dtype, where)
     if tensor.is_nested:
         raise TypeError(f"{where} is a nested tensor: save its components (tensor.unbind()) instead")
     if tensor.layout != torch.strided:

@@ -14,12 +14,13 @@ TO_SAFETENSORS = {getattr(torch, name): safetensors for name, safetensors in TOR
 FROM_SAFETENSORS = {name: dtype for dtype, name in TO_SAFETENSORS.items()}
 
 
-def safetensors_dtype(dtype: torch.dtype) -> str:
-    """The safetensors name of a torch dtype."""
+def safetensors_dtype(dtype: torch.dtype, where: str = "") -> str:
+    """The safetensors name of a torch dtype; the refusal of one without a name starts
+    with ``where`` (the entry's name), if given."""
     try:
         return TO_SAFETENSORS[dtype]
     except KeyError:
-        raise TypeError(f"torch dtype {dtype} has no safetensors equivalent "
+        raise TypeError(f"{where}{': ' if where else ''}torch dtype {dtype} has no safetensors equivalent "
                         f"(supported: {', '.join(map(str, TO_SAFETENSORS))})") from None
 
 
