@@ -525,11 +525,9 @@ def _host_value(ckpt: _Checkpoint, name: str) -> _LeafRead:
     if leaf.kind == "scalar":
         return _LeafRead(ckpt, name, [], 0, lambda started: leaf.value)
     box = ((0,) * len(leaf.shape), leaf.shape)
-    if leaf.prng_impl is not None:
-        return _LeafRead(ckpt, name, [box], math.prod(leaf.shape) * to_numpy_dtype(leaf.dtype).itemsize,
-                         lambda started: jax.random.wrap_key_data(started[box](), impl=leaf.prng_impl))
-    return _LeafRead(ckpt, name, [box], math.prod(leaf.shape) * to_numpy_dtype(leaf.dtype).itemsize,
+    read = _LeafRead(ckpt, name, [box], math.prod(leaf.shape) * to_numpy_dtype(leaf.dtype).itemsize,
                      lambda started: started[box]())
+    return read if leaf.prng_impl is None else _as_keys(read, leaf)
 
 
 def _scalar_as(value: Any, target: Any, name: str) -> Any:
@@ -585,8 +583,12 @@ def _key_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _Le
     if isinstance(sharding, jax.sharding.NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (len(key_shape) - len(sharding.spec) + trailing)
         sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
-    data = _array_leaf_for(ckpt, name, leaf, jax.ShapeDtypeStruct(leaf.shape, to_numpy_dtype(leaf.dtype),
-                                                                    sharding=sharding))
+    return _as_keys(_array_leaf_for(ckpt, name, leaf, jax.ShapeDtypeStruct(leaf.shape, to_numpy_dtype(leaf.dtype),
+                                                                           sharding=sharding)), leaf)
+
+
+def _as_keys(data: _LeafRead, leaf: _Leaf) -> _LeafRead:
+    """The read of a leaf's key data, finished as the keys (of its implementation)."""
     return dataclasses.replace(data, finish=lambda started: jax.random.wrap_key_data(data.finish(started),
                                                                                      impl=leaf.prng_impl))
 
