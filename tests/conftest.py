@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import pytest
 
@@ -114,6 +114,15 @@ def mounted(fstype: str, options: str | None = None) -> Iterator[str]:
     finally:
         subprocess.run(["umount", "-l", target], capture_output=True)
         os.rmdir(target)
+
+
+def requires_cuda(test: Callable) -> Callable:
+    """Skipped without a CUDA device; marked ``cuda`` so that ``pytest -m cuda`` (what
+    benchmarks/gpu_check.sh runs) selects it."""
+    import torch
+
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return pytest.mark.cuda(skip(test))
 
 
 def free_ports(count: int) -> list[int]:

@@ -22,6 +22,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from conftest import requires_cuda
 
 import tensorferry
 from tensorferry import ConfigError, Engine, GDSUnavailableError, IOConfig, PinnedPool, TensorferryIOError
@@ -30,9 +31,6 @@ from tensorferry.adapters.pytorch import DCPReader, DCPWriter, load, load_checkp
 from tensorferry.adapters.pytorch import serialization, staging
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HAS_CUDA = torch.cuda.is_available()
-cuda = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (torch.cuda.is_available() "
-                                             "is False); run benchmarks/gpu_check.sh on a CUDA machine")]
 needs_kvikio = pytest.mark.skipif(gds.load_kvikio() is None, reason="needs kvikio: pip install "
                                   "'tensorferry[gds-cu13]' (or place its wheels in .whl/ for gpu_check.sh)")
 
@@ -517,8 +515,7 @@ def assert_same(a: dict, b: dict) -> None:
             assert np.array_equal(b[k], v), k
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@requires_cuda
 @pytest.mark.parametrize("as_directory", [False, True])
 def test_cuda_state_round_trips(tmp_path, as_directory: bool) -> None:
     state = cuda_state()
@@ -534,8 +531,7 @@ def test_cuda_state_round_trips(tmp_path, as_directory: bool) -> None:
     assert_same(state, loaded)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@requires_cuda
 def test_cuda_load_without_checksums_takes_gds_where_it_runs(tmp_path) -> None:
     state = cuda_tensors()
     state["strided"] = state["strided"].contiguous()
@@ -545,8 +541,7 @@ def test_cuda_load_without_checksums_takes_gds_where_it_runs(tmp_path) -> None:
     assert_same(state, loaded)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@requires_cuda
 def test_cuda_loads_in_place_and_checksums_catch_corruption(tmp_path) -> None:
     state = cuda_tensors()
     save_checkpoint(tmp_path / "ckpt", state)
@@ -562,8 +557,7 @@ def test_cuda_loads_in_place_and_checksums_catch_corruption(tmp_path) -> None:
         load(tmp_path / "s.safetensors", map_location="cuda")
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@requires_cuda
 def test_staging_pool_is_registered_with_cuda() -> None:
     pool = staging.staging_pool()
     assert pool.registered
@@ -575,8 +569,7 @@ def test_staging_pool_is_registered_with_cuda() -> None:
     assert np.array_equal(copy.view(np.int32), np.arange(1 << 18, dtype=np.int32))
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@requires_cuda
 def test_dcp_of_cuda_tensors_with_async_save(tmp_path) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -589,8 +582,7 @@ def test_dcp_of_cuda_tensors_with_async_save(tmp_path) -> None:
     assert_same(expected, dcp_loaded(DCPReader(tmp_path / "c"), state))
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@requires_cuda
 def test_complex_and_e8m0_cuda_tensors_round_trip(tmp_path) -> None:
     # No __cuda_array_interface__ typestr for either: the device path goes by bytes.
     state = {"c64": torch.randn(17, 3, dtype=torch.complex64, device="cuda"),
@@ -603,8 +595,7 @@ def test_complex_and_e8m0_cuda_tensors_round_trip(tmp_path) -> None:
             assert torch.equal(loaded[k].to("cuda").view(torch.uint8), v.view(torch.uint8)), k
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@requires_cuda
 def test_dcp_reader_loads_torchs_own_folders_into_cuda_tensors(tmp_path) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -613,8 +604,7 @@ def test_dcp_reader_loads_torchs_own_folders_into_cuda_tensors(tmp_path) -> None
     assert_same(state, dcp_loaded(DCPReader(tmp_path / "torchs"), state))
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@requires_cuda
 def test_checkpointer_of_a_cuda_model_with_extra_state(tmp_path) -> None:
     """A CUDA model, its AdamW, a CUDA GradScaler, a scheduler and a CUDA counter, through
     save_async and load: all back on the GPU as saved."""
@@ -655,8 +645,7 @@ def test_checkpointer_of_a_cuda_model_with_extra_state(tmp_path) -> None:
     assert progress["samples"].is_cuda and int(progress["samples"]) == 48
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@requires_cuda
 @needs_kvikio
 def test_engine_reads_and_writes_device_memory_through_kvikio(tmp_path) -> None:
     with Engine() as engine:
@@ -707,8 +696,7 @@ assert bool((jax.random.key_data(restored["rng"]) == jax.random.key_data(state["
 """
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@requires_cuda
 def test_jax_arrays_on_a_gpu_round_trip_through_orbax(tmp_path) -> None:
     pytest.importorskip("jax")
     pytest.importorskip("orbax.checkpoint")

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402 (a BaseException)
 
 import tensorferry  # noqa: E402
+from conftest import requires_cuda  # noqa: E402
 from tensorferry import CheckpointNotFoundError  # noqa: E402
 from tensorferry.adapters.pytorch import (DCPReader, DCPWriter, FSDPCheckpointer, load,  # noqa: E402
                                           load_checkpoint, save, save_checkpoint)
@@ -204,8 +205,7 @@ def test_loading_a_directory_neither_warns_nor_hides_a_later_warning(tmp_path) -
 # --- DCPWriter / DCPReader, one process ------------------------------------------------
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_cuda
 def test_cuda_tensors_are_staged_through_pinned_memory(tmp_path) -> None:
     from tensorferry.adapters.pytorch.tensors import host_bytes
 

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import tensorferry  # noqa: E402
+from conftest import requires_cuda  # noqa: E402
 from tensorferry.adapters.pytorch import GDSDataset, GDSWorkerWarning  # noqa: E402
 from tensorferry.adapters.pytorch import data as data_module  # noqa: E402
 
@@ -254,11 +255,6 @@ def test_cuda_device_in_workers_warns_and_returns_host_tensors(tmp_path: Path, c
 
 def test_worker_warning_class_is_exported() -> None:
     assert issubclass(GDSWorkerWarning, UserWarning)
-
-
-def requires_cuda(test: Callable) -> Callable:
-    """Skipped without CUDA; marked ``cuda`` so that ``pytest -m cuda`` (gpu_check.sh) runs it."""
-    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 def requires_gds(test: Callable) -> Callable:
