@@ -74,6 +74,11 @@ def byte_view(buffer: Any, *, writable: bool) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
+
+
 def pool_buffer(array: np.ndarray) -> np.ndarray:
     """The buffer that ``array``, handed out by a :class:`PinnedPool` (a view of it, or
     a view of one of its views), lies in; ``array`` itself if it is one."""
@@ -156,7 +161,7 @@ class PinnedPool:
         ``exact``, into a buffer of ``nbytes`` rounded up to the page, which only a request
         of the same rounded size reuses: for memory that is mostly handed away, where a
         size class would cost up to twice the memory)."""
-        size = -(-max(nbytes, 1) // 4096) * 4096 if exact else self.size_class(nbytes)
+        size = round_up(max(nbytes, 1), 4096) if exact else self.size_class(nbytes)
         with self._lock:
             free = self._free.get(size)
             if free:

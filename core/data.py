@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence, Tuple, Union
 
 import numpy as np
 
-from .buffers import PinnedPool, pool_buffer
+from .buffers import PinnedPool, pool_buffer, round_up
 from .engine import Engine, IOFuture, PathLike, default_engine
 
 Record = Tuple[str, int, int]
@@ -179,7 +179,7 @@ class FileSource:
         starts, end = [], 0
         for _, _, length in records:
             starts.append(end)
-            end += -(-length // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+            end += round_up(length, SLOT_ALIGNMENT)
         pool = self._shared.pool
         # Batches are mostly handed away (a DataLoader's): a size class would double the
         # memory of some. A device's registered pool reuses by size class all the same.

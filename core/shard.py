@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Seque
 import numpy as np
 
 from . import _native
-from .buffers import PinnedPool, byte_view
+from .buffers import PinnedPool, byte_view, round_up
 from .dtypes import to_numpy_dtype, to_safetensors_dtype
 from .engine import Engine, File, IOFuture, default_engine
 from .errors import CorruptCheckpointError, DurabilityWarning, TensorferryIOError
@@ -129,10 +129,6 @@ def new_hasher() -> Any:
     """A streaming xxh3-64 hasher (``update(buffer)``, ``hexdigest()``): the same
     checksum as :func:`digest` of the pieces put together."""
     return _xxh3()()
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
 
 
 @dataclass(frozen=True)
@@ -245,7 +241,7 @@ class ShardWriter:
         self._write_path = f"{self.path}.tmp-{secrets.token_hex(4)}" if atomic else self.path
         self.staging_bytes = staging_bytes
         self.engine = engine or default_engine()
-        self.buffer_size = max(ALIGNMENT, _round_up(buffer_size, ALIGNMENT))
+        self.buffer_size = max(ALIGNMENT, round_up(buffer_size, ALIGNMENT))
         self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
         for reserved in (CHECKSUMS_KEY, HEADER_CHECKSUM_KEY):
             if reserved in self.metadata:
@@ -309,7 +305,7 @@ class ShardWriter:
                 lock = hold(self._write_path)
             file.reserve(header.size + offset)
             # A small file needs no more staging than its own size (one slot of it).
-            staging = min(self.buffer_size, 2 * _round_up(max(offset, 1), ALIGNMENT))
+            staging = min(self.buffer_size, 2 * round_up(max(offset, 1), ALIGNMENT))
             checksums = _Streamer(self.engine, file, header.size, staging, self.staging_bytes).write(entries)
             header_bytes = header.encode(checksums)
             self.engine.write(header_bytes, file, 0)
@@ -366,7 +362,7 @@ class _Header:
             {e.name: {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": list(layout[e.name])}
              for e in entries}, separators=(",", ":")).encode()
         placeholder = self._json(dict.fromkeys(self.names, "0" * _DIGEST_CHARS))
-        self.size = _round_up(8 + len(placeholder), ALIGNMENT)  # where the data starts
+        self.size = round_up(8 + len(placeholder), ALIGNMENT)  # where the data starts
 
     def _json(self, checksums: Mapping[str, str]) -> bytes:
         metadata = dict(self.metadata)
@@ -404,7 +400,7 @@ class _Streamer:
     def __init__(self, engine: Engine, file: File, start: int, buffer_size: int, staging_bytes: int) -> None:
         self.engine, self.file = engine, file
         self.staging_bytes = staging_bytes
-        self.slot_size = max(ALIGNMENT, _round_up(buffer_size // 2, ALIGNMENT))
+        self.slot_size = max(ALIGNMENT, round_up(buffer_size // 2, ALIGNMENT))
         self.direct_threshold = buffer_size // 2
         self.slots: list[np.ndarray | None] = [None] * self.SLOTS  # taken from the pool when first filled
         self.slot_futures: list[IOFuture | None] = [None] * self.SLOTS

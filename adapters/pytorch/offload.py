@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from ...buffers import round_up
 from ...engine import Engine, IOFuture, PathLike
 from ...errors import TensorferryIOError
 from ...offload import OffloadStore
@@ -33,10 +34,6 @@ _Buffer = np.ndarray | torch.Tensor
 # Tensors inside a region start on torch's own allocation alignment, so that vectorised
 # kernels see the same alignment as they would on tensors torch allocated itself.
 _ALIGN = 64
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
 
 
 def _unshared(region: np.ndarray) -> bool:
@@ -180,8 +177,8 @@ class _Layout:
         entries, offset = [], 0
         for name, t in tensors.items():
             entries.append((name, t.dtype, t.shape, offset))
-            offset = _round_up(offset + _nbytes(t), _ALIGN)
-        return cls(tuple(entries), _round_up(offset, _PAGE))
+            offset = round_up(offset + _nbytes(t), _ALIGN)
+        return cls(tuple(entries), round_up(offset, _PAGE))
 
     def views(self, region: _Buffer) -> dict[Any, torch.Tensor]:
         return {name: _view(region, offset, dtype, shape) for name, dtype, shape, offset in self.entries}
@@ -290,7 +287,7 @@ class _StateSize:
     fixed: int
 
     def of(self, elements: int) -> int:
-        return _round_up(int(self.per_element * elements) + self.fixed, _PAGE)
+        return round_up(int(self.per_element * elements) + self.fixed, _PAGE)
 
 
 def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
@@ -766,7 +763,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self._estimate is None:
             return None
         per_byte, fixed = self._estimate
-        return _round_up(int(per_byte * _nbytes(p)) + fixed, _PAGE)
+        return round_up(int(per_byte * _nbytes(p)) + fixed, _PAGE)
 
     def _learn(self, p: torch.Tensor, tensors: dict[Any, torch.Tensor], layout: _Layout) -> None:
         shaped = sum(_nbytes(t) for t in tensors.values() if t.numel() == p.numel())
@@ -1094,7 +1091,7 @@ class StreamedWeights:
 
     def _param_bytes(self, p: torch.Tensor) -> int:
         _, dtype, shape = self._params[p]
-        return _round_up(math.prod(shape) * dtype.itemsize, _PAGE)
+        return round_up(math.prod(shape) * dtype.itemsize, _PAGE)
 
     def _nested_bytes(self, module: torch.nn.Module, held: dict[int, int]) -> int:
         """The most weight bytes loaded at once while ``module`` or a module inside it runs,
