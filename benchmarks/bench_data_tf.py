@@ -1,6 +1,10 @@
 """tf.data readers: make_dataset against TFRecordDataset and list_files + read_file, and fio.
 
-The page cache is dropped before each reader; bytes/s over a full pass.
+The page cache is dropped before each reader; bytes/s over a full pass. The data: 64
+whole files, one file of 1 MiB records, 8 TFRecord files of 1 MiB records, and the same
+bytes again as 128 KiB files (small images, say). Items are drained one by one in
+Python, except the 128 KiB files': there that would time Python, so they are drained in
+the graph (a reduce over their lengths).
 
     python benchmarks/bench_data_tf.py --dir /nvme/tmp --size 2G [--repeat 2] [--results benchmarks/results]
 """
@@ -21,12 +25,19 @@ import tensorflow as tf  # noqa: E402
 from tensorferry import bench, parse_size  # noqa: E402
 from tensorferry.adapters.tensorflow import make_dataset  # noqa: E402
 
+SMALL_FILE = 128 << 10
+
 
 def drain(ds: tf.data.Dataset) -> int:
     total = 0
     for x in ds:
         total += int(tf.size(x)) if x.dtype != tf.string else int(tf.strings.length(x))
     return total
+
+
+def drain_in_graph(ds: tf.data.Dataset) -> int:
+    lengths = ds.map(lambda s: tf.cast(tf.strings.length(s), tf.int64))
+    return int(lengths.reduce(tf.constant(0, tf.int64), lambda total, n: total + n))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "wb") as f:
             f.write(chunk)
         files.append(path)
+    small = []
+    for i in range(nbytes // SMALL_FILE):  # the same bytes as small files
+        path = os.path.join(root, f"s{i:05d}.bin")
+        with open(path, "wb") as f:
+            f.write(chunk[:SMALL_FILE])
+        small.append(path)
     records = os.path.join(root, "records.bin")  # one file of 1 MiB fixed records
     with open(records, "wb") as f:
         for _ in range(nbytes // (1 << 20)):
@@ -74,8 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         ("make_dataset, TFRecord", lambda: make_dataset(tfrecords, tfrecord=True)),
         ("TFRecordDataset(num_parallel_reads=AUTOTUNE)", lambda: tf.data.TFRecordDataset(tfrecords, num_parallel_reads=auto)),
     ]
-    results = bench.reader_rounds(root, [*files, records, *tfrecords], nbytes,
-                                  {name: lambda make=make: drain(make()) for name, make in readers}, args.repeat,
+    in_graph = [
+        ("make_dataset, 128 KiB files (drained in the graph)", lambda: make_dataset(small)),
+        ("list_files.map(read_file), 128 KiB files (drained in the graph)",
+         lambda: tf.data.Dataset.list_files(small, shuffle=False).map(tf.io.read_file, num_parallel_calls=auto)),
+    ]
+    runs = {name: lambda make=make: drain(make()) for name, make in readers}
+    runs.update({name: lambda make=make: drain_in_graph(make()) for name, make in in_graph})
+    results = bench.reader_rounds(root, [*files, records, *tfrecords, *small], nbytes, runs, args.repeat,
                                   rounds=True)
     shutil.rmtree(root)
     bench.save_run(args, "data_tf", ["python", *sys.argv], args.dir, started, measurements=results)
