@@ -14,6 +14,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -399,12 +400,26 @@ class Prefetcher {
     }
   }
 
-  // Waits for a ticket's read. False if there is no such ticket (taken already).
-  bool take(int64_t ticket, Pending &item) {
+  // Waits for the read of a ticket, of paths[i]'s range [offset, + length). A ticket
+  // this prefetcher does not hold for that range (one restored with an iterator's
+  // checkpoint: started in another process, or taken already) is read now.
+  void take(int64_t ticket, std::string_view path, int64_t offset, int64_t length, Pending &item) {
+    bool held = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = pending_.find(ticket);
-      if (it == pending_.end()) return false;
+      if (it != pending_.end() && it->second.path == path && it->second.offset == static_cast<uint64_t>(offset) &&
+          it->second.length == static_cast<uint64_t>(length)) {
+        item = std::move(it->second);
+        pending_.erase(it);
+        held = true;
+      }
+    }
+    if (!held) {
+      int64_t started = 0;
+      start({path}, &offset, &length, &started);
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pending_.find(started);
       item = std::move(it->second);
       pending_.erase(it);
     }
@@ -416,7 +431,6 @@ class Prefetcher {
         item.error = describe(r.path(), r.error_what(), r.error(), r.error_offset(), r.error_length());
       }
     }
-    return true;
   }
 
  private:
@@ -447,7 +461,10 @@ class Prefetcher {
   StagingPool pool_;
   std::mutex mu_;
   std::unordered_map<int64_t, Pending> pending_;
-  int64_t next_ticket_ = 0;
+  // Tickets outlive the process in an iterator's checkpoint: numbered from a random
+  // start, a restored one is not mistaken for one of this process's (and take checks
+  // the range too).
+  int64_t next_ticket_ = static_cast<int64_t>(std::random_device{}() & 0x3fffffffu) << 31;
 };
 
 // The prefetcher of a dataset, shared by its start and take kernels (by the key attr).
@@ -527,6 +544,19 @@ TensorHolder output(TF_OpKernelContext *ctx, TF_DataType dtype, const std::vecto
   return TensorHolder(status.ok() ? out : nullptr, TF_DeleteTensor);
 }
 
+// False, with the op's error set, for a range no item can have.
+bool range_is_valid(const Kernel &k, TF_OpKernelContext *ctx, std::string_view path, int64_t offset, int64_t length) {
+  if (offset < 0 || length < 0) {
+    fail(ctx, kInvalidArgument, std::string(path) + ": negative offset or length");
+    return false;
+  }
+  if (k.tfrecord && static_cast<uint64_t>(length) < kTfrecordFooter) {
+    fail(ctx, kDataLoss, std::string(path) + ": TFRecord range shorter than its CRC");
+    return false;
+  }
+  return true;
+}
+
 // TensorferryStartReads(paths, offsets, lengths) -> tickets, all of one shape.
 void compute_start(void *kernel, TF_OpKernelContext *ctx) {
   auto &k = *static_cast<Kernel *>(kernel);
@@ -543,31 +573,35 @@ void compute_start(void *kernel, TF_OpKernelContext *ctx) {
   std::vector<std::string_view> path_views;
   for (int64_t i = 0; i < n; ++i) {
     path_views.push_back(tstring_view(path_strings[i]));
-    if (offset_values[i] < 0 || length_values[i] < 0)
-      return fail(ctx, kInvalidArgument, std::string(path_views.back()) + ": negative offset or length");
-    if (k.tfrecord && static_cast<uint64_t>(length_values[i]) < kTfrecordFooter)
-      return fail(ctx, kDataLoss, std::string(path_views.back()) + ": TFRecord range shorter than its CRC");
+    if (!range_is_valid(k, ctx, path_views.back(), offset_values[i], length_values[i])) return;
   }
   TensorHolder tickets = output(ctx, kInt64, shape, n * sizeof(int64_t));
   if (!tickets) return;
   k.prefetcher->start(path_views, offset_values, length_values, static_cast<int64_t *>(TF_TensorData(tickets.get())));
 }
 
-// The items of the tickets (a tensor of any shape), each waited for. All are taken,
-// so that none stays behind; false, with the op's error set (the first failed item's),
-// if any failed.
+// The items of tickets (a tensor of any shape; inputs 1-3 are their paths, offsets and
+// lengths), each waited for. All are taken, so that none stays behind; false, with the
+// op's error set (the first failed item's), if any failed.
 bool take_items(Kernel &k, TF_OpKernelContext *ctx, std::vector<Pending> &items, std::vector<int64_t> &shape) {
-  TensorHolder tickets = input(ctx, 0);
-  if (!tickets) return false;
-  for (int d = 0; d < TF_NumDims(tickets.get()); ++d) shape.push_back(TF_Dim(tickets.get(), d));
-  const auto *ids = static_cast<const int64_t *>(TF_TensorData(tickets.get()));
-  items.resize(static_cast<size_t>(TF_TensorElementCount(tickets.get())));
-  bool known = true;
-  for (size_t i = 0; i < items.size(); ++i) known = k.prefetcher->take(ids[i], items[i]) && known;
-  if (!known) {
-    fail(ctx, kInvalidArgument, "no read started for a ticket, or it was taken already");
+  TensorHolder tickets = input(ctx, 0), paths = input(ctx, 1), offsets = input(ctx, 2), lengths = input(ctx, 3);
+  if (!tickets || !paths || !offsets || !lengths) return false;
+  const int64_t n = TF_TensorElementCount(tickets.get());
+  if (TF_TensorElementCount(paths.get()) != n || TF_TensorElementCount(offsets.get()) != n ||
+      TF_TensorElementCount(lengths.get()) != n) {
+    fail(ctx, kInvalidArgument, "tickets, paths, offsets and lengths must have the same number of elements");
     return false;
   }
+  for (int d = 0; d < TF_NumDims(tickets.get()); ++d) shape.push_back(TF_Dim(tickets.get(), d));
+  const auto *ids = static_cast<const int64_t *>(TF_TensorData(tickets.get()));
+  const auto *path_strings = static_cast<const TString *>(TF_TensorData(paths.get()));
+  const auto *offset_values = static_cast<const int64_t *>(TF_TensorData(offsets.get()));
+  const auto *length_values = static_cast<const int64_t *>(TF_TensorData(lengths.get()));
+  for (int64_t i = 0; i < n; ++i)
+    if (!range_is_valid(k, ctx, tstring_view(path_strings[i]), offset_values[i], length_values[i])) return false;
+  items.resize(static_cast<size_t>(n));
+  for (size_t i = 0; i < items.size(); ++i)
+    k.prefetcher->take(ids[i], tstring_view(path_strings[i]), offset_values[i], length_values[i], items[i]);
   for (const Pending &item : items) {
     if (!item.error.empty()) {
       fail(ctx, item.code, item.error);
@@ -699,8 +733,11 @@ void register_op(const char *name, std::vector<const char *> inputs, const char 
 const bool registered = [] {
   register_op("TensorferryStartReads", {"paths: string", "offsets: int64", "lengths: int64"}, "tickets: int64",
               compute_start);
-  register_op("TensorferryTakeString", {"tickets: int64"}, "out: string", compute_take_string);
-  register_op("TensorferryTakeRecord", {"tickets: int64"}, "out: uint8", compute_take_record);
+  // The takes get each ticket's range too: an iterator's checkpoint holds tickets
+  // whose reads the restoring process never started.
+  const std::vector<const char *> taken = {"tickets: int64", "paths: string", "offsets: int64", "lengths: int64"};
+  register_op("TensorferryTakeString", taken, "out: string", compute_take_string);
+  register_op("TensorferryTakeRecord", taken, "out: uint8", compute_take_record);
   return true;
 }();
 

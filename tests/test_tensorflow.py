@@ -375,3 +375,89 @@ def test_epochs_partial_passes_and_datasets_side_by_side(tmp_path) -> None:
     first, whole = next(both)
     np.testing.assert_array_equal(first.numpy(), raw[0])
     assert whole.numpy() == raw.tobytes()
+
+
+def _resume_cases(root) -> dict[str, tuple[list[str], dict]]:
+    """Datasets of each kind of item, as (files, make_dataset's keywords): small items
+    taken a batch per call, records of 256 KiB taken one by one into slots, TFRecord."""
+    rng = np.random.default_rng(11)
+    for i, d in enumerate(payloads(23, seed=4)):
+        (root / f"f{i:03d}.bin").write_bytes(d)
+    (root / "small.rec").write_bytes(rng.integers(0, 256, 60 * 64, dtype=np.uint8).tobytes())
+    (root / "large.rec").write_bytes(rng.integers(0, 256, 12 << 18, dtype=np.uint8).tobytes())
+    with tf.io.TFRecordWriter(str(root / "r.tfrecord")) as writer:
+        for d in payloads(30, seed=5):
+            writer.write(d)
+    files = sorted(str(p) for p in root.glob("f*.bin"))
+    return {"files": (files, dict(shuffle=True, seed=5, reads_per_call=4)),
+            "records": ([str(root / "small.rec")], dict(record_bytes=64, reads_per_call=7, shard=(1, 2))),
+            "large records": ([str(root / "large.rec")], dict(record_bytes=256 << 10, shuffle=True, seed=1)),
+            "tfrecord": ([str(root / "r.tfrecord")], dict(tfrecord=True, reads_per_call=3))}
+
+
+def _item(x) -> list[bytes]:
+    """An element's items: itself, or a batch's rows."""
+    value = x.numpy()
+    if isinstance(value, bytes):
+        return [value]
+    return [row.tobytes() for row in value] if value.ndim == 2 else [value.tobytes()]
+
+
+def _items(iterator) -> list[bytes]:
+    return [item for x in iterator for item in _item(x)]
+
+
+@pytest.mark.parametrize("case", ["files", "records", "large records", "tfrecord"])
+def test_an_iterators_checkpoint_resumes_mid_epoch(tmp_path, case: str) -> None:
+    """tf.train.Checkpoint of an iterator taken mid-epoch holds tickets of reads started
+    ahead: restored into a new dataset, or into a second iterator of the same one while
+    the first still holds them, each gives exactly the items that were left."""
+    files, kwargs = _resume_cases(tmp_path)[case]
+    ds = make_dataset(files, **kwargs)
+    epoch = sorted(_items(ds))  # shuffled datasets: another order each epoch
+    iterator = iter(ds)
+    taken = [item for _ in range(5) for item in _item(next(iterator))]
+    saved = tf.train.Checkpoint(iterator=iterator).save(str(tmp_path / "ckpt" / "it"))
+    again = iter(ds)  # the same prefetcher: it takes the first iterator's pending reads
+    tf.train.Checkpoint(iterator=again).restore(saved).assert_consumed()
+    rest = _items(again)
+    assert _items(iterator) == rest
+    assert sorted(taken + rest) == epoch
+    fresh = iter(make_dataset(files, **kwargs))
+    tf.train.Checkpoint(iterator=fresh).restore(saved).assert_consumed()
+    assert _items(fresh) == rest
+
+
+_RESUMED = """
+import hashlib, json, sys
+import tensorflow as tf
+from tensorferry.adapters.tensorflow import make_dataset
+cases = json.loads(sys.argv[1])
+rest = {}
+for case, (files, kwargs, saved) in cases.items():
+    iterator = iter(make_dataset(files, **kwargs))
+    tf.train.Checkpoint(iterator=iterator).restore(saved).assert_consumed()
+    rest[case] = [hashlib.sha256(x.numpy() if x.dtype == tf.string else x.numpy().tobytes()).hexdigest()
+                  for x in iterator]  # an element's bytes (a batch's rows joined)
+print("REST" + json.dumps(rest))
+"""
+
+
+def test_an_iterators_checkpoint_resumes_in_another_process(tmp_path) -> None:
+    """The usual resume: the checkpoint's tickets were started by a process that is
+    gone; the one that restores it reads those items itself."""
+    import hashlib
+    import json
+
+    from conftest import run_processes
+
+    cases, expected = {}, {}
+    for case, (files, kwargs) in _resume_cases(tmp_path).items():
+        iterator = iter(make_dataset(files, **kwargs))
+        for _ in range(5):
+            next(iterator)
+        saved = tf.train.Checkpoint(iterator=iterator).save(str(tmp_path / case / "it"))
+        expected[case] = [hashlib.sha256(b"".join(_item(x))).hexdigest() for x in iterator]
+        cases[case] = (files, {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}, saved)
+    [out] = run_processes(_RESUMED, [([json.dumps(cases)], dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))], timeout=180)
+    assert json.loads(next(line for line in out.splitlines() if line.startswith("REST"))[4:]) == expected

@@ -150,8 +150,8 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
 def _read_ops(engine: Engine, files: list[str], record_bytes: int | None, tfrecord: bool):
     """The native start and take ops of one dataset, as map functions: start takes a
     batch of (file numbers in ``files``, offsets, lengths) and returns a ticket for
-    each, take turns tickets (one, or a batch) into their items. Both name the same
-    prefetcher (``key``), which runs reads with the engine's settings."""
+    each with its range, take turns tickets (one, or a batch) into their items. Both
+    name the same prefetcher (``key``), which runs reads with the engine's settings."""
     config = engine.config
     attrs = dict(key=next(_dataset_keys), backend=engine.backend, block_size=config.block_size,
                  queue_depth=config.queue_depth, threads=config.threads, direct=config.direct,
@@ -159,15 +159,19 @@ def _read_ops(engine: Engine, files: list[str], record_bytes: int | None, tfreco
     ops = _native_ops()
 
     @tf.autograph.experimental.do_not_convert  # plain op calls: nothing to convert
-    def start(file_numbers: tf.Tensor, offsets: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+    def start(file_numbers: tf.Tensor, offsets: tf.Tensor, lengths: tf.Tensor) -> tuple[tf.Tensor, ...]:
         paths = tf.gather(tf.constant(files, tf.string), file_numbers)
-        return tf.ensure_shape(ops.tensorferry_start_reads(paths, offsets, lengths, **attrs), file_numbers.shape)
+        tickets = tf.ensure_shape(ops.tensorferry_start_reads(paths, offsets, lengths, **attrs), file_numbers.shape)
+        return tickets, paths, offsets, lengths
 
     @tf.autograph.experimental.do_not_convert
-    def take(tickets: tf.Tensor) -> tf.Tensor:
+    def take(tickets: tf.Tensor, paths: tf.Tensor, offsets: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+        # The ranges go along with the tickets: a checkpoint of the iterator holds the
+        # tickets between the maps, which a restoring process has not started.
         if record_bytes is not None:
-            return tf.ensure_shape(ops.tensorferry_take_record(tickets, **attrs), [*tickets.shape, record_bytes])
-        return tf.ensure_shape(ops.tensorferry_take_string(tickets, **attrs), tickets.shape)
+            return tf.ensure_shape(ops.tensorferry_take_record(tickets, paths, offsets, lengths, **attrs),
+                                   [*tickets.shape, record_bytes])
+        return tf.ensure_shape(ops.tensorferry_take_string(tickets, paths, offsets, lengths, **attrs), tickets.shape)
 
     return start, take
 
