@@ -199,6 +199,35 @@ def test_two_workers_of_multi_worker_mirrored_strategy(tmp_path) -> None:
         assert len(first) == len(second) == len(every_row) // 2, way
 
 
+def test_batches_are_made_by_the_reads(whole_files, tfrecords, tmp_path) -> None:
+    """batch_size: each batch is one call's reads, as .batch() would make it."""
+    raw = np.random.default_rng(6).integers(0, 256, size=(50, 4096), dtype=np.uint8)
+    (tmp_path / "r.rec").write_bytes(raw.tobytes())
+    ds = make_dataset(str(tmp_path / "r.rec"), record_bytes=4096, batch_size=16)
+    assert ds.element_spec.shape.as_list() == [None, 4096] and ds.element_spec.dtype == tf.uint8
+    batches = [b.numpy() for b in ds]
+    assert [len(b) for b in batches] == [16, 16, 16, 2]
+    np.testing.assert_array_equal(np.concatenate(batches), raw)
+    exact = make_dataset(str(tmp_path / "r.rec"), record_bytes=4096, batch_size=16, drop_remainder=True)
+    assert exact.element_spec.shape.as_list() == [16, 4096]
+    np.testing.assert_array_equal(np.concatenate([b.numpy() for b in exact]), raw[:48])
+    shuffled = make_dataset(str(tmp_path / "r.rec"), record_bytes=4096, batch_size=7, shuffle=True, seed=3,
+                            shard=(1, 2))
+    rows = np.concatenate([b.numpy() for b in shuffled])
+    assert sorted(r.tobytes() for r in rows) == sorted(r.tobytes() for r in raw[1::2])
+    assert [r.tobytes() for r in rows] != [r.tobytes() for r in raw[1::2]]
+    root, data = whole_files
+    strings = make_dataset(str(root / "f*.bin"), batch_size=5)
+    assert strings.element_spec.shape.as_list() == [None]
+    assert [x for b in strings for x in b.numpy().tolist()] == data
+    paths, ordered = tfrecords
+    assert [x for b in make_dataset(paths, tfrecord=True, batch_size=6) for x in b.numpy().tolist()] == ordered
+    with pytest.raises(ValueError, match="not both"):
+        make_dataset(str(tmp_path / "r.rec"), record_bytes=4096, batch_size=4, reads_per_call=4)
+    with pytest.raises(ValueError, match="batch_size must be positive"):
+        make_dataset(str(tmp_path / "r.rec"), record_bytes=4096, batch_size=0)
+
+
 def test_errors(tmp_path) -> None:
     with pytest.raises(ValueError, match="matches no files"):
         make_dataset(str(tmp_path / "*.nothing"))
@@ -392,7 +421,8 @@ def _resume_cases(root) -> dict[str, tuple[list[str], dict]]:
     return {"files": (files, dict(shuffle=True, seed=5, reads_per_call=4)),
             "records": ([str(root / "small.rec")], dict(record_bytes=64, reads_per_call=7, shard=(1, 2))),
             "large records": ([str(root / "large.rec")], dict(record_bytes=256 << 10, shuffle=True, seed=1)),
-            "tfrecord": ([str(root / "r.tfrecord")], dict(tfrecord=True, reads_per_call=3))}
+            "tfrecord": ([str(root / "r.tfrecord")], dict(tfrecord=True, reads_per_call=3)),
+            "batches": ([str(root / "small.rec")], dict(record_bytes=64, batch_size=8, shuffle=True, seed=2))}
 
 
 def _item(x) -> list[bytes]:
@@ -407,7 +437,7 @@ def _items(iterator) -> list[bytes]:
     return [item for x in iterator for item in _item(x)]
 
 
-@pytest.mark.parametrize("case", ["files", "records", "large records", "tfrecord"])
+@pytest.mark.parametrize("case", ["files", "records", "large records", "tfrecord", "batches"])
 def test_an_iterators_checkpoint_resumes_mid_epoch(tmp_path, case: str) -> None:
     """tf.train.Checkpoint of an iterator taken mid-epoch holds tickets of reads started
     ahead: restored into a new dataset, or into a second iterator of the same one while
