@@ -238,6 +238,25 @@ def test_dcp_round_trip_single_process(tmp_path) -> None:
     assert tensorferry.verify_checkpoint(tmp_path / "c") == []
 
 
+def test_lazy_conjugates_and_negations_are_saved_as_their_values(tmp_path) -> None:
+    """x.conj() of a complex tensor and x.conj().imag are views with a lazy bit set,
+    whose bytes no raw view can take: every way of saving stores their values."""
+    c = torch.randn(6, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    state = {"conj": c.conj(), "neg": c.conj().imag}
+    assert state["conj"].is_conj() and state["neg"].is_neg()
+    expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in state.items()}
+    save(state, tmp_path / "s.safetensors")
+    save_checkpoint(tmp_path / "ckpt", state)
+    dcp.save(state, storage_writer=DCPWriter(tmp_path / "dcp"))
+    target = {k: torch.zeros_like(v) for k, v in expected.items()}
+    dcp.load(target, storage_reader=DCPReader(tmp_path / "dcp"))
+    for loaded in (load(tmp_path / "s.safetensors"), load_checkpoint(tmp_path / "ckpt"), target):
+        for k, v in expected.items():
+            assert torch.equal(loaded[k], v) and not loaded[k].is_conj() and not loaded[k].is_neg(), k
+    with pytest.raises(ValueError, match="lazy conjugate"):
+        load_checkpoint(tmp_path / "ckpt", out={"conj": torch.zeros(6, dtype=torch.complex64).conj()})
+
+
 @pytest.mark.filterwarnings("ignore:Ignoring pin_memory flag")  # torch, on a machine without CUDA
 @pytest.mark.parametrize("pinned", [False, True])
 def test_dcp_async_save_with_torchs_own_stager(tmp_path, pinned: bool) -> None:

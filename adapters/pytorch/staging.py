@@ -22,7 +22,7 @@ import torch
 from ...buffers import PinnedPool
 from ...errors import TensorferryError
 from ...shard import ShardReader
-from .tensors import FROM_SAFETENSORS, host_bytes
+from .tensors import FROM_SAFETENSORS, host_bytes, resolved
 
 # Bytes of device-to-host copies issued ahead of the tensor being written, and of reads
 # ahead of the copies to the device: enough to keep a drive and a PCIe link both busy.
@@ -157,6 +157,7 @@ def copy_to_host_async(tensor: torch.Tensor, pool: PinnedPool) -> tuple[np.ndarr
     """Starts copying a CUDA tensor into a pinned buffer on the device's side stream, after
     the work already queued on its current stream (which made the tensor); returns the
     buffer and a function that waits for this copy alone."""
+    tensor = resolved(tensor)
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     copies: list[Any] = []

@@ -31,7 +31,7 @@ def host_bytes(tensor: torch.Tensor) -> np.ndarray:
     A CUDA tensor is copied into page-locked memory from torch's caching host allocator
     (reused from one tensor to the next): the copy runs at full PCIe speed, and the
     page-aligned result is written with O_DIRECT without a staging copy."""
-    t = tensor.detach()
+    t = resolved(tensor.detach())
     if t.device.type == "cuda":
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
@@ -40,6 +40,13 @@ def host_bytes(tensor: torch.Tensor) -> np.ndarray:
     elif t.device.type != "cpu":
         t = t.to("cpu")
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def resolved(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values in memory: a lazy conjugate (``x.conj()`` of a complex tensor)
+    or negation (``x.conj().imag``) is applied, as no raw view of its bytes can be taken
+    before it is (a copy for those alone)."""
+    return tensor.resolve_conj().resolve_neg()
 
 
 # Integers of each width, through which torch takes arrays of dtypes it does not know
@@ -61,9 +68,12 @@ def host_array(tensor: torch.Tensor, *, writable: bool = False) -> np.ndarray:
     """The tensor as a numpy array of its safetensors dtype (ml_dtypes' for bf16 and fp8),
     which the core reads and writes without knowing torch; with ``writable``, over the
     tensor's own memory, for reads into it."""
-    if writable and (tensor.device.type != "cpu" or not tensor.is_contiguous()):
+    if writable and (tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_conj()
+                     or tensor.is_neg()):
+        lazy = " (a lazy conjugate or negation: resolve_conj()/resolve_neg() it)" if (
+            tensor.is_conj() or tensor.is_neg()) else ""
         raise ValueError(f"can read in place only into a contiguous CPU tensor, got one on {tensor.device}"
-                         f"{'' if tensor.is_contiguous() else ' (not contiguous)'}")
+                         f"{'' if tensor.is_contiguous() else ' (not contiguous)'}{lazy}")
     raw = writable_bytes(tensor) if writable else host_bytes(tensor)
     return raw.view(to_numpy_dtype(safetensors_dtype(tensor.dtype))).reshape(tensor.shape)
 
@@ -73,5 +83,5 @@ def writable_bytes(tensor: torch.Tensor) -> Any:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-__all__ = ["FROM_SAFETENSORS", "TO_SAFETENSORS", "from_array", "host_array", "host_bytes",
+__all__ = ["FROM_SAFETENSORS", "TO_SAFETENSORS", "from_array", "host_array", "host_bytes", "resolved",
            "safetensors_dtype", "to_numpy_dtype", "writable_bytes"]
