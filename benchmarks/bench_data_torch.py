@@ -1,8 +1,9 @@
 """GDSDataset + DataLoader vs a plain Dataset doing open().read(), bytes/s, against fio.
 
-The data is ``--size`` bytes as 64 files, and again as one file read as 1 MiB records and
+The data is ``--size`` bytes as 64 files, again as one file read as 1 MiB records and
 as 64 KiB records (small items, such as tokenized sequences or thumbnails, in batches of
-128); the page cache is dropped before each reader.
+128), and again as 128 KiB files (images, say; in batches of 128); the page cache is
+dropped before each reader.
 
     python benchmarks/bench_data_torch.py --dir /nvme/tmp --size 2G [--workers 0] [--batch 8] [--repeat 2]
         [--results benchmarks/results]
@@ -27,6 +28,7 @@ FILES = 64
 RECORD = 1 << 20
 SMALL_RECORD = 64 << 10
 SMALL_BATCH = 128
+SMALL_FILE = 128 << 10
 
 
 class OpenReadDataset(Dataset):
@@ -77,6 +79,12 @@ def main() -> None:
             for path in paths:
                 with open(path, "rb") as src:
                     shutil.copyfileobj(src, f)
+        small_files = []
+        with open(records_file, "rb") as src:
+            for i in range(nbytes // SMALL_FILE):
+                small_files.append(os.path.join(directory, f"small-{i:05d}.bin"))
+                with open(small_files[-1], "wb") as f:
+                    f.write(src.read(SMALL_FILE))
         records = [(records_file, offset, RECORD) for offset in range(0, nbytes - RECORD + 1, RECORD)]
         small = [(records_file, offset, SMALL_RECORD) for offset in range(0, nbytes - SMALL_RECORD + 1, SMALL_RECORD)]
         cases = {  # dataset, batch size
@@ -86,10 +94,12 @@ def main() -> None:
             "open().read(), 1 MiB records": (OpenReadDataset(records), args.batch),
             f"GDSDataset, 64 KiB records, batches of {SMALL_BATCH}": (GDSDataset(small), SMALL_BATCH),
             f"open().read(), 64 KiB records, batches of {SMALL_BATCH}": (OpenReadDataset(small), SMALL_BATCH),
+            f"GDSDataset, 128 KiB files, batches of {SMALL_BATCH}": (GDSDataset(small_files), SMALL_BATCH),
+            f"open().read(), 128 KiB files, batches of {SMALL_BATCH}": (OpenReadDataset(small_files), SMALL_BATCH),
         }
         loaders = {name: DataLoader(dataset, batch_size=batch, num_workers=args.workers, collate_fn=list)
                    for name, (dataset, batch) in cases.items()}
-        results = bench.reader_rounds(directory, [*paths, records_file], nbytes,
+        results = bench.reader_rounds(directory, [*paths, records_file, *small_files], nbytes,
                                       {name: lambda loader=loader: drain(loader) for name, loader in loaders.items()},
                                       args.repeat, rounds=True)
         bench.save_run(args, "data_torch", ["python", *sys.argv], directory, started, measurements=results)

@@ -188,12 +188,9 @@ class FileSource:
         per_file: dict[str, list[tuple[np.ndarray, int]]] = {}
         for array, (path, offset, _) in zip(arrays, records):
             per_file.setdefault(path, []).append((array, offset))
-        reads: list[IOFuture | OSError] = []
-        for path, parts in per_file.items():
-            try:
-                reads.append(self._shared.engine.pread_many(parts, path))
-            except OSError as exc:  # raised in turn, once the reads started are done
-                reads.append(exc)
+        # An error that kept a file's reads from starting is raised in turn, once the
+        # reads started are done.
+        reads = self._shared.engine.pread_files(list(per_file.items()))
         errors = [read if isinstance(read, OSError) else read.exception() for read in reads]
         error = next((e for e in errors if e is not None), None)
         if error is not None:

@@ -316,6 +316,43 @@ class Engine:
         self._track(future)
         return future
 
+    def pread_files(self, reads: Sequence[tuple[PathLike, Sequence[tuple[Any, int]]]]) -> list[IOFuture | OSError]:
+        """Starts the reads of several files, each ``(path, parts)`` of ``reads`` as
+        :meth:`pread_many` reads ``parts`` of ``path``: the files are opened and their reads
+        submitted in one call, without the GIL, which for a batch of small files (images,
+        say) costs less than a call each. Returns, per file in order, its future, or the
+        error that kept its reads from starting (for the caller to raise in turn)."""
+        self._check_usable()
+        paths, segments, keepalive = [], [], []
+        for path, parts in reads:
+            views = []
+            for buffer, offset in parts:
+                if not isinstance(buffer, np.ndarray) and gds.is_device_buffer(buffer):
+                    raise TypeError("pread_files takes host buffers; read a device buffer with pread")
+                if offset < 0:
+                    raise ValueError(f"offset must not be negative, got {offset}")
+                views.append(byte_view(buffer, writable=True))
+            paths.append(os.fspath(path))
+            segments.append([(v.ctypes.data, v.nbytes, offset) for v, (_, offset) in zip(views, parts)])
+            keepalive.append((list(parts), views))
+        started: list[IOFuture | OSError] = []
+        for path, kept, (request, direct_refused) in zip(paths, keepalive,
+                                                          self._native.submit_reads(paths, self.config.direct,
+                                                                                    segments)):
+            if isinstance(request, OSError):
+                started.append(request)
+                continue
+            future = IOFuture([request], keepalive=kept, paths=[path])
+            self._track(future)
+            if direct_refused and os.path.isdir(path):  # as File() says, once its read has ended
+                future.wait()
+                started.append(IsADirectoryError(errno.EISDIR, "is a directory, not a file", path))
+                continue
+            if direct_refused:
+                _warn_direct_refused(path)
+            started.append(future)
+        return started
+
     def write(self, buffer: Any, file: PathLike | File | int, offset: int = 0,
               nbytes: int | None = None) -> int:
         """Synchronous :meth:`pwrite`: returns the bytes written."""

@@ -193,6 +193,28 @@ std::shared_ptr<Request> Engine::submit_many(std::shared_ptr<File> file, bool is
   return start(std::move(req), *file, is_write, end, segments);
 }
 
+std::vector<std::shared_ptr<Request>> Engine::submit_reads(const std::vector<std::shared_ptr<File>> &files,
+                                                           const std::vector<std::vector<Segment>> &segments) {
+  std::vector<std::shared_ptr<Request>> requests;
+  std::vector<Task> tasks;
+  for (size_t i = 0; i < files.size(); ++i) {
+    uint64_t first = segments[i].empty() ? 0 : segments[i].front().offset, total = 0;
+    for (const auto &s : segments[i]) {
+      first = std::min(first, s.offset);
+      total += s.nbytes;
+    }
+    if (files[i]->is_closed()) throw IOError{EBADF, files[i]->path(), "I/O on a closed file", first, total};
+    auto req = std::make_shared<Request>(files[i], false, first, total);
+    const size_t before = tasks.size();
+    for (const auto &s : segments[i]) add_tasks(req, *files[i], s.ptr, s.nbytes, s.offset, tasks);
+    req->set_task_count(static_cast<int64_t>(tasks.size() - before));
+    requests.push_back(std::move(req));
+  }
+  if (!tasks.empty()) backend_->submit(std::move(tasks));
+  for (auto &req : requests) req->task_finished();  // releases the guard count taken at construction
+  return requests;
+}
+
 std::shared_ptr<Request> Engine::start(std::shared_ptr<Request> req, File &file, bool is_write, uint64_t end,
                                        const std::vector<Segment> &segments) {
   std::vector<Task> tasks;

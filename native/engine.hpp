@@ -192,6 +192,10 @@ class Engine {
   // the backend for all of them, however many buffers they are.
   std::shared_ptr<Request> submit_many(std::shared_ptr<File> file, bool is_write,
                                        const std::vector<Segment> &segments);
+  // Reads of several files, a request each (file i's segments[i]), handed to the
+  // backend together: one wake-up for a batch of small files, not one per file.
+  std::vector<std::shared_ptr<Request>> submit_reads(const std::vector<std::shared_ptr<File>> &files,
+                                                     const std::vector<std::vector<Segment>> &segments);
   void close();
   const char *backend_name() const { return backend_->name(); }
   const Config &config() const { return config_; }

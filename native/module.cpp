@@ -22,13 +22,17 @@ namespace {
 // the Python package at import so that native errors arrive as the public type.
 nb::object io_error_type;
 
+// The Python exception for a native IOError.
+nb::object io_error(const tf::IOError &e) {
+  const std::string message = e.what + ": " + std::strerror(e.err);
+  return io_error_type.is_valid()
+             ? io_error_type(e.err, message, e.path.empty() ? nb::none() : nb::cast(e.path), e.offset, e.length)
+             : nb::module_::import_("builtins").attr("OSError")(e.err, message, e.path);
+}
+
 // Sets the Python error for a native IOError; a translator must set it, not throw.
-void set_io_error(int err, const std::string &path, const std::string &what, uint64_t offset,
-                                 uint64_t length) {
-  const std::string message = what + ": " + std::strerror(err);
-  nb::object exc = io_error_type.is_valid()
-                       ? io_error_type(err, message, path.empty() ? nb::none() : nb::cast(path), offset, length)
-                       : nb::module_::import_("builtins").attr("OSError")(err, message, path);
+void set_io_error(const tf::IOError &e) {
+  nb::object exc = io_error(e);
   PyErr_SetObject(reinterpret_cast<PyObject *>(Py_TYPE(exc.ptr())), exc.ptr());
 }
 
@@ -41,7 +45,7 @@ NB_MODULE(_native, m) {
     try {
       std::rethrow_exception(p);
     } catch (const tf::IOError &e) {
-      set_io_error(e.err, e.path, e.what, e.offset, e.length);
+      set_io_error(e);
     }
   });
 
@@ -110,6 +114,43 @@ NB_MODULE(_native, m) {
              return e.submit_many(std::move(file), is_write, parts);
            },
            "file"_a, "is_write"_a, "segments"_a)
+      .def("submit_reads",
+           [](tf::Engine &e, const std::vector<std::string> &paths, bool direct,
+              const std::vector<std::vector<std::tuple<uintptr_t, uint64_t, uint64_t>>> &segments) {
+             // Opens the files and starts their reads with the GIL released: for a batch
+             // of small files, a Python call and file object each cost more than the read.
+             // Returns per file (request, direct_refused) or (the error that stopped it, False).
+             const size_t n = paths.size();
+             if (segments.size() != n) throw tf::IOError{EINVAL, "", "submit_reads: a list of segments per path"};
+             std::vector<std::shared_ptr<tf::File>> files;
+             std::vector<std::vector<tf::Engine::Segment>> parts;
+             std::vector<size_t> opened;
+             std::vector<std::pair<size_t, tf::IOError>> failed;
+             std::vector<std::shared_ptr<tf::Request>> requests;
+             {
+               nb::gil_scoped_release unlocked;
+               for (size_t i = 0; i < n; ++i) {
+                 try {
+                   files.push_back(std::make_shared<tf::File>(paths[i], "r", direct));
+                 } catch (const tf::IOError &err) {
+                   failed.emplace_back(i, err);
+                   continue;
+                 }
+                 opened.push_back(i);
+                 auto &file_parts = parts.emplace_back();
+                 for (const auto &[address, nbytes, offset] : segments[i])
+                   file_parts.push_back({reinterpret_cast<char *>(address), nbytes, offset});
+               }
+               requests = e.submit_reads(files, parts);
+             }
+             nb::list out;
+             for (size_t i = 0; i < n; ++i) out.append(nb::none());
+             for (size_t k = 0; k < opened.size(); ++k)
+               out[opened[k]] = nb::make_tuple(requests[k], files[k]->direct_refused());
+             for (const auto &[i, err] : failed) out[i] = nb::make_tuple(io_error(err), false);
+             return out;
+           },
+           "paths"_a, "direct"_a, "segments"_a)
       .def("close", &tf::Engine::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("backend", &tf::Engine::backend_name);
 

@@ -221,6 +221,37 @@ def test_pread_many_names_the_failing_part(engine: Engine, tmp_path) -> None:
         engine.pread_many([(np.empty(8, np.uint8), -1)], path)
 
 
+def test_pread_files_reads_many_files_in_one_call(engine: Engine, tmp_path) -> None:
+    """Each file's parts as pread_many reads them; a file that cannot be opened, a
+    folder, or a read past a file's end is its own error, in its place, naming it."""
+    files = {f"f{i}.bin": random_bytes(size, seed=i) for i, size in enumerate([4096, 130_000, 1 << 20, 7])}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data.tobytes())
+    base = np.empty(4 << 20, np.uint8)
+    aligned = base[(-base.ctypes.data) % 4096:]
+    reads = [(tmp_path / "f0.bin", [(aligned[:4096], 0)]),
+             (tmp_path / "absent.bin", [(np.empty(8, np.uint8), 0)]),
+             (tmp_path / "f1.bin", [(np.empty(1000, np.uint8), 5), (aligned[8192:8192 + 126_976], 0)]),
+             (tmp_path, [(np.empty(8, np.uint8), 0)]),
+             (tmp_path / "f2.bin", [(aligned[1 << 20:2 << 20], 0)]),
+             (tmp_path / "f3.bin", [(np.empty(8, np.uint8), 0)])]
+    started = engine.pread_files(reads)
+    assert isinstance(started[1], TensorferryIOError) and started[1].errno == errno.ENOENT
+    assert started[1].filename == str(tmp_path / "absent.bin")
+    assert isinstance(started[3], IsADirectoryError) and started[3].filename == str(tmp_path)
+    for i in (0, 2, 4):
+        assert started[i].result() == sum(len(b) for b, _ in reads[i][1])
+        data = files[os.path.basename(reads[i][0])]
+        for buffer, offset in reads[i][1]:
+            np.testing.assert_array_equal(buffer, data[offset:offset + len(buffer)])
+    with pytest.raises(TensorferryIOError) as info:  # 8 bytes asked of a 7-byte file
+        started[5].result()
+    assert info.value.errno == errno.ENODATA and info.value.filename == str(tmp_path / "f3.bin")
+    with pytest.raises(ValueError, match="negative"):
+        engine.pread_files([(tmp_path / "f0.bin", [(np.empty(8, np.uint8), -1)])])
+    assert engine.pread_files([]) == []
+
+
 def test_missing_file_for_reading(engine: Engine, tmp_path) -> None:
     with pytest.raises(TensorferryIOError) as info:
         engine.read(bytearray(4), tmp_path / "absent.bin")
