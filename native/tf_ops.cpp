@@ -317,6 +317,7 @@ class Prefetcher {
       std::vector<size_t> items;
     };
     std::vector<Span> spans;
+    std::vector<Queued> queued;  // reads to start, all together once laid out
     for (size_t i = 0; i < n; ++i) {
       Pending &item = items[i];
       item.path = std::string(paths[i]);
@@ -348,8 +349,8 @@ class Prefetcher {
           continue;
         }
         item.data = landing->slot + (item.offset - env_start);
-        std::tie(item.code, item.error) = submit(*landing, file_of[i], env_start, env_end - env_start);
-        if (item.error.empty()) item.landing = landing;
+        item.landing = landing;
+        queued.push_back({landing, file_of[i], env_start, env_end - env_start, {i}});
         continue;
       }
       if (item.length >= kOwnMemoryBytes || (item.length >= kOwnSmallFrom && item.length < kOwnSmallTo)) {
@@ -361,8 +362,8 @@ class Prefetcher {
           continue;
         }
         item.data = landing->own + (item.offset - env_start);
-        std::tie(item.code, item.error) = submit(*landing, file_of[i], env_start, env_end - env_start);
-        if (item.error.empty()) item.landing = landing;
+        item.landing = landing;
+        queued.push_back({landing, file_of[i], env_start, env_end - env_start, {i}});
         continue;
       }
       Span *last = spans.empty() ? nullptr : &spans.back();
@@ -385,14 +386,13 @@ class Prefetcher {
         }
         continue;
       }
-      const auto [code, error] = submit(*landing, span.file, span.start, span.end - span.start);
       for (size_t i : span.items) {
-        items[i].code = code;
-        items[i].error = error;
         items[i].data = landing->region.first + (items[i].offset - span.start);
-        if (error.empty()) items[i].landing = landing;
+        items[i].landing = landing;
       }
+      queued.push_back({landing, span.file, span.start, span.end - span.start, span.items});
     }
+    submit_all(queued, items);
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < n; ++i) {
       tickets[i] = next_ticket_++;
@@ -442,14 +442,36 @@ class Prefetcher {
     return static_cast<char *>(p);
   }
 
-  // Starts a landing's read; an error that stops it from starting is returned.
-  std::pair<TF_Code, std::string> submit(Landing &landing, const std::shared_ptr<tf::File> &file, uint64_t offset,
-                                         uint64_t size) {
+  // A read laid out, to start: into a landing's memory, for the items it holds.
+  struct Queued {
+    std::shared_ptr<Landing> landing;
+    std::shared_ptr<tf::File> file;
+    uint64_t offset, size;
+    std::vector<size_t> items;
+  };
+
+  // Starts the queued reads together: one wake-up of the engine for a call's batch, not
+  // one per file (batches of small files). An error that stops them is each item's,
+  // reported when it is taken.
+  void submit_all(std::vector<Queued> &queued, std::vector<Pending> &items) {
+    if (queued.empty()) return;
+    std::vector<std::shared_ptr<tf::File>> files;
+    std::vector<std::vector<tf::Engine::Segment>> segments;
+    for (const Queued &q : queued) {
+      files.push_back(q.file);
+      segments.push_back({{q.landing->memory(), q.size, q.offset}});
+    }
     try {
-      landing.request = engine_.submit(file, false, landing.memory(), size, offset);
-      return {0, ""};
+      auto requests = engine_.submit_reads(files, segments);
+      for (size_t k = 0; k < queued.size(); ++k) queued[k].landing->request = std::move(requests[k]);
     } catch (const tf::IOError &e) {
-      return {code_for_errno(e.err), describe(e.path, e.what, e.err, e.offset, e.length)};
+      for (const Queued &q : queued) {
+        for (size_t i : q.items) {
+          items[i].code = code_for_errno(e.err);
+          items[i].error = describe(e.path, e.what, e.err, e.offset, e.length);
+          items[i].landing.reset();
+        }
+      }
     }
   }
 
