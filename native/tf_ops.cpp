@@ -217,8 +217,8 @@ class RecordSlots {
   char *take() {
     std::lock_guard<std::mutex> lock(mu_);
     if (free_.empty()) {
-      uint64_t mapped = 0;  // at least 8 slots a slab, in whole huge pages
-      const uint64_t slab_bytes = std::max<uint64_t>(8 * slot_bytes_, 2u << 20);
+      uint64_t mapped = 0;  // at least 8 slots a slab, in whole huge pages; a batch's large slot alone
+      const uint64_t slab_bytes = slot_bytes_ >= (4u << 20) ? slot_bytes_ : std::max<uint64_t>(8 * slot_bytes_, 2u << 20);
       char *slab = static_cast<char *>(tf::map_transfer_memory(slab_bytes, &mapped));
       slabs_.emplace_back(slab, mapped);
       for (uint64_t at = 0; at + slot_bytes_ <= mapped; at += slot_bytes_) free_.push_back(slab + at);
@@ -248,13 +248,14 @@ struct Landing {
   char *own = nullptr;
   std::shared_ptr<RecordSlots> slots;
   char *slot = nullptr;
-  std::shared_ptr<tf::Request> request;
+  bool batch = false;  // the slot holds a call's records in order (a batch_size dataset's)
+  std::vector<std::shared_ptr<tf::Request>> requests;  // a batch's reads: one per file
 
   Landing() = default;
   Landing(const Landing &) = delete;
   Landing &operator=(const Landing &) = delete;
   ~Landing() {
-    if (request) request->wait(-1);  // the drive may still be writing into this memory
+    for (auto &r : requests) r->wait(-1);  // the drive may still be writing into this memory
     if (region.first) pool->give(region);
     if (slot) slots->give(slot);
     free(own);
@@ -265,6 +266,7 @@ struct Landing {
 // An item whose read has started, until a take op claims it.
 struct Pending {
   std::shared_ptr<Landing> landing;
+  std::shared_ptr<tf::Request> request;  // the read that fills it
   char *data = nullptr;  // where the item's bytes start, inside the landing's memory
   uint64_t length = 0;
   std::string path;
@@ -297,11 +299,17 @@ constexpr uint64_t kSlotRecordBytes = 256u << 10;
 // depth is then how far tf.data runs ahead, not the number of threads.
 class Prefetcher {
  public:
-  Prefetcher(const tf::Config &config, bool direct, int64_t record_bytes)
-      : engine_(config), direct_(direct),
+  Prefetcher(const tf::Config &config, bool direct, int64_t record_bytes, int64_t batch_size)
+      : engine_(config), direct_(direct), record_bytes_(static_cast<uint64_t>(record_bytes)),
         slots_(record_bytes >= static_cast<int64_t>(kSlotRecordBytes)
                    ? std::make_shared<RecordSlots>((static_cast<uint64_t>(record_bytes) + 4095) / 4096 * 4096)
-                   : nullptr) {}
+                   : nullptr),
+        // Records of whole pages, taken a batch per call: read in order into one slot
+        // that becomes the batch's tensor. Copied out of staging, a batch of 1 MiB
+        // records cost 0.45-0.54 CPU-s/GB, 0.30-0.35 without the copy.
+        batch_slots_(record_bytes > 0 && record_bytes % 4096 == 0 && batch_size > 1
+                         ? std::make_shared<RecordSlots>(static_cast<uint64_t>(record_bytes * batch_size))
+                         : nullptr) {}
 
   // Starts the reads of ranges [offsets[i], + lengths[i]) of paths[i]; returns their tickets.
   void start(const std::vector<std::string_view> &paths, const int64_t *offsets, const int64_t *lengths,
@@ -318,6 +326,10 @@ class Prefetcher {
     };
     std::vector<Span> spans;
     std::vector<Queued> queued;  // reads to start, all together once laid out
+    if (start_batch(paths, offsets, lengths, items, queued)) {
+      n_started(items, queued, tickets);
+      return;
+    }
     for (size_t i = 0; i < n; ++i) {
       Pending &item = items[i];
       item.path = std::string(paths[i]);
@@ -350,7 +362,7 @@ class Prefetcher {
         }
         item.data = landing->slot + (item.offset - env_start);
         item.landing = landing;
-        queued.push_back({landing, file_of[i], env_start, env_end - env_start, {i}});
+        queued.push_back({landing, file_of[i], {{landing->memory(), env_end - env_start, env_start}}, {i}});
         continue;
       }
       if (item.length >= kOwnMemoryBytes || (item.length >= kOwnSmallFrom && item.length < kOwnSmallTo)) {
@@ -363,7 +375,7 @@ class Prefetcher {
         }
         item.data = landing->own + (item.offset - env_start);
         item.landing = landing;
-        queued.push_back({landing, file_of[i], env_start, env_end - env_start, {i}});
+        queued.push_back({landing, file_of[i], {{landing->memory(), env_end - env_start, env_start}}, {i}});
         continue;
       }
       Span *last = spans.empty() ? nullptr : &spans.back();
@@ -390,14 +402,9 @@ class Prefetcher {
         items[i].data = landing->region.first + (items[i].offset - span.start);
         items[i].landing = landing;
       }
-      queued.push_back({landing, span.file, span.start, span.end - span.start, span.items});
+      queued.push_back({landing, span.file, {{landing->memory(), span.end - span.start, span.start}}, span.items});
     }
-    submit_all(queued, items);
-    std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < n; ++i) {
-      tickets[i] = next_ticket_++;
-      pending_.emplace(tickets[i], std::move(items[i]));
-    }
+    n_started(items, queued, tickets);
   }
 
   // Waits for the read of a ticket, of paths[i]'s range [offset, + length). A ticket
@@ -423,8 +430,8 @@ class Prefetcher {
       item = std::move(it->second);
       pending_.erase(it);
     }
-    if (item.error.empty() && item.landing) {
-      tf::Request &r = *item.landing->request;
+    if (item.error.empty() && item.request) {
+      tf::Request &r = *item.request;
       r.wait(-1);
       if (r.failed()) {
         item.code = code_for_errno(r.error());
@@ -442,13 +449,71 @@ class Prefetcher {
     return static_cast<char *>(p);
   }
 
-  // A read laid out, to start: into a landing's memory, for the items it holds.
+  // A read laid out, to start: of one file, into a landing's memory, for the items it holds.
   struct Queued {
     std::shared_ptr<Landing> landing;
     std::shared_ptr<tf::File> file;
-    uint64_t offset, size;
+    std::vector<tf::Engine::Segment> segments;
     std::vector<size_t> items;
   };
+
+  // Starts the queued reads and hands out a ticket per item.
+  void n_started(std::vector<Pending> &items, std::vector<Queued> &queued, int64_t *tickets) {
+    submit_all(queued, items);
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < items.size(); ++i) {
+      tickets[i] = next_ticket_++;
+      pending_.emplace(tickets[i], std::move(items[i]));
+    }
+  }
+
+  // Lays out a call's records in order in one batch slot (neighbours in a file read
+  // as one segment, a request per file); false where this call is not such a batch.
+  bool start_batch(const std::vector<std::string_view> &paths, const int64_t *offsets, const int64_t *lengths,
+                   std::vector<Pending> &items, std::vector<Queued> &queued) {
+    const size_t n = paths.size();
+    if (!batch_slots_ || n < 2 || n * record_bytes_ > batch_slots_->slot_bytes()) return false;
+    for (size_t i = 0; i < n; ++i)
+      if (static_cast<uint64_t>(lengths[i]) != record_bytes_) return false;
+    auto landing = std::make_shared<Landing>();
+    landing->slots = batch_slots_;
+    landing->batch = true;
+    try {
+      landing->slot = batch_slots_->take();
+    } catch (const tf::IOError &) {
+      return false;  // staged instead, where the failure is reported per item
+    }
+    std::unordered_map<std::string_view, size_t> read_of;  // a file's entry in queued
+    for (size_t i = 0; i < n; ++i) {
+      Pending &item = items[i];
+      item.path = std::string(paths[i]);
+      item.offset = static_cast<uint64_t>(offsets[i]);
+      item.length = record_bytes_;
+      item.data = landing->slot + i * record_bytes_;
+      auto found = read_of.find(paths[i]);
+      if (found == read_of.end()) {
+        try {
+          queued.push_back({landing, std::make_shared<tf::File>(item.path, "r", direct_), {}, {}});
+        } catch (const tf::IOError &e) {
+          item.code = code_for_errno(e.err);
+          item.error = describe(e.path, e.what, e.err, e.offset, e.length);
+          continue;
+        }
+        found = read_of.emplace(paths[i], queued.size() - 1).first;
+      }
+      Queued &read = queued[found->second];
+      auto &last = read.segments;
+      if (!last.empty() && last.back().offset + last.back().nbytes == item.offset &&
+          last.back().ptr + last.back().nbytes == item.data) {
+        last.back().nbytes += record_bytes_;
+      } else {
+        last.push_back({item.data, record_bytes_, item.offset});
+      }
+      read.items.push_back(i);
+      item.landing = landing;
+    }
+    return true;
+  }
 
   // Starts the queued reads together: one wake-up of the engine for a call's batch, not
   // one per file (batches of small files). An error that stops them is each item's,
@@ -459,11 +524,14 @@ class Prefetcher {
     std::vector<std::vector<tf::Engine::Segment>> segments;
     for (const Queued &q : queued) {
       files.push_back(q.file);
-      segments.push_back({{q.landing->memory(), q.size, q.offset}});
+      segments.push_back(q.segments);
     }
     try {
       auto requests = engine_.submit_reads(files, segments);
-      for (size_t k = 0; k < queued.size(); ++k) queued[k].landing->request = std::move(requests[k]);
+      for (size_t k = 0; k < queued.size(); ++k) {
+        queued[k].landing->requests.push_back(requests[k]);
+        for (size_t i : queued[k].items) items[i].request = requests[k];
+      }
     } catch (const tf::IOError &e) {
       for (const Queued &q : queued) {
         for (size_t i : q.items) {
@@ -479,7 +547,9 @@ class Prefetcher {
   // pool goes, and the engine outlives both.
   tf::Engine engine_;
   bool direct_;
+  uint64_t record_bytes_;
   std::shared_ptr<RecordSlots> slots_;  // for a dataset of records from kSlotRecordBytes on
+  std::shared_ptr<RecordSlots> batch_slots_;  // for a batch_size dataset of page-multiple records
   StagingPool pool_;
   std::mutex mu_;
   std::unordered_map<int64_t, Pending> pending_;
@@ -490,7 +560,8 @@ class Prefetcher {
 };
 
 // The prefetcher of a dataset, shared by its start and take kernels (by the key attr).
-std::shared_ptr<Prefetcher> prefetcher_for(int64_t key, const tf::Config &config, bool direct, int64_t record_bytes) {
+std::shared_ptr<Prefetcher> prefetcher_for(int64_t key, const tf::Config &config, bool direct, int64_t record_bytes,
+                                           int64_t batch_size) {
   static std::mutex mu;
   static std::unordered_map<int64_t, std::weak_ptr<Prefetcher>> live;
   std::lock_guard<std::mutex> lock(mu);
@@ -499,7 +570,7 @@ std::shared_ptr<Prefetcher> prefetcher_for(int64_t key, const tf::Config &config
   auto &slot = live[key];
   auto shared = slot.lock();
   if (!shared) {
-    shared = std::make_shared<Prefetcher>(config, direct, record_bytes);
+    shared = std::make_shared<Prefetcher>(config, direct, record_bytes, batch_size);
     slot = shared;
   }
   return shared;
@@ -529,12 +600,14 @@ void *create_kernel(TF_OpKernelConstruction *ctx) {
   if (status.ok()) TF_OpKernelConstruction_GetAttrBool(ctx, "direct", &direct, status.get());
   if (status.ok()) TF_OpKernelConstruction_GetAttrInt64(ctx, "key", &key, status.get());
   if (status.ok()) TF_OpKernelConstruction_GetAttrInt64(ctx, "record_bytes", &kernel->record_bytes, status.get());
+  int64_t batch_size = 0;
+  if (status.ok()) TF_OpKernelConstruction_GetAttrInt64(ctx, "batch_size", &batch_size, status.get());
   TF_Bool tfrecord = 0;
   if (status.ok()) TF_OpKernelConstruction_GetAttrBool(ctx, "tfrecord", &tfrecord, status.get());
   kernel->tfrecord = tfrecord;
   if (status.ok()) {
     try {
-      kernel->prefetcher = prefetcher_for(key, config, direct, kernel->record_bytes);
+      kernel->prefetcher = prefetcher_for(key, config, direct, kernel->record_bytes, batch_size);
     } catch (const tf::IOError &e) {
       TF_SetStatus(status.get(), kInternal, describe(e.path, e.what, e.err, e.offset, e.length).c_str());
     }
@@ -698,6 +771,29 @@ void give_back_slot(void *, size_t, void *lent) {
   delete l;
 }
 
+// Hands a batch slot over as the output tensor, where the items are its records in
+// order from its start (a batch that start_batch laid out, taken whole); false otherwise.
+bool hand_over_batch(TF_OpKernelContext *ctx, std::vector<Pending> &items, const std::vector<int64_t> &shape,
+                     uint64_t record_bytes) {
+  Landing *batch = items.size() > 1 && items[0].landing && items[0].landing->batch ? items[0].landing.get() : nullptr;
+  if (!batch || !batch->slot) return false;
+  for (size_t i = 0; i < items.size(); ++i)
+    if (items[i].landing.get() != batch || items[i].data != batch->slot + i * record_bytes) return false;
+  auto *lent = new LentSlot{batch->slots, std::exchange(batch->slot, nullptr)};
+  TensorHolder tensor(TF_NewTensor(kUint8, shape.data(), static_cast<int>(shape.size()), lent->slot,
+                                   items.size() * record_bytes, give_back_slot, lent),
+                      TF_DeleteTensor);
+  if (!tensor) {  // TensorFlow refused the memory without taking it
+    give_back_slot(nullptr, 0, lent);
+    fail(ctx, kResourceExhausted, "no tensor for a batch of " + std::to_string(items.size()) + " records");
+    return true;
+  }
+  Status status;
+  TF_SetOutput(ctx, 0, tensor.get(), status.get());
+  if (!status.ok()) TF_OpKernelContext_Failure(ctx, status.get());
+  return true;
+}
+
 // TensorferryTakeRecord(tickets) -> uint8[*tickets' shape, record_bytes].
 void compute_take_record(void *kernel, TF_OpKernelContext *ctx) {
   auto &k = *static_cast<Kernel *>(kernel);
@@ -709,6 +805,7 @@ void compute_take_record(void *kernel, TF_OpKernelContext *ctx) {
       return fail(ctx, kInvalidArgument, item.path + ": a record of " + std::to_string(item.length) +
                                              " bytes where record_bytes is " + std::to_string(k.record_bytes));
   shape.push_back(k.record_bytes);
+  if (hand_over_batch(ctx, items, shape, static_cast<uint64_t>(k.record_bytes))) return;
   Landing *landing = items.size() == 1 ? items[0].landing.get() : nullptr;
   if (landing && landing->slot && reinterpret_cast<uintptr_t>(items[0].data) % kTensorAlignment == 0) {
     auto *lent = new LentSlot{landing->slots, std::exchange(landing->slot, nullptr)};
@@ -743,7 +840,8 @@ void register_op(const char *name, std::vector<const char *> inputs, const char 
   // Every op names its dataset's prefetcher (key) and how that reads; the first
   // kernel of a key makes it.
   for (const char *spec : {"key: int", "backend: string", "block_size: int", "queue_depth: int", "threads: int",
-                           "direct: bool", "tfrecord: bool = false", "record_bytes: int = 0"})
+                           "direct: bool", "tfrecord: bool = false", "record_bytes: int = 0",
+                           "batch_size: int = 0"})
     TF_OpDefinitionBuilderAddAttr(op, spec);
   TF_OpDefinitionBuilderSetShapeInferenceFunction(op, unknown_shape);
   TF_RegisterOpDefinition(op, status.get());

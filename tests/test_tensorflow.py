@@ -340,6 +340,38 @@ def test_large_records_become_tensors_uncopied_and_outlive_their_dataset(tmp_pat
     np.testing.assert_array_equal(odd_rows, odd)
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["O_DIRECT", "buffered"])
+def test_batches_of_whole_page_records_are_read_into_their_tensors(tmp_path, direct: bool) -> None:
+    """With batch_size, records of whole pages are read in order into one slot that
+    becomes the batch's tensor (no copy): batches drawn from two files, shuffled or
+    not, keep their bytes after later reads and after their dataset is gone; records
+    of other sizes are copied into their batches."""
+    import gc
+
+    from tensorferry import Engine
+
+    rows = np.random.default_rng(12).integers(0, 256, (70, 8192), dtype=np.uint8)
+    (tmp_path / "a.rec").write_bytes(rows[:30].tobytes())
+    (tmp_path / "b.rec").write_bytes(rows[30:].tobytes())
+    files = [str(tmp_path / "a.rec"), str(tmp_path / "b.rec")]
+    odd = np.random.default_rng(13).integers(0, 256, (20, 100), dtype=np.uint8)
+    (tmp_path / "odd.rec").write_bytes(odd.tobytes())
+    with Engine(direct=direct) as engine:
+        in_order = list(make_dataset(files, record_bytes=8192, batch_size=16, engine=engine))
+        shuffled = list(make_dataset(files, record_bytes=8192, batch_size=16, shuffle=True, seed=4, engine=engine))
+        assert all(np.from_dlpack(b).ctypes.data % 4096 == 0 for b in in_order + shuffled), "the slots themselves"
+        gc.collect()
+        for _ in range(2):  # more epochs, their batches dropped as they come: slots go round
+            for b in make_dataset(files, record_bytes=8192, batch_size=16, engine=engine):
+                del b
+        odd_batches = [b.numpy() for b in make_dataset(str(tmp_path / "odd.rec"), record_bytes=100, batch_size=6,
+                                                       engine=engine)]
+    assert [len(b) for b in in_order] == [16, 16, 16, 16, 6]
+    np.testing.assert_array_equal(np.concatenate([b.numpy() for b in in_order]), rows)
+    assert sorted(r.tobytes() for b in shuffled for r in b.numpy()) == sorted(r.tobytes() for r in rows)
+    np.testing.assert_array_equal(np.concatenate(odd_batches), odd)
+
+
 def test_io_errors_during_iteration_name_the_file_offset_and_errno(tmp_path) -> None:
     path = tmp_path / "gone.bin"
     path.write_bytes(b"x" * 10000)

@@ -150,7 +150,7 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         dataset = dataset.with_options(options)
     if shuffle:
         dataset = dataset.shuffle(len(records), seed=seed, reshuffle_each_iteration=True)
-    start, take = _read_ops(engine, files, record_bytes, tfrecord)
+    start, take = _read_ops(engine, files, record_bytes, tfrecord, batch_size)
     # Starting reads returns at once, so the start map runs num_parallel_reads batches
     # ahead of the take map, which waits for the reads. Small items are taken a batch
     # per call (an op call costs more than splitting the batch copies); larger ones one
@@ -164,7 +164,7 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     return started.unbatch().map(take, num_parallel_calls=2, deterministic=True)
 
 
-def _read_ops(engine: Engine, files: list[str], record_bytes: int | None, tfrecord: bool):
+def _read_ops(engine: Engine, files: list[str], record_bytes: int | None, tfrecord: bool, batch_size: int | None):
     """The native start and take ops of one dataset, as map functions: start takes a
     batch of (file numbers in ``files``, offsets, lengths) and returns a ticket for
     each with its range, take turns tickets (one, or a batch) into their items. Both
@@ -172,7 +172,7 @@ def _read_ops(engine: Engine, files: list[str], record_bytes: int | None, tfreco
     config = engine.config
     attrs = dict(key=next(_dataset_keys), backend=engine.backend, block_size=config.block_size,
                  queue_depth=config.queue_depth, threads=config.threads, direct=config.direct,
-                 tfrecord=tfrecord, record_bytes=record_bytes or 0)
+                 tfrecord=tfrecord, record_bytes=record_bytes or 0, batch_size=batch_size or 0)
     ops = _native_ops()
 
     @tf.autograph.experimental.do_not_convert  # plain op calls: nothing to convert
