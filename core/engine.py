@@ -239,6 +239,19 @@ def io_uring_probe() -> tuple[bool, str]:
     return _probe_result
 
 
+def _host_segments(parts: Sequence[tuple[Any, int]], verb: str) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
+    """The writable byte views of ``(buffer, offset)`` parts and their native segments
+    ``(address, nbytes, offset)``; host buffers only."""
+    views = []
+    for buffer, offset in parts:
+        if not isinstance(buffer, np.ndarray) and gds.is_device_buffer(buffer):
+            raise TypeError(f"{verb} takes host buffers; read a device buffer with pread")
+        if offset < 0:
+            raise ValueError(f"offset must not be negative, got {offset}")
+        views.append(byte_view(buffer, writable=True))
+    return views, [(v.ctypes.data, v.nbytes, offset) for v, (_, offset) in zip(views, parts)]
+
+
 class Engine:
     """Asynchronous positional I/O between buffers and files.
 
@@ -302,16 +315,9 @@ class Engine:
         from ``offset`` of ``file``, all as one request, submitted at once (many tensors
         read into memory that is already theirs, say). Host buffers only."""
         self._check_usable()
-        views = []
-        for buffer, offset in parts:
-            if not isinstance(buffer, np.ndarray) and gds.is_device_buffer(buffer):
-                raise TypeError("pread_many takes host buffers; read a device buffer with pread")
-            if offset < 0:
-                raise ValueError(f"offset must not be negative, got {offset}")
-            views.append(byte_view(buffer, writable=True))
+        views, segments = _host_segments(parts, "pread_many")
         handle = self._file_handle(file, False)
-        request = self._native.submit_many(handle, False, [(v.ctypes.data, v.nbytes, offset)
-                                                           for v, (_, offset) in zip(views, parts)])
+        request = self._native.submit_many(handle, False, segments)
         future = IOFuture([request], keepalive=(list(parts), views), paths=[handle.path])
         self._track(future)
         return future
@@ -325,15 +331,9 @@ class Engine:
         self._check_usable()
         paths, segments, keepalive = [], [], []
         for path, parts in reads:
-            views = []
-            for buffer, offset in parts:
-                if not isinstance(buffer, np.ndarray) and gds.is_device_buffer(buffer):
-                    raise TypeError("pread_files takes host buffers; read a device buffer with pread")
-                if offset < 0:
-                    raise ValueError(f"offset must not be negative, got {offset}")
-                views.append(byte_view(buffer, writable=True))
+            views, file_segments = _host_segments(parts, "pread_files")
             paths.append(os.fspath(path))
-            segments.append([(v.ctypes.data, v.nbytes, offset) for v, (_, offset) in zip(views, parts)])
+            segments.append(file_segments)
             keepalive.append((list(parts), views))
         started: list[IOFuture | OSError] = []
         for path, kept, (request, direct_refused) in zip(paths, keepalive,
