@@ -128,6 +128,11 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
             records += [(p, offset, record_bytes) for offset in range(0, size, record_bytes)]
     else:
         records = records_of(paths)
+    if shard is not None:
+        index, count = shard
+        if not 0 <= index < count:
+            raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {shard}")
+        records = records[index::count]
     average = sum(length for _, _, length in records) // max(1, len(records))
     if batch_size is not None:
         reads_per_call = batch_size
@@ -139,29 +144,44 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     # Items carry their file's index, not its path: millions of records stay small.
     files = list(dict.fromkeys(p for p, _, _ in records))
     number = {p: i for i, p in enumerate(files)}
-    columns = ([number[p] for p, _, _ in records], [o for _, o, _ in records], [n for _, _, n in records])
-    dataset = tf.data.Dataset.from_tensor_slices(tuple(tf.constant(c, dtype) for c, dtype in
-                                                       zip(columns, (tf.int32, tf.int64, tf.int64))))
+    columns = tuple(tf.constant(c, dtype) for c, dtype in
+                    zip(([number[p] for p, _, _ in records], [o for _, o, _ in records],
+                         [n for _, _, n in records]), (tf.int32, tf.int64, tf.int64)))
+    dataset = _calls(columns, reads_per_call, shuffle, seed, drop_remainder and batch_size is not None)
     if shard is not None:
-        index, count = shard
-        dataset = dataset.shard(count, index)
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         dataset = dataset.with_options(options)
-    if shuffle:
-        dataset = dataset.shuffle(len(records), seed=seed, reshuffle_each_iteration=True)
     start, take = _read_ops(engine, files, record_bytes, tfrecord, batch_size)
     # Starting reads returns at once, so the start map runs num_parallel_reads batches
     # ahead of the take map, which waits for the reads. Small items are taken a batch
     # per call (an op call costs more than splitting the batch copies); larger ones one
     # at a time, as splitting a batch would copy each once more.
-    started = dataset.batch(reads_per_call, drop_remainder=drop_remainder and batch_size is not None).map(
-        start, num_parallel_calls=num_parallel_reads, deterministic=True)
+    started = dataset.map(start, num_parallel_calls=num_parallel_reads, deterministic=True)
     if batch_size is not None:
         return started.map(take, num_parallel_calls=2, deterministic=True)
     if average < SMALL_ITEM_BYTES:
         return started.map(take, num_parallel_calls=2, deterministic=True).unbatch()
     return started.unbatch().map(take, num_parallel_calls=2, deterministic=True)
+
+
+def _calls(columns: tuple[tf.Tensor, ...], size: int, shuffle: bool, seed: int | None,
+           drop_remainder: bool) -> tf.data.Dataset:
+    """The items' (file numbers, offsets, lengths) in groups of ``size``, one group per
+    start call. In order, each group is sliced out whole: made item by item and batched,
+    4 KiB records in batches of 256 cost 0.81-0.84 CPU-s/GB, 0.65-0.69 so. Shuffled, items
+    are drawn one by one (a new order each epoch) and grouped."""
+    n = int(columns[0].shape[0])
+    if shuffle:
+        items = tf.data.Dataset.from_tensor_slices(columns).shuffle(max(1, n), seed=seed, reshuffle_each_iteration=True)
+        return items.batch(size, drop_remainder=drop_remainder)
+
+    def group(i: tf.Tensor) -> tuple[tf.Tensor, ...]:
+        begin = i * size
+        return tuple(tf.ensure_shape(c[begin:tf.minimum(begin + size, n)], [size] if drop_remainder else [None])
+                     for c in columns)
+
+    return tf.data.Dataset.range(n // size if drop_remainder else -(-n // size)).map(group)
 
 
 def _read_ops(engine: Engine, files: list[str], record_bytes: int | None, tfrecord: bool, batch_size: int | None):
