@@ -241,6 +241,10 @@ def test_errors(tmp_path) -> None:
         make_dataset([], tfrecord=True)
     with pytest.raises(ValueError, match="not both"):
         make_dataset(str(tmp_path), record_bytes=4, tfrecord=True)
+    (tmp_path / "r.bin").write_bytes(bytes(64))
+    for bad in ((2, 2), (-1, 2)):
+        with pytest.raises(ValueError, match="0 <= index < count"):
+            make_dataset(str(tmp_path / "r.bin"), record_bytes=4, shard=bad)
     for compression in ("GZIP", "ZLIB"):  # TFRecordWriter's options: named, with the reader that takes them
         path = str(tmp_path / f"compressed.{compression}")
         with tf.io.TFRecordWriter(path, options=compression) as writer:
