@@ -327,7 +327,7 @@ class Prefetcher {
     std::vector<Span> spans;
     std::vector<Queued> queued;  // reads to start, all together once laid out
     if (start_batch(paths, offsets, lengths, items, queued)) {
-      n_started(items, queued, tickets);
+      submit_and_ticket(items, queued, tickets);
       return;
     }
     for (size_t i = 0; i < n; ++i) {
@@ -404,7 +404,7 @@ class Prefetcher {
       }
       queued.push_back({landing, span.file, {{landing->memory(), span.end - span.start, span.start}}, span.items});
     }
-    n_started(items, queued, tickets);
+    submit_and_ticket(items, queued, tickets);
   }
 
   // Waits for the read of a ticket, of paths[i]'s range [offset, + length). A ticket
@@ -458,7 +458,7 @@ class Prefetcher {
   };
 
   // Starts the queued reads and hands out a ticket per item.
-  void n_started(std::vector<Pending> &items, std::vector<Queued> &queued, int64_t *tickets) {
+  void submit_and_ticket(std::vector<Pending> &items, std::vector<Queued> &queued, int64_t *tickets) {
     submit_all(queued, items);
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < items.size(); ++i) {
