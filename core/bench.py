@@ -923,23 +923,29 @@ def freed_memory_kept() -> Iterator[dict[str, str] | None]:
 
 def _source_commit(source: str = __file__) -> str | None:
     """The git commit of the code measured (``+dirty`` with uncommitted changes), where
-    it runs from a git checkout that tracks ``source``: an installed copy may lie inside
-    another repository (pyenv's, say), whose commit says nothing about this code."""
+    it runs from a git checkout that tracks ``source``; for an installed copy, the commit
+    it was built from (``build_commit.txt``, written by the build). An installed copy may
+    lie inside another repository (pyenv's, say), whose commit says nothing about this code."""
     source = os.path.realpath(source)
     here = os.path.dirname(source)
+    try:
+        with open(os.path.join(here, "build_commit.txt")) as f:
+            built = f.read().strip()
+    except OSError:
+        built = ""
 
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", "-C", here, *args], capture_output=True, text=True)
 
     try:
         if git("ls-files", "--error-unmatch", os.path.basename(source)).returncode != 0:
-            return None
+            return built or None
         head = git("rev-parse", "HEAD")
         if head.returncode != 0:
-            return None
+            return built or None
         dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     except OSError:
-        return None
+        return built or None
     return head.stdout.strip() + ("+dirty" if dirty else "")
 
 

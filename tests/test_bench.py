@@ -217,7 +217,7 @@ def test_without_free_page_reporting_nothing_is_held(tmp_path, monkeypatch) -> N
     assert bench.machine_info(str(tmp_path))["free_page_reporting"] is None
 
 
-def test_results_name_the_commit_only_of_a_checkout_that_holds_the_code(tmp_path) -> None:
+def test_results_name_the_commit_of_a_checkout_that_holds_the_code_or_of_the_build(tmp_path) -> None:
     def git(*args: str) -> None:
         subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
 
@@ -227,6 +227,9 @@ def test_results_name_the_commit_only_of_a_checkout_that_holds_the_code(tmp_path
     installed.parent.mkdir(parents=True)
     installed.write_text("")
     assert bench._source_commit(str(installed)) is None
+    (installed.parent / "build_commit.txt").write_text("1234abcd+dirty")  # what the build recorded
+    assert bench._source_commit(str(installed)) == "1234abcd+dirty"
+    (installed.parent / "build_commit.txt").unlink()
     git("add", str(installed))
     git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "tracked")
     head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
