@@ -32,6 +32,17 @@ _warned_filesystems: set[int] = set()
 _warn_lock = threading.Lock()
 
 
+def _direct_refusal(path: str) -> OSError | None:
+    """What an O_DIRECT open refused for ``path`` means: a directory (which opens
+    read-only but refuses O_DIRECT) is an error to raise, and no news about the
+    filesystem, as a warning given now would silence the one for a real refusal;
+    anything else, a warning, once per filesystem."""
+    if os.path.isdir(path):
+        return IsADirectoryError(errno.EISDIR, "is a directory, not a file", path)
+    _warn_direct_refused(path)
+    return None
+
+
 def _warn_direct_refused(path: str) -> None:
     try:
         device = os.stat(path).st_dev
@@ -63,12 +74,10 @@ class File:
         self._native = _native.File(self.path, mode, want_direct)
         self._closed = False
         if self._native.direct_refused:
-            # A directory opens read-only but refuses O_DIRECT: that is no news about the
-            # filesystem, and a warning given now would silence the one for a real refusal.
-            if os.path.isdir(self.path):
+            error = _direct_refusal(self.path)
+            if error is not None:
                 self.close()
-                raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", self.path)
-            _warn_direct_refused(self.path)
+                raise error
 
     @classmethod
     def from_fd(cls, fd: int, label: str | None = None) -> "File":
@@ -344,13 +353,10 @@ class Engine:
                 continue
             future = IOFuture([request], keepalive=kept, paths=[path])
             self._track(future)
-            if direct_refused and os.path.isdir(path):  # as File() says, once its read has ended
+            error = _direct_refusal(path) if direct_refused else None
+            if error is not None:  # as File() raises it, once the read has ended
                 future.wait()
-                started.append(IsADirectoryError(errno.EISDIR, "is a directory, not a file", path))
-                continue
-            if direct_refused:
-                _warn_direct_refused(path)
-            started.append(future)
+            started.append(future if error is None else error)
         return started
 
     def write(self, buffer: Any, file: PathLike | File | int, offset: int = 0,

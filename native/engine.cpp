@@ -180,16 +180,29 @@ std::shared_ptr<Request> Engine::submit(std::shared_ptr<File> file, bool is_writ
   return start(std::move(req), *file, is_write, offset + nbytes, {Segment{ptr, nbytes, offset}});
 }
 
-std::shared_ptr<Request> Engine::submit_many(std::shared_ptr<File> file, bool is_write,
-                                             const std::vector<Segment> &segments) {
-  uint64_t first = segments.empty() ? 0 : segments.front().offset, end = 0, total = 0;
+namespace {
+
+// A request for segments of a file: from their lowest offset, their bytes summed
+// (`end` set to the end of the furthest); refused on a closed file.
+std::shared_ptr<Request> request_for(const std::shared_ptr<File> &file, bool is_write,
+                                     const std::vector<Engine::Segment> &segments, uint64_t *end = nullptr) {
+  uint64_t first = segments.empty() ? 0 : segments.front().offset, last = 0, total = 0;
   for (const auto &s : segments) {
     first = std::min(first, s.offset);
-    end = std::max(end, s.offset + s.nbytes);
+    last = std::max(last, s.offset + s.nbytes);
     total += s.nbytes;
   }
   if (file->is_closed()) throw IOError{EBADF, file->path(), "I/O on a closed file", first, total};
-  auto req = std::make_shared<Request>(file, is_write, first, total);
+  if (end) *end = last;
+  return std::make_shared<Request>(file, is_write, first, total);
+}
+
+}  // namespace
+
+std::shared_ptr<Request> Engine::submit_many(std::shared_ptr<File> file, bool is_write,
+                                             const std::vector<Segment> &segments) {
+  uint64_t end = 0;
+  auto req = request_for(file, is_write, segments, &end);
   return start(std::move(req), *file, is_write, end, segments);
 }
 
@@ -198,13 +211,7 @@ std::vector<std::shared_ptr<Request>> Engine::submit_reads(const std::vector<std
   std::vector<std::shared_ptr<Request>> requests;
   std::vector<Task> tasks;
   for (size_t i = 0; i < files.size(); ++i) {
-    uint64_t first = segments[i].empty() ? 0 : segments[i].front().offset, total = 0;
-    for (const auto &s : segments[i]) {
-      first = std::min(first, s.offset);
-      total += s.nbytes;
-    }
-    if (files[i]->is_closed()) throw IOError{EBADF, files[i]->path(), "I/O on a closed file", first, total};
-    auto req = std::make_shared<Request>(files[i], false, first, total);
+    auto req = request_for(files[i], false, segments[i]);
     const size_t before = tasks.size();
     for (const auto &s : segments[i]) add_tasks(req, *files[i], s.ptr, s.nbytes, s.offset, tasks);
     req->set_task_count(static_cast<int64_t>(tasks.size() - before));

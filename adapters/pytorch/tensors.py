@@ -68,12 +68,12 @@ def host_array(tensor: torch.Tensor, *, writable: bool = False) -> np.ndarray:
     """The tensor as a numpy array of its safetensors dtype (ml_dtypes' for bf16 and fp8),
     which the core reads and writes without knowing torch; with ``writable``, over the
     tensor's own memory, for reads into it."""
-    if writable and (tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_conj()
-                     or tensor.is_neg()):
-        lazy = " (a lazy conjugate or negation: resolve_conj()/resolve_neg() it)" if (
-            tensor.is_conj() or tensor.is_neg()) else ""
-        raise ValueError(f"can read in place only into a contiguous CPU tensor, got one on {tensor.device}"
-                         f"{'' if tensor.is_contiguous() else ' (not contiguous)'}{lazy}")
+    if writable:
+        lazy = tensor.is_conj() or tensor.is_neg()
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or lazy:
+            raise ValueError(f"can read in place only into a contiguous CPU tensor, got one on {tensor.device}"
+                             f"{'' if tensor.is_contiguous() else ' (not contiguous)'}"
+                             f"{' (a lazy conjugate or negation: resolve_conj()/resolve_neg() it)' if lazy else ''}")
     raw = writable_bytes(tensor) if writable else host_bytes(tensor)
     return raw.view(to_numpy_dtype(safetensors_dtype(tensor.dtype))).reshape(tensor.shape)
 
