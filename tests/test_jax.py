@@ -126,14 +126,26 @@ def test_a_mapped_restore_aliases_the_file_on_the_cpu(tmp_path):
     assert_same(state, restored)
 
 
-def test_restore_without_target_and_metadata(saved):
+def test_restore_without_target_and_metadata(saved, tmp_path):
+    """Without a target, leaves come back as Orbax's StandardCheckpointHandler gives them
+    back: jax.Arrays on the sharding they were saved with, numpy arrays and numbers as such."""
     state, path = saved
     handler = FerryCheckpointHandler()
     restored = ocp.Checkpointer(handler).restore(path)
-    assert isinstance(restored["w0"], np.ndarray)
-    assert_same(jax.tree_util.tree_map(np.asarray, state), restored)
+    assert_same(state, restored)
+    orbax_own = ocp.StandardCheckpointer()
+    orbax_own.save(tmp_path / "orbax", state)
+    orbax_own.wait_until_finished()
+    theirs = orbax_own.restore(tmp_path / "orbax")
+    for (keypath, ours), theirs_leaf in zip(*(jax.tree_util.tree_flatten_with_path(restored)[0],
+                                              jax.tree_util.tree_leaves(theirs))):
+        assert type(ours) is type(theirs_leaf), keypath
+        if isinstance(ours, jax.Array):
+            assert ours.sharding == theirs_leaf.sharding, keypath
+    assert restored["w0"].sharding == state["w0"].sharding and restored["rows"].sharding.spec == P("x")
     meta = handler.metadata(path)
     assert meta["w2"].shape == (16, 24) and meta["w2"].dtype == jnp.bfloat16
+    assert meta["w2"].sharding == state["w2"].sharding and meta["host"].sharding is None
     assert meta["nested"][0]["step"] == 7
     # The metadata, given shardings, is a restore target.
     m = mesh((4, 2))
@@ -144,6 +156,32 @@ def test_restore_without_target_and_metadata(saved):
     target["host"] = np.zeros(10, np.int64)  # a numpy target restores as numpy (JAX would make it int32)
     assert_same(jax.tree_util.tree_map(np.asarray, state),
                 jax.tree_util.tree_map(np.asarray, ocp.Checkpointer(handler).restore(path, args=FerryRestore(target))))
+
+
+_RESTORE_ON_TWO_DEVICES = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, numpy as np, orbax.checkpoint as ocp
+from tensorferry.adapters.jax import FerryCheckpointHandler
+restored = ocp.Checkpointer(FerryCheckpointHandler()).restore(sys.argv[1])
+w0 = restored["w0"]
+assert w0.sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0]), w0.sharding
+assert isinstance(restored["host"], np.ndarray)
+print(np.asarray(w0).tobytes().hex(), flush=True)
+"""
+
+
+def test_restore_without_target_lacking_the_saved_devices(saved):
+    """Saved on 8 devices, restored without a target where there are 2: on the first."""
+    import subprocess
+    import sys
+    state, path = saved
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run([sys.executable, "-c", _RESTORE_ON_TWO_DEVICES, str(path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == np.asarray(state["w0"]).tobytes().hex()
 
 
 def _deep(depth):  # as JSON text: json.dumps itself recurses
@@ -545,6 +583,10 @@ restored = ckptr.restore(path, args=FerryRestore(target))
 assert restored["step"] == 3
 for shard in restored["x"].addressable_shards:
     np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+as_saved = ckptr.restore(path)["x"]  # no target: the global array on the mesh it was saved on
+assert as_saved.sharding == x.sharding
+for shard in as_saved.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
 print("OK", sorted(os.listdir(path)), flush=True)
 """
 
@@ -610,8 +652,8 @@ def test_leaves_saved_as_restored_are_read_with_their_neighbours(tmp_path, monke
     assert_same(state, restored)
     assert runs == [40]
     runs.clear()
-    as_numpy = ckptr.restore(tmp_path / "c")  # no target: host arrays, read the same way
-    assert runs == [40] and all(isinstance(v, np.ndarray) for v in as_numpy.values())
+    as_saved = ckptr.restore(tmp_path / "c")  # no target: the saved sharding, read the same way
+    assert runs == [40] and all(isinstance(v, jax.Array) for v in as_saved.values())
 
 
 @pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])

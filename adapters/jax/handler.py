@@ -140,6 +140,7 @@ class _Leaf:
     dtype: str = ""
     was_jax: bool = False
     value: Any = None
+    sharding: dict[str, Any] | None = None  # the NamedSharding it was saved with (_sharding_record)
     prng_impl: str | None = None  # a typed PRNG key array: its implementation; the stored array is its key data
     chunks: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
@@ -176,9 +177,12 @@ class _Checkpoint:
                         prng_impl = rec.get("prng_impl")
                         if prng_impl is not None and not isinstance(prng_impl, str):
                             raise TypeError(f"prng_impl of {name!r} is not a string")
+                        sharding = rec.get("sharding")
+                        if sharding is not None and not isinstance(sharding, dict):
+                            raise TypeError(f"the sharding of {name!r} is not an object")
                         leaf = self.leaves[name] = _Leaf(rec["kind"], tuple(rec.get("shape", ())),
                                                          rec.get("dtype", ""), rec.get("was_jax", False),
-                                                         rec.get("value"), prng_impl)
+                                                         rec.get("value"), sharding, prng_impl)
                     for key, offsets, sizes in rec.get("chunks", []):
                         leaf.chunks.append((rec["file"], key, tuple(offsets), tuple(sizes)))
             except (KeyError, TypeError, ValueError, AttributeError) as exc:  # sealed, yet not as written
@@ -359,6 +363,9 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                 records[name] = {"kind": "array", "was_jax": True, "shape": list(value.shape),
                                  "dtype": _stored_dtype(name, value.dtype), "file": filename,
                                  "chunks": chunks}
+                sharding = _sharding_record(value.sharding)
+                if sharding is not None:
+                    records[name]["sharding"] = sharding
                 if prng_impl is not None:
                     records[name]["prng_impl"] = prng_impl
             elif isinstance(value, (np.ndarray, np.generic)):
@@ -424,8 +431,10 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
     def restore(self, directory: Any, item: Any = None, args: "FerryRestore | None" = None) -> Any:
         """Restores into the shapes, dtypes and shardings of ``args.item`` (an abstract
         tree of ``jax.ShapeDtypeStruct`` or concrete arrays); without one, arrays come
-        back as numpy arrays on the host in the saved structure. ``args.mmap``: see
-        :class:`FerryRestore`."""
+        back in the saved structure as they were saved, as Orbax's own handlers restore:
+        ``jax.Array`` leaves as ``jax.Array`` on their saved mesh (onto this process's first
+        device where this run lacks that mesh's devices), numpy arrays as numpy arrays.
+        ``args.mmap``: see :class:`FerryRestore`."""
         mapped = False
         if args is not None:
             item, mapped = args.item, args.mmap
@@ -434,7 +443,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             if item is None:
                 names: list[str] = []
                 _decode_structure(ckpt.structure, names.append)
-                values = dict(zip(names, _restore_leaves(ckpt, [_host_value(ckpt, name) for name in names])))
+                values = dict(zip(names, _restore_leaves(ckpt, [_as_saved(ckpt, name) for name in names])))
                 return _decode_structure(ckpt.structure, values.__getitem__)
             leaves, treedef = jax.tree_util.tree_flatten_with_path(item)
             restored = _restore_leaves(ckpt, [_leaf_for(ckpt, jax.tree_util.keystr(path), target)
@@ -444,8 +453,10 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             ckpt.close()
 
     def metadata(self, directory: Any) -> Any:
-        """The saved tree with ``jax.ShapeDtypeStruct`` (no sharding) for arrays and the
-        values of scalars: usable, once shardings are set, as a restore target."""
+        """The saved tree with ``jax.ShapeDtypeStruct`` for arrays (``jax.Array`` leaves
+        with the sharding a restore without a target gives them, numpy leaves and typed
+        PRNG keys with none) and the values of scalars: a restore target, whose shardings
+        may be changed."""
         ckpt = _Checkpoint(os.fspath(directory), self.engine, self.verify)
 
         def describe(name: str) -> Any:
@@ -454,7 +465,8 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                 return leaf.value
             if leaf.prng_impl is not None:
                 return _abstract_keys(leaf)
-            return jax.ShapeDtypeStruct(leaf.shape, to_numpy_dtype(leaf.dtype))
+            return jax.ShapeDtypeStruct(leaf.shape, to_numpy_dtype(leaf.dtype),
+                                        sharding=_saved_sharding(name, leaf) if leaf.was_jax else None)
 
         return _decode_structure(ckpt.structure, describe)
 
@@ -530,6 +542,49 @@ def _host_value(ckpt: _Checkpoint, name: str) -> _LeafRead:
     return read if leaf.prng_impl is None else _as_keys(read, leaf)
 
 
+def _as_saved(ckpt: _Checkpoint, name: str) -> _LeafRead:
+    """Leaf ``name`` as it was saved: a ``jax.Array`` on its saved sharding, or a host value."""
+    leaf = ckpt.leaves[name]
+    if leaf.kind == "scalar" or not leaf.was_jax:
+        return _host_value(ckpt, name)
+    data = _array_leaf_for(ckpt, name, leaf, jax.ShapeDtypeStruct(leaf.shape, to_numpy_dtype(leaf.dtype),
+                                                                  sharding=_saved_sharding(name, leaf)))
+    return data if leaf.prng_impl is None else _as_keys(data, leaf)
+
+
+def _sharding_record(sharding: Any) -> dict[str, Any] | None:
+    """A ``NamedSharding`` as JSON (its mesh's shape, axis names and device ids, and the
+    partition spec), so that a restore without a target can rebuild it; None for other
+    shardings and for axis names JSON cannot hold."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    spec = [list(part) if isinstance(part, tuple) else part for part in sharding.spec]
+    names = list(sharding.mesh.axis_names)
+    if not all(isinstance(n, str) for n in names + [a for part in spec if isinstance(part, list) for a in part]
+               ) or not all(part is None or isinstance(part, (str, list)) for part in spec):
+        return None
+    return {"mesh_shape": list(sharding.mesh.devices.shape), "axis_names": names,
+            "device_ids": [int(i) for i in np.ravel(sharding.mesh.device_ids)], "spec": spec}
+
+
+def _saved_sharding(name: str, leaf: _Leaf) -> jax.sharding.Sharding:
+    """The sharding a ``jax.Array`` leaf was saved with where this run has every device of
+    its mesh, as Orbax restores without a target; otherwise this process's first device."""
+    record = leaf.sharding
+    if record is not None:
+        try:
+            by_id = {device.id: device for device in jax.devices()}
+            ids = record["device_ids"]
+            if all(i in by_id for i in ids):
+                devices = np.array([by_id[i] for i in ids], dtype=object).reshape(record["mesh_shape"])
+                spec = [tuple(part) if isinstance(part, list) else part for part in record["spec"]]
+                return jax.sharding.NamedSharding(jax.sharding.Mesh(devices, tuple(record["axis_names"])),
+                                                  jax.sharding.PartitionSpec(*spec))
+        except (KeyError, TypeError, ValueError) as exc:  # sealed, yet not as written
+            raise CorruptCheckpointError(f"the saved sharding of {name} is malformed ({exc})") from None
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
 def _scalar_as(value: Any, target: Any, name: str) -> Any:
     """A Python number saved as a leaf, as the target asks for it: where the target is
     an array (abstract or concrete), an array of its dtype, on its sharding (as
@@ -542,7 +597,7 @@ def _scalar_as(value: Any, target: Any, name: str) -> Any:
     array = np.asarray(value, dtype=target.dtype)
     if isinstance(target, (np.ndarray, np.generic)):
         return array if isinstance(target, np.ndarray) else array[()]
-    sharding = getattr(target, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = getattr(target, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.device_put(array, sharding)
 
 
@@ -606,7 +661,7 @@ def _array_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _
                          lambda started: started[whole]().astype(dtype, copy=False))
     sharding = getattr(target, "sharding", None)
     if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     # Replicated shardings ask for the same box on several devices: it is read once.
     if sharding.is_fully_replicated:  # one device too: no need to map each device's index
         boxes = [((0,) * len(shape), shape)]
@@ -678,7 +733,7 @@ def load_pytree(path: str | os.PathLike, *, engine: Engine | None = None, verify
     else:
         with ShardReader(path, engine, verify=verify) as reader:
             arrays = reader.read_many()
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     return {name: jax.device_put(a, device) for name, a in arrays.items()}
 
 
