@@ -40,13 +40,13 @@ class Tiny(pl.LightningModule):
 
 
 def train(root: Path, epochs: int, plugin, resume: Path | None = None, strategy: str = "auto",
-          devices: int = 1) -> Tiny:
+          devices: int = 1, save_last: bool | str = True) -> Tiny:
     pl.seed_everything(0, workers=True)
     model = Tiny()
     trainer = pl.Trainer(max_epochs=epochs, default_root_dir=root, accelerator="cpu", devices=devices,
                          strategy=strategy, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, plugins=[plugin], deterministic=True,
-                         callbacks=[ModelCheckpoint(dirpath=root / "ckpts", save_last=True, save_top_k=1)])
+                         callbacks=[ModelCheckpoint(dirpath=root / "ckpts", save_last=save_last, save_top_k=1)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
         trainer.fit(model, ckpt_path=resume)
@@ -78,6 +78,23 @@ def test_resume_from_last_ckpt_is_bit_identical(tmp_path: Path, wrap: str) -> No
         assert {"epoch=3-step=16.ckpt", "last.ckpt"} <= left
     else:
         assert left == {"epoch=3-step=16.ckpt", "last.ckpt"}
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "folder"])
+def test_last_ckpt_as_a_link_to_a_checkpoint_written_in_the_background(tmp_path: Path, sharded: bool) -> None:
+    """ModelCheckpoint(save_last="link") links last.ckpt to the newest checkpoint as soon
+    as the plugin returns, before the first write has made the folder."""
+    def plugin():
+        return TensorferryCheckpointIO(asynchronous=True, sharded=sharded)
+
+    straight = train(tmp_path / "straight", 4, plugin(), save_last="link")
+    train(tmp_path / "interrupted", 2, plugin(), save_last="link")
+    last = tmp_path / "interrupted" / "ckpts" / "last.ckpt"
+    assert last.is_symlink() and last.resolve().name == "epoch=1-step=8.ckpt"
+    resumed = train(tmp_path / "interrupted", 4, plugin(), resume=last, save_last="link")
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert {p.name for p in (tmp_path / "interrupted" / "ckpts").iterdir()} == {"epoch=3-step=16.ckpt", "last.ckpt"}
 
 
 @pytest.mark.slow

@@ -98,10 +98,12 @@ class TensorferryCheckpointIO(CheckpointIO):
             raise TypeError(f"{type(self).__name__} takes no storage_options (got {storage_options!r})")
         if self.asynchronous:
             checkpoint = _snapshot(checkpoint)
+        # Made before returning: ModelCheckpoint(save_last="link") links last.ckpt to
+        # the checkpoint as soon as this returns, and a link needs its folder.
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._later(self._write, checkpoint, os.fspath(path))
 
     def _write(self, checkpoint: dict[str, Any], path: str) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if self.sharded:
             save_checkpoint(path, checkpoint, engine=self.engine, max_shard_bytes=self.max_shard_bytes,
                             overwrite=True)
