@@ -587,6 +587,16 @@ as_saved = ckptr.restore(path)["x"]  # no target: the global array on the mesh i
 assert as_saved.sharding == x.sharding
 for shard in as_saved.addressable_shards:
     np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+with ocp.CheckpointManager(path + "-steps", item_handlers={"state": FerryCheckpointHandler()},
+                          options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)) as mngr:
+    for step in range(3):  # Orbax's multi-host protocol: each process's async save, then process 0 commits
+        mngr.save(step, args=ocp.args.Composite(state=FerrySave({"x": x * step, "step": step})))
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [1, 2], mngr.all_steps()
+    latest = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(state=FerryRestore(target)))["state"]
+    assert latest["step"] == 2
+    for shard in latest["x"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), 2 * full[shard.index])
 print("OK", sorted(os.listdir(path)), flush=True)
 """
 
