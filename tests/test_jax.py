@@ -429,6 +429,10 @@ def test_torch_to_jax_and_back(tmp_path):
         assert isinstance(arrays[name], jax.Array)
         np.testing.assert_array_equal(np.asarray(arrays[name].astype(jnp.float32)), t.float().numpy())
     assert arrays["emb"].dtype == jnp.bfloat16
+    assert arrays["emb"].devices() == {jax.local_devices()[0]}
+    on_third = load_pytree(tmp_path / "model.safetensors", device=jax.devices()[3])
+    assert on_third["emb"].devices() == {jax.devices()[3]}
+    np.testing.assert_array_equal(np.asarray(on_third["layer.bias"]), sd["layer.bias"].numpy())
     # JAX -> torch: a consolidated file is plain safetensors.
     save_pytree(tmp_path / "jax.safetensors", {"w": arrays["layer.weight"], "b": arrays["emb"]})
     back = tfpt.load(tmp_path / "jax.safetensors")
