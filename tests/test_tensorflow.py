@@ -124,6 +124,13 @@ def test_shuffle_is_deterministic_by_seed_and_complete(whole_files) -> None:
     c = [x.numpy() for x in make_dataset(pattern, shuffle=True, seed=8)]
     assert a == b and a != c and a != data
     assert sorted(a) == sorted(data)
+    ds = make_dataset(pattern, shuffle=True, seed=7)
+    epochs = [[x.numpy() for x in ds] for _ in range(3)]
+    assert epochs[0] == a and epochs[1] != a and epochs[2] not in (a, epochs[1])  # a new order each epoch
+    repeated = [x.numpy() for x in make_dataset(pattern, shuffle=True, seed=7).repeat(2)]
+    assert repeated[:len(a)] == a and repeated[len(a):] != a and sorted(repeated[len(a):]) == sorted(data)
+    unseeded = [x.numpy() for x in make_dataset(pattern, shuffle=True)]
+    assert sorted(unseeded) == sorted(data)
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 4])
@@ -216,6 +223,11 @@ def test_batches_are_made_by_the_reads(whole_files, tfrecords, tmp_path) -> None
     rows = np.concatenate([b.numpy() for b in shuffled])
     assert sorted(r.tobytes() for r in rows) == sorted(r.tobytes() for r in raw[1::2])
     assert [r.tobytes() for r in rows] != [r.tobytes() for r in raw[1::2]]
+    exact = make_dataset(str(tmp_path / "r.rec"), record_bytes=4096, batch_size=16, drop_remainder=True,
+                         shuffle=True, seed=3)
+    assert exact.element_spec.shape.as_list() == [16, 4096]
+    dropped = [{r.tobytes() for r in raw} - {r.tobytes() for b in exact for r in b.numpy()} for _ in range(4)]
+    assert all(len(d) == 2 for d in dropped) and len({frozenset(d) for d in dropped}) > 1  # not always the same
     root, data = whole_files
     strings = make_dataset(str(root / "f*.bin"), batch_size=5)
     assert strings.element_spec.shape.as_list() == [None]
