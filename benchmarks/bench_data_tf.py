@@ -3,7 +3,7 @@
 The page cache is dropped before each reader; bytes/s over a full pass. The data: 64
 whole files, one file of 1 MiB records, 8 TFRecord files of 1 MiB records, and the same
 bytes again as 128 KiB files (small images, say), and the records file again as 4 KiB
-records in batches of 256. Items are drained one by one in Python, except the 128 KiB
+records in batches of 256, in order and shuffled. Items are drained one by one in Python, except the 128 KiB
 files' and the 4 KiB records': there that would time Python, so they are drained in the
 graph (a reduce over their lengths).
 
@@ -105,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         ("FixedLengthRecordDataset.map(decode_raw).batch(256), 4 KiB records (drained in the graph)",
          lambda: tf.data.FixedLengthRecordDataset(records, 4096, buffer_size=16 << 20).map(
              lambda s: tf.io.decode_raw(s, tf.uint8), num_parallel_calls=auto).batch(256)),
+        # Shuffled: ours draws a new order of the whole file each epoch (random 4 KiB
+        # reads); the stock reader reads in order and shuffles within a window.
+        ("make_dataset(batch_size=256, shuffle=True), 4 KiB records (drained in the graph)",
+         lambda: make_dataset(records, record_bytes=4096, batch_size=256, shuffle=True, seed=0)),
+        ("FixedLengthRecordDataset.map(decode_raw).shuffle(65536).batch(256), 4 KiB records, "
+         "a 256 MiB window (drained in the graph)",
+         lambda: tf.data.FixedLengthRecordDataset(records, 4096, buffer_size=16 << 20).map(
+             lambda s: tf.io.decode_raw(s, tf.uint8), num_parallel_calls=auto).shuffle(65536, seed=0).batch(256)),
     ]
     runs = {name: lambda make=make: drain(make()) for name, make in readers}
     runs.update({name: lambda make=make: drain_in_graph(make()) for name, make in in_graph})
