@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from .dtypes import to_numpy_dtype
-from .engine import Engine, default_engine
+from .engine import Engine, default_engine, local_path
 from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, CorruptCheckpointError,
                      TensorferryIOError, missing_names)
 from .schema import (MANIFEST_VERSION, check_index, member_path, parse_json, read_small_file, seal_manifest,
@@ -81,7 +81,7 @@ class PendingCheckpoint:
         """Creates the temporary directory (the parent must exist), held locked until
         :meth:`commit` or :meth:`abort`; removes what killed saves to the same path left
         (temporaries no live writer holds)."""
-        directory = os.path.abspath(os.fspath(directory))
+        directory = os.path.abspath(local_path(directory))
         pending = cls(directory, token or secrets.token_hex(6))
         parent, name = os.path.split(directory)
         recoverable = list(recoverable_checkpoints(parent).values())
@@ -224,7 +224,7 @@ def _recoverable(path: str) -> bool:
 def resolve_checkpoint(directory: str | os.PathLike) -> str:
     """``directory``, or where its checkpoint lives while an interrupted overwrite left
     it aside (:func:`recoverable_checkpoints`)."""
-    directory = os.fspath(directory)
+    directory = local_path(directory)
     if os.path.lexists(directory):
         return directory
     parent, name = os.path.split(os.path.abspath(directory))
@@ -581,7 +581,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[str]:
     Ordered by the number that ends the directory name (``step_1000``) when every
     name has one, else by commit time.
     """
-    root = os.fspath(root)
+    root = local_path(root)  # a URL's "folder" would not exist, and no checkpoint would say "start afresh"
     if not os.path.isdir(root):
         return []
     found = []

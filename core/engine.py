@@ -7,6 +7,7 @@ import atexit
 import collections
 import errno
 import os
+import re
 import threading
 import warnings
 from typing import Any, Iterable, Sequence, Union
@@ -22,6 +23,18 @@ _native.set_io_error_type(TensorferryIOError)
 
 PathLike = Union[str, "os.PathLike[str]"]
 _MODES = ("r", "r+", "w", "w+", "a")
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_path(path: PathLike) -> str:
+    """``path`` as a string; a URL (``s3://``, ``gs://``, ...) is refused with a
+    ``ValueError``. The engine reads and writes files of local or mounted filesystems, and
+    ``os.makedirs("s3://bucket/ckpt")`` would quietly make a local folder ``s3:``."""
+    text = os.fspath(path)
+    if isinstance(text, str) and _URL.match(text):
+        raise ValueError(f"{text!r} is a URL: tensorferry reads and writes files on local or mounted "
+                         "filesystems (mount the bucket, with a FUSE driver say, or copy the files)")
+    return text
 
 
 class DirectIOFallbackWarning(UserWarning):
@@ -68,7 +81,7 @@ class File:
     def __init__(self, path: PathLike, mode: str = "r", *, direct: bool | None = None) -> None:
         if mode not in _MODES:
             raise ConfigError(f"mode {mode!r} is not one of {', '.join(_MODES)}")
-        self.path = os.fspath(path)
+        self.path = local_path(path)
         self.mode = mode
         want_direct = default_config().direct if direct is None else bool(direct)
         self._native = _native.File(self.path, mode, want_direct)

@@ -31,7 +31,7 @@ import numpy as np
 from . import _native
 from .buffers import PinnedPool, byte_view, round_up
 from .dtypes import to_numpy_dtype, to_safetensors_dtype
-from .engine import Engine, File, IOFuture, default_engine
+from .engine import Engine, File, IOFuture, default_engine, local_path
 from .errors import CorruptCheckpointError, DurabilityWarning, TensorferryIOError
 from .schema import check_tensor_entry, parse_json
 from .temporaries import hold, release, remove_stale_temporaries
@@ -235,7 +235,7 @@ class ShardWriter:
     def __init__(self, path: str | os.PathLike, engine: Engine | None = None,
                  buffer_size: int = DEFAULT_BUFFER_SIZE, *, metadata: Mapping[str, str] | None = None,
                  staging_bytes: int = 256 << 20, atomic: bool = False) -> None:
-        self.path = os.fspath(path)
+        self.path = local_path(path)
         # With ``atomic``, the file is written under a temporary name and renamed over
         # ``path`` only once complete and durable: a reader never sees half a file.
         self._write_path = f"{self.path}.tmp-{secrets.token_hex(4)}" if atomic else self.path

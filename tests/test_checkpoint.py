@@ -769,3 +769,22 @@ def test_a_temporary_held_only_by_garbage_is_taken_over_by_the_next_save(tmp_pat
     assert held_here(second.tmp_path)
     second.abort()
     assert not held_here(second.tmp_path) and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("action", [
+    lambda url: tensorferry.save_checkpoint(url, {"a": np.ones(3)}),
+    lambda url: tensorferry.load_checkpoint(url),
+    lambda url: tensorferry.latest_checkpoint(url),
+    lambda url: tensorferry.prune_checkpoints(url, keep_last=1),
+    lambda url: ShardWriter(url + "/x.safetensors"),
+    lambda url: ShardReader(url + "/x.safetensors"),
+    lambda url: tensorferry.Engine().pwrite(np.ones(4096, np.uint8), url + "/x").result(),
+], ids=["save_checkpoint", "load_checkpoint", "latest_checkpoint", "prune_checkpoints", "ShardWriter",
+        "ShardReader", "Engine.pwrite"])
+def test_a_url_is_refused_not_made_a_local_folder(tmp_path, monkeypatch, action) -> None:
+    """s3://bucket/run would be a local folder "s3:" to os.makedirs, and latest_checkpoint
+    would find no checkpoint there: a training job would start afresh, saving locally."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="'s3://bucket/run.*' is a URL"):
+        action("s3://bucket/run")
+    assert not os.listdir(tmp_path)

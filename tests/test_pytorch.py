@@ -799,3 +799,20 @@ def test_dcp_saves_with_cached_plans_on_2_ranks(tmp_path) -> None:
 def test_dcp_async_save_in_torchs_checkpointing_process_on_2_ranks(tmp_path) -> None:
     run(2, str(tmp_path), "dcp_async_in_a_process")
     assert tensorferry.verify_checkpoint(tmp_path / "step_7") == []
+
+
+def test_a_url_is_refused_by_every_entry(tmp_path, monkeypatch) -> None:
+    """Not a local folder named "gs:": DCP, FSDPCheckpointer, save and load, Lightning."""
+    from tensorferry.adapters.pytorch import TensorferryCheckpointIO
+    monkeypatch.chdir(tmp_path)
+    url = "gs://bucket/run/step_1"
+    actions = [lambda: dcp.save({"a": torch.ones(2)}, storage_writer=DCPWriter(url), no_dist=True),
+               lambda: dcp.save({"a": torch.ones(2)}, checkpoint_id=url, storage_writer=DCPWriter(), no_dist=True),
+               lambda: dcp.load({"a": torch.ones(2)}, storage_reader=DCPReader(url), no_dist=True),
+               lambda: FSDPCheckpointer("gs://bucket/run", torch.nn.Linear(2, 2)),
+               lambda: save({"a": torch.ones(2)}, url + ".safetensors"), lambda: load(url + ".safetensors"),
+               lambda: TensorferryCheckpointIO().save_checkpoint({"a": torch.ones(2)}, url + ".ckpt")]
+    for action in actions:
+        with pytest.raises(ValueError, match="'gs://bucket/run.*' is a URL"):
+            action()
+    assert not os.listdir(tmp_path)

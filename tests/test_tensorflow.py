@@ -539,3 +539,9 @@ def test_an_iterators_checkpoint_resumes_in_another_process(tmp_path) -> None:
         cases[case] = (files, {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}, saved)
     [out] = run_processes(_RESUMED, [([json.dumps(cases)], dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))], timeout=180)
     assert json.loads(next(line for line in out.splitlines() if line.startswith("REST"))[4:]) == expected
+
+
+def test_a_url_is_refused() -> None:
+    for files in ("gs://bucket/*.tfrecord", ["gs://bucket/a.tfrecord"]):
+        with pytest.raises(ValueError, match="is a URL"):
+            make_dataset(files, tfrecord=True)

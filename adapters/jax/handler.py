@@ -29,7 +29,7 @@ from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
 from ...checkpoint import encode_manifest, load_checkpoint, open_shard, read_manifest_file, write_durably
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
-from ...engine import Engine
+from ...engine import Engine, local_path
 from ...errors import CorruptCheckpointError, missing_names
 from ...schema import walk_structure
 from ...shard import (DEFAULT_BUFFER_SIZE, MappedReads, ShardReader, ShardWriter, WholeReads, aligned_copies,
@@ -414,7 +414,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
 
         async def commit() -> None:
             path = await directory.await_creation() if hasattr(directory, "await_creation") else directory
-            self._write(os.fspath(path), metadata, arrays)
+            self._write(local_path(path), metadata, arrays)
 
         return [ocp_future.CommitFutureAwaitingContractedSignals(commit(), name="tensorferry_jax_save")]
 
@@ -424,7 +424,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         if args is not None:
             item = args.item
         metadata, arrays = self._stage(item, copy_host_arrays=False)
-        self._write(os.fspath(directory), metadata, arrays)
+        self._write(local_path(directory), metadata, arrays)
 
     # ---- restore ----------------------------------------------------------------
     @gc_paused()
@@ -438,7 +438,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         mapped = False
         if args is not None:
             item, mapped = args.item, args.mmap
-        ckpt = _Checkpoint(os.fspath(directory), self.engine, self.verify, mapped)
+        ckpt = _Checkpoint(local_path(directory), self.engine, self.verify, mapped)
         try:
             if item is None:
                 names: list[str] = []
@@ -457,7 +457,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         with the sharding a restore without a target gives them, numpy leaves and typed
         PRNG keys with none) and the values of scalars: a restore target, whose shardings
         may be changed."""
-        ckpt = _Checkpoint(os.fspath(directory), self.engine, self.verify)
+        ckpt = _Checkpoint(local_path(directory), self.engine, self.verify)
 
         def describe(name: str) -> Any:
             leaf = ckpt.leaves[name]

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from ...checkpoint import latest_checkpoint, prune_checkpoints, read_manifest
 from ...errors import CheckpointNotFoundError, TensorferryError, TensorferryIOError
-from ...engine import Engine
+from ...engine import Engine, local_path
 from ...layouts.dcp import written_by_torch
 from ...shard import ShardWriter, gc_paused, write_order
 from .dcp import DCPReader, DCPWriter
@@ -66,7 +66,7 @@ class FSDPCheckpointer:
         self.extra = dict(extra or {})
         if {"model", "optimizer"} & set(self.extra):
             raise ValueError("extra state cannot be named 'model' or 'optimizer': those are the checkpointer's")
-        self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+        self.checkpoint_dir = os.path.abspath(local_path(checkpoint_dir))
         self.model = model
         self.optimizer = optimizer
         self.keep_last = keep_last

@@ -23,7 +23,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("TensorferryCheckpointIO needs Lightning: pip install 'tensorferry[lightning]'") from exc
 
 from ...checkpoint import DEFAULT_SHARD_BYTES
-from ...engine import Engine
+from ...engine import Engine, local_path
 from .serialization import _storage_key, load, save, save_checkpoint
 
 MapLocation = Any  # None, a device or its name, a dict of location names, or torch.load's callable
@@ -100,8 +100,9 @@ class TensorferryCheckpointIO(CheckpointIO):
             checkpoint = _snapshot(checkpoint)
         # Made before returning: ModelCheckpoint(save_last="link") links last.ckpt to
         # the checkpoint as soon as this returns, and a link needs its folder.
+        path = local_path(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._later(self._write, checkpoint, os.fspath(path))
+        self._later(self._write, checkpoint, path)
 
     def _write(self, checkpoint: dict[str, Any], path: str) -> None:
         if self.sharded:

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from ... import _native
 from ...data import records_of
-from ...engine import Engine, default_engine
+from ...engine import Engine, default_engine, local_path
 
 # Items under this size are taken a batch per op call: a call costs more than the copy
 # made when the batch is split (100,000 records of 200 bytes: 12.6 s singly, 7.7 s batched).
@@ -35,12 +35,12 @@ _dataset_keys = itertools.count()  # one prefetcher per dataset, shared by its t
 
 def _expand(files: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
     if isinstance(files, (str, os.PathLike)):
-        pattern = os.fspath(files)
+        pattern = local_path(files)
         paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not paths:
             raise ValueError(f"the pattern {pattern!r} matches no files")
         return paths
-    paths = [os.fspath(f) for f in files]
+    paths = [local_path(f) for f in files]
     if not paths:
         raise ValueError("no files given")
     return paths
