@@ -45,7 +45,8 @@ class IOConfig:
 
     Args:
         block_size: requests larger than this are split into blocks of this size.
-        queue_depth: blocks kept in flight at once (io_uring backend).
+        queue_depth: blocks' bytes kept in flight at once (io_uring backend); requests
+            smaller than a block, up to four per block.
         threads: worker threads (threads backend).
         direct: use O_DIRECT for the aligned middle of each request where the
             filesystem allows it.

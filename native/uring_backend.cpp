@@ -1,6 +1,6 @@
 // io_uring through raw syscalls and the kernel's own <linux/io_uring.h>: no liburing.
-// One thread owns the ring; it keeps up to queue_depth tasks in flight and is woken
-// for new work by a poll on an eventfd, so submitters never touch the ring.
+// One thread owns the ring; it keeps up to queue_depth blocks' bytes in flight and is
+// woken for new work by a poll on an eventfd, so submitters never touch the ring.
 #include <linux/io_uring.h>
 #include <poll.h>
 #include <sys/eventfd.h>
@@ -160,15 +160,29 @@ class Ring {
 
 constexpr uint64_t kWakeTag = ~uint64_t(0);
 
+// Tasks smaller than a block (random 4 KiB reads, say) are kept in flight up to this
+// many per block of queue_depth, within queue_depth blocks' bytes: random 4 KiB reads
+// through TensorFlow at depth 32 ran at 0.34-0.40 GB/s, with 128 in flight 0.44-0.51,
+// fio's speed on this disk (fio at depth 32: 104k IOPS, 64: 126k).
+constexpr int kTasksPerBlock = 4;
+constexpr int kMaxTasks = 4096;
+
+int task_slots(int queue_depth) { return std::min(kMaxTasks, queue_depth * kTasksPerBlock); }
+
 class UringBackend final : public Backend {
  public:
   UringBackend(int queue_depth, uint64_t block_size)
-      : depth_(queue_depth), block_size_(block_size), ring_(static_cast<unsigned>(queue_depth) + 1) {
+      : depth_(queue_depth),
+        block_size_(block_size),
+        byte_budget_(block_size * static_cast<uint64_t>(queue_depth)),
+        ring_(static_cast<unsigned>(task_slots(queue_depth)) + 1) {
     if (queue_depth < 1 || queue_depth > 4096) throw IOError{EINVAL, "", "queue_depth must be between 1 and 4096"};
     wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (wake_fd_ < 0) throw IOError{errno, "", "eventfd"};
-    slots_.resize(static_cast<size_t>(depth_));
-    for (int i = depth_ - 1; i >= 0; --i) free_slots_.push_back(i);
+    const int slots = task_slots(queue_depth);
+    slots_.resize(static_cast<size_t>(slots));
+    for (int i = slots - 1; i >= 0; --i) free_slots_.push_back(i);
+    for (int i = depth_ - 1; i >= 0; --i) free_staging_.push_back(i);
     loop_ = std::thread([this] { run(); });
   }
 
@@ -211,6 +225,7 @@ class UringBackend final : public Backend {
     Task task;
     uint64_t done = 0;
     int fd = -1;
+    int staging = -1;  // the staging block of a bounced task
   };
 
   void wake() {
@@ -231,7 +246,7 @@ class UringBackend final : public Backend {
   void prepare(int slot_index) {
     Slot &s = slots_[static_cast<size_t>(slot_index)];
     const Task &t = s.task;
-    char *mem = t.needs_bounce ? staging_for(slot_index) : t.ptr;
+    char *mem = t.needs_bounce ? staging_block(s.staging) : t.ptr;
     io_uring_sqe *sqe = ring_.next_sqe();
     sqe->opcode = t.req->is_write() ? IORING_OP_WRITE : IORING_OP_READ;
     sqe->fd = s.fd;
@@ -241,10 +256,15 @@ class UringBackend final : public Backend {
     sqe->user_data = static_cast<uint64_t>(slot_index);
   }
 
-  // Moves queued tasks into free slots. Returns false once stopping and idle.
+  // Moves queued tasks into free slots, in order, while their bytes fit the budget (the
+  // first always does) and a bounced one finds a staging block. Returns false once
+  // stopping and idle.
   bool take_new_work() {
     std::lock_guard<std::mutex> lock(mu_);
     while (!pending_.empty() && !free_slots_.empty()) {
+      const Task &next = pending_.front();
+      if (bytes_in_flight_ > 0 && bytes_in_flight_ + next.length > byte_budget_) break;
+      if (next.needs_bounce && free_staging_.empty()) break;
       const int i = free_slots_.back();
       free_slots_.pop_back();
       Slot &s = slots_[static_cast<size_t>(i)];
@@ -252,13 +272,18 @@ class UringBackend final : public Backend {
       pending_.pop_front();
       s.done = 0;
       s.fd = s.task.fd;
+      bytes_in_flight_ += s.task.length;
+      if (s.task.needs_bounce) {
+        s.staging = free_staging_.back();
+        free_staging_.pop_back();
+      }
       if (s.task.req->failed_before(s.task.offset)) {
         finish(i);
         continue;
       }
       if (s.task.needs_bounce) {
         if (staging_.data() == nullptr) staging_ = AlignedBuffer(block_size_ * static_cast<uint64_t>(depth_));
-        if (s.task.req->is_write()) std::memcpy(staging_for(i), s.task.ptr, s.task.length);
+        if (s.task.req->is_write()) std::memcpy(staging_block(s.staging), s.task.ptr, s.task.length);
       } else if (!s.task.req->is_write()) {
         populate_for_write(s.task.ptr, s.task.length);
       }
@@ -267,16 +292,17 @@ class UringBackend final : public Backend {
     return !(stopping_ && pending_.empty() && free_slots_.size() == slots_.size());
   }
 
-  // One slab for every slot's staging block, so that it lies in huge pages.
-  char *staging_for(int slot_index) const {
-    return staging_.data() + static_cast<uint64_t>(slot_index) * block_size_;
-  }
+  // One slab for every staging block (queue_depth of them), so that it lies in huge pages.
+  char *staging_block(int index) const { return staging_.data() + static_cast<uint64_t>(index) * block_size_; }
 
   void finish(int i) {
     Slot &s = slots_[static_cast<size_t>(i)];
-    if (!s.task.req->is_write() && s.task.needs_bounce)
-      std::memcpy(s.task.ptr, staging_for(i), s.done);
+    if (!s.task.req->is_write() && s.task.needs_bounce && s.done > 0)
+      std::memcpy(s.task.ptr, staging_block(s.staging), s.done);
     s.task.req->add_bytes(s.done);
+    bytes_in_flight_ -= s.task.length;
+    if (s.staging >= 0) free_staging_.push_back(s.staging);
+    s.staging = -1;
     auto req = std::move(s.task.req);
     s.task = Task{};
     free_slots_.push_back(i);
@@ -379,6 +405,8 @@ class UringBackend final : public Backend {
 
   int depth_;
   uint64_t block_size_;
+  uint64_t byte_budget_;      // queue_depth blocks
+  uint64_t bytes_in_flight_ = 0;
   Ring ring_;
   int wake_fd_ = -1;
   std::mutex mu_;
@@ -387,6 +415,7 @@ class UringBackend final : public Backend {
   std::vector<Slot> slots_;
   AlignedBuffer staging_;  // allocated on the first misaligned direct task
   std::vector<int> free_slots_;
+  std::vector<int> free_staging_;  // staging blocks, queue_depth of them
   std::thread loop_;
 };
 

@@ -210,6 +210,29 @@ def test_pread_many_reads_every_part_as_one_request(engine: Engine, tmp_path) ->
         np.testing.assert_array_equal(np.frombuffer(buffer, np.uint8), data[offset:offset + len(buffer)])
 
 
+@pytest.mark.parametrize("queue_depth", [1, 2])
+def test_many_small_reads_in_flight_aligned_and_bounced(backend: str, tmp_path, queue_depth: int) -> None:
+    """Small tasks, several per block in flight (io_uring), a few bounced through the
+    staging blocks, of which there are only queue_depth, and whole blocks among them."""
+    data = random_bytes(8 << 20, seed=11)
+    path = tmp_path / "small.bin"
+    path.write_bytes(data.tobytes())
+    rng = np.random.default_rng(0)
+    base = np.empty(24 << 20, np.uint8)
+    memory = base[(-base.ctypes.data) % 4096:]
+    parts, at = [], 0
+    for offset in rng.choice(len(data) // 4096 - 64, 600, replace=False) * 4096:
+        size = int(rng.choice([4096, 8192, 512, 64 << 10]))
+        shift = int(rng.choice([0, 0, 0, 1, 100]))  # a shifted buffer is bounced
+        parts.append((memory[at + shift:at + shift + size], int(offset)))
+        at += (size + shift + 4095) // 4096 * 4096
+    with tensorferry.Engine(backend=backend, block_size=64 << 10, queue_depth=queue_depth, threads=2) as e, \
+            tensorferry.File(path, "r") as f:
+        assert e.pread_many(parts, f).result() == sum(len(b) for b, _ in parts)
+    for buffer, offset in parts:
+        np.testing.assert_array_equal(buffer, data[offset:offset + len(buffer)])
+
+
 def test_pread_many_names_the_failing_part(engine: Engine, tmp_path) -> None:
     path = tmp_path / "short.bin"
     path.write_bytes(bytes(10_000))
