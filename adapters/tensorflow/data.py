@@ -20,6 +20,7 @@ import itertools
 import os
 from typing import Iterable, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from ... import _native
@@ -117,23 +118,29 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         # one per record when the cache is cold: files are scanned at once (the scan
         # releases the GIL). 8 files of 256 records, cold: 0.20-0.27 s one by one.
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(MAX_SCANS, len(paths))) as pool:
-            records = [r for file_records in pool.map(tfrecord_records, paths) for r in file_records]
+            ranges = list(pool.map(_native.tfrecord_ranges, paths))
     elif record_bytes is not None:
-        records = []
+        ranges = []
         for p in paths:
             size = os.path.getsize(p)
             if size % record_bytes:
                 raise ValueError(f"{p}: {size} bytes is not a whole number of {record_bytes}-byte records "
                                  "(truncated?)")
-            records += [(p, offset, record_bytes) for offset in range(0, size, record_bytes)]
+            ranges.append((np.arange(0, size, record_bytes), np.full(size // record_bytes, record_bytes)))
     else:
-        records = records_of(paths)
+        ranges = [([offset], [length]) for _, offset, length in records_of(paths)]
+    # Items are columns of file numbers (indices into paths), offsets and lengths, made by
+    # numpy: as a list of (path, offset, length) tuples, the 262,144 records of 1 GiB of 4 KiB
+    # records took 0.15-0.3 s of CPU to make, a third of what reading them costs.
+    file_numbers = np.concatenate([np.full(len(offsets), i, np.int32) for i, (offsets, _) in enumerate(ranges)])
+    offsets = np.concatenate([np.asarray(offsets, np.int64) for offsets, _ in ranges])
+    lengths = np.concatenate([np.asarray(lengths, np.int64) for _, lengths in ranges])
     if shard is not None:
         index, count = shard
         if not 0 <= index < count:
             raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {shard}")
-        records = records[index::count]
-    average = sum(length for _, _, length in records) // max(1, len(records))
+        file_numbers, offsets, lengths = file_numbers[index::count], offsets[index::count], lengths[index::count]
+    average = int(lengths.sum()) // max(1, len(lengths))
     if batch_size is not None:
         reads_per_call = batch_size
     elif reads_per_call is None:
@@ -141,18 +148,13 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     if num_parallel_reads == tf.data.AUTOTUNE:
         num_parallel_reads = max(2, min(64, (64 << 20) // max(1, average * reads_per_call)))
 
-    # Items carry their file's index, not its path: millions of records stay small.
-    files = list(dict.fromkeys(p for p, _, _ in records))
-    number = {p: i for i, p in enumerate(files)}
-    columns = tuple(tf.constant(c, dtype) for c, dtype in
-                    zip(([number[p] for p, _, _ in records], [o for _, o, _ in records],
-                         [n for _, _, n in records]), (tf.int32, tf.int64, tf.int64)))
+    columns = (tf.constant(file_numbers, tf.int32), tf.constant(offsets, tf.int64), tf.constant(lengths, tf.int64))
     dataset = _calls(columns, reads_per_call, shuffle, seed, drop_remainder and batch_size is not None)
     if shard is not None:
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         dataset = dataset.with_options(options)
-    start, take = _read_ops(engine, files, record_bytes, tfrecord, batch_size)
+    start, take = _read_ops(engine, paths, record_bytes, tfrecord, batch_size)
     # Starting reads returns at once, so the start map runs num_parallel_reads batches
     # ahead of the take map, which waits for the reads. Small items are taken a batch
     # per call (an op call costs more than splitting the batch copies); larger ones one
