@@ -174,7 +174,7 @@ def check_tensor_entry(where: str, name: Any, entry: Any) -> tuple[str, tuple[in
 
 STRUCTURE_KEY = "tensorferry.structure"
 MAX_STRUCTURE_DEPTH = 200  # nodes within nodes; a state dict nests a few levels deep
-_LEAF_KINDS = ("tensor", "ndarray", "npscalar")
+_LEAF_KINDS = ("tensor", "tensor_requires_grad", "parameter", "parameter_no_grad", "ndarray", "npscalar")
 
 
 def walk_structure(structure: Any, where: str, what: str, children_of: Callable[[Any], Iterable[Any]]) -> None:
@@ -193,7 +193,8 @@ def walk_structure(structure: Any, where: str, what: str, children_of: Callable[
 def check_structure(structure: Any, where: str, tensor_names: Any) -> None:
     """Raises :class:`CorruptCheckpointError` unless ``structure`` is a tree as
     ``adapters.pytorch.save`` encodes it: nodes ``{"dict": [[str or int, node], ...]}``,
-    ``{"list" | "tuple": [node, ...]}``, ``{"tensor" | "ndarray" | "npscalar": name}``
+    ``{"list" | "tuple": [node, ...]}``, ``{"tensor" | "tensor_requires_grad" | "parameter" |
+    "parameter_no_grad" | "ndarray" | "npscalar": name}``
     (a name in ``tensor_names``), ``{"value": scalar}``, ``{"float": "nan" | "inf" | "-inf"}``
     or ``{"dtype": str}``, at most ``MAX_STRUCTURE_DEPTH`` deep (:func:`walk_structure`)."""
 

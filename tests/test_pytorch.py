@@ -144,6 +144,40 @@ def test_checkpoint_directories_of_every_dtype(tmp_path) -> None:
         load_checkpoint(path, out={"model.float32": torch.zeros(3, 5).t()})
 
 
+@pytest.mark.parametrize("as_directory", [False, True], ids=["file", "checkpoint"])
+def test_parameters_and_requires_grad_come_back_as_torch_load_gives_them(tmp_path, as_directory: bool) -> None:
+    """A tensor saved while it requires grad (a learned prompt, say) loaded without it
+    would be skipped by an optimizer made over it, without a word."""
+    import io
+    linear = torch.nn.Linear(3, 2)
+    linear.bias.requires_grad_(False)
+    prompt = torch.randn(4, requires_grad=True)
+    state = {"w": linear.weight, "b": linear.bias, "w_again": linear.weight, "w_data": linear.weight.data,
+             "prompt": prompt, "plain": torch.ones(2), "model": linear.state_dict()}
+    if as_directory:
+        save_checkpoint(tmp_path / "c", state)
+        ours = load_checkpoint(tmp_path / "c")
+    else:
+        save(state, tmp_path / "s.safetensors")
+        ours = load(tmp_path / "s.safetensors")
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    theirs = torch.load(buffer)
+
+    def described(loaded):
+        leaves = {k: v for k, v in loaded.items() if k != "model"} | {f"model.{k}": v for k, v in loaded["model"].items()}
+        return {k: (type(t).__name__, t.requires_grad, t.is_leaf) for k, t in leaves.items()}, \
+            loaded["w"] is loaded["w_again"], loaded["w_data"].data_ptr() == loaded["w"].data_ptr()
+
+    assert described(ours) == described(theirs)
+    assert described(ours)[0]["w"] == ("Parameter", True, True) and described(ours)[0]["b"][:2] == ("Parameter", False)
+    optimizer = torch.optim.SGD([ours["prompt"]], lr=1.0)
+    ours["prompt"].sum().backward()
+    optimizer.step()
+    assert torch.equal(ours["prompt"].detach(), prompt.detach() - 1)
+
+
 def test_tied_weights_are_found_by_storage(tmp_path) -> None:
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     model[1].weight = model[0].weight

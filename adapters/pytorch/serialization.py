@@ -98,7 +98,14 @@ class _Encoder:
             raise ValueError(f"{where}: the object nests more than {MAX_STRUCTURE_DEPTH} levels deep")
         if isinstance(value, torch.Tensor):
             _check_savable(value, where)
-            return {"tensor": self._name(_storage_key(value), value, where)}
+            # As torch.load gives them back: a Parameter as a Parameter, with its
+            # requires_grad, and a tensor that requires grad still requiring it (an
+            # optimizer made over it would otherwise skip it without a word).
+            if isinstance(value, torch.nn.Parameter):
+                kind = "parameter" if value.requires_grad else "parameter_no_grad"
+            else:
+                kind = "tensor_requires_grad" if value.requires_grad else "tensor"
+            return {kind: self._name(_storage_key(value), value, where)}
         if isinstance(value, (np.ndarray, np.generic)):
             array = np.asarray(value)
             try:
@@ -147,15 +154,26 @@ class _Decoder:
 
     def __init__(self, arrays: Mapping[str, np.ndarray], where: str, map_location: Any) -> None:
         self.arrays, self.where, self.map_location = arrays, where, map_location
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[tuple[str, str], torch.Tensor] = {}  # by (kind, name): tied entries stay one
+
+    def _tensor(self, kind: str, name: str) -> torch.Tensor:
+        made = self.tensors.get((kind, name))
+        if made is not None:
+            return made
+        if kind == "tensor":
+            made = _to_tensors({name: self.arrays[name]}, self.map_location)[name]
+        elif kind == "tensor_requires_grad":  # its own leaf over the same memory
+            made = self._tensor("tensor", name).detach().requires_grad_(True)
+        else:
+            made = torch.nn.Parameter(self._tensor("tensor", name), requires_grad=kind == "parameter")
+        self.tensors[(kind, name)] = made
+        return made
 
     def decode(self, node: Any) -> Any:
         (kind, value), = node.items()
         arrays = self.arrays
-        if kind == "tensor":
-            if value not in self.tensors:
-                self.tensors[value] = _to_tensors({value: arrays[value]}, self.map_location)[value]
-            return self.tensors[value]
+        if kind in _TENSOR_KINDS:
+            return self._tensor(kind, value)
         if kind == "ndarray":
             return arrays[value]
         if kind == "npscalar":
@@ -177,6 +195,9 @@ class _Decoder:
         if not isinstance(dtype, torch.dtype):
             raise CorruptCheckpointError(f"{self.where}: unknown dtype {value!r}")
         return dtype
+
+
+_TENSOR_KINDS = ("tensor", "tensor_requires_grad", "parameter", "parameter_no_grad")
 
 
 def _check_map_location(map_location: Any) -> None:
