@@ -560,8 +560,8 @@ def _sharding_record(sharding: Any) -> dict[str, Any] | None:
         return None
     spec = [list(part) if isinstance(part, tuple) else part for part in sharding.spec]
     names = list(sharding.mesh.axis_names)
-    if not all(isinstance(n, str) for n in names + [a for part in spec if isinstance(part, list) for a in part]
-               ) or not all(part is None or isinstance(part, (str, list)) for part in spec):
+    named = names + [axis for part in spec if part is not None for axis in (part if isinstance(part, list) else [part])]
+    if not all(isinstance(axis, str) for axis in named):  # PartitionSpec.UNCONSTRAINED, say, is not one
         return None
     return {"mesh_shape": list(sharding.mesh.devices.shape), "axis_names": names,
             "device_ids": [int(i) for i in np.ravel(sharding.mesh.device_ids)], "spec": spec}
