@@ -36,7 +36,8 @@ from .schema import (MANIFEST_VERSION, check_index, member_path, parse_json, rea
                      unseal_manifest, validate_manifest)
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
                     fsync_after_commit, fsync_dir, gc_paused)
-from .temporaries import TMP_MARKER, held_here, hold, release, remove_stale_temporaries
+from .temporaries import (TMP_MARKER, aside_name, discard_later, held_here, hold, release,
+                          remove_stale_temporaries)
 
 MANIFEST = "tensorferry.json"
 FORMAT_VERSION = MANIFEST_VERSION
@@ -142,9 +143,11 @@ class PendingCheckpoint:
             raise FileExistsError(f"{self.directory} exists; pass overwrite=True to replace it")
         elif exchange(self.tmp_path, self.directory):
             # One atomic step: the path holds the new checkpoint, the temporary name the
-            # old one, which goes once the exchange is durable.
+            # old one, which goes (in the background) once the exchange is durable.
             self._committed()
-            shutil.rmtree(self.tmp_path, ignore_errors=True)
+            release(self._lock)
+            self._lock = None
+            discard_later(self.tmp_path)
         else:
             # No atomic exchange here: between the two renames the old checkpoint lives
             # under a name that list_checkpoints and the loaders find (recoverable_checkpoints).
@@ -152,7 +155,7 @@ class PendingCheckpoint:
             os.rename(self.directory, old)
             os.rename(self.tmp_path, self.directory)
             self._committed()
-            shutil.rmtree(old, ignore_errors=True)
+            discard_later(old)
         release(self._lock)
         self._lock = None
         remove_stale_temporaries(*os.path.split(self.directory))  # an old one moved aside is one now
@@ -609,19 +612,32 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def prune_checkpoints(root: str | os.PathLike, keep_last: int, *, remove_unfinished: bool = False) -> list[str]:
+def prune_checkpoints(root: str | os.PathLike, keep_last: int, *, remove_unfinished: bool = False,
+                      wait: bool = True) -> list[str]:
     """Deletes all but the newest ``keep_last`` complete checkpoints; returns what was removed.
 
     With ``remove_unfinished``, what interrupted saves left under ``root`` goes too:
     temporary directories and files that no running save holds (an old checkpoint an
-    interrupted overwrite moved aside counts as a checkpoint, not a leftover).
+    interrupted overwrite moved aside counts as a checkpoint, not a leftover). With
+    ``wait=False``, each pruned checkpoint leaves its name at once and its files are
+    freed in the background (a training loop's retention need not wait for the drive).
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     checkpoints = list_checkpoints(root)
     doomed = checkpoints[:-keep_last]
+    discarded = []
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        aside = aside_name(path, "pruned")
+        try:
+            os.rename(path, aside)
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            discarded.append(discard_later(aside))
+    if wait:
+        for removal in discarded:
+            removal.result()
     if remove_unfinished:
         doomed += remove_stale_temporaries(root, keep=recoverable_checkpoints(root).values())
     return doomed

@@ -34,7 +34,7 @@ from .dtypes import to_numpy_dtype, to_safetensors_dtype
 from .engine import Engine, File, IOFuture, default_engine, local_path
 from .errors import CorruptCheckpointError, DurabilityWarning, TensorferryIOError
 from .schema import check_tensor_entry, parse_json
-from .temporaries import hold, release, remove_stale_temporaries
+from .temporaries import discard_later, hold, release, remove_stale_temporaries, set_aside
 
 ALIGNMENT = 4096
 _OWN_MAPPING = 1 << 20  # from this size on, aligned_empty maps memory of its own
@@ -313,8 +313,11 @@ class ShardWriter:
             size = header.size + offset
             file.close()
             if self._write_path != self.path:
+                replaced = set_aside(self.path)  # the replaced file's blocks are freed after the commit
                 os.replace(self._write_path, self.path)
                 fsync_after_commit(self.path)
+                if replaced is not None:
+                    discard_later(replaced)
         except BaseException:
             file.close()
             _remove_quietly(self._write_path)

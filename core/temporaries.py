@@ -10,9 +10,12 @@ and by :func:`remove_stale_temporaries` (``prune_checkpoints(remove_unfinished=T
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import os
+import secrets
 import shutil
+import threading
 from typing import Iterable
 
 TMP_MARKER = ".tmp-"
@@ -101,6 +104,71 @@ def stale_temporaries(root: str | os.PathLike, target: str | None = None,
     return sorted(found)
 
 
+def aside_name(path: str, why: str) -> str:
+    """A temporary name beside ``path`` for what is about to go (``why``: "replaced", ...)."""
+    return f"{path}{TMP_MARKER}{why}-{secrets.token_hex(4)}"
+
+
+def set_aside(path: str) -> str | None:
+    """A second, temporary name (a hard link) for the regular file ``path``, so that
+    replacing ``path`` frees nothing; :func:`discard_later` removes it. None, and nothing
+    done, where ``path`` is not a regular file or the filesystem has no hard links."""
+    if not os.path.isfile(path) or os.path.islink(path):
+        return None
+    aside = aside_name(path, "replaced")
+    try:
+        os.link(path, aside)
+    except OSError:
+        return None
+    return aside
+
+
+_discarding: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_discarding_lock = threading.Lock()
+
+
+def discard_later(aside: str) -> concurrent.futures.Future:
+    """Removes a temporary (a file or folder, under a name with ``TMP_MARKER``) on a
+    background thread. Freeing the blocks
+    of a replaced 2 GiB file held a save's commit 0.40-0.46 s on this VM's ext4 (0.09 s of
+    CPU); the save returns meanwhile. The temporary stays held until it is gone, so no
+    other save's clean-up removes it in the foreground. The thread is joined at exit; a
+    process killed first leaves a temporary the next save, or ``tensorferry clean``, removes."""
+    global _discarding
+    try:
+        lock = hold(aside)
+    except OSError:  # held elsewhere, or gone already: its holder removes it
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(None)
+        return done
+    with _discarding_lock:
+        if _discarding is None or _discarding[0] != os.getpid():  # made anew in a forked child
+            _discarding = (os.getpid(), concurrent.futures.ThreadPoolExecutor(1, "tensorferry-discard"))
+        executor = _discarding[1]
+
+    def remove() -> None:
+        try:
+            if os.path.isdir(aside):
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(aside)
+                except FileNotFoundError:
+                    pass
+        finally:
+            release(lock)
+
+    return executor.submit(remove)
+
+
+def wait_for_discards() -> None:
+    """Returns once everything :func:`discard_later` was given is gone."""
+    with _discarding_lock:
+        executor = _discarding[1] if _discarding is not None and _discarding[0] == os.getpid() else None
+    if executor is not None:
+        executor.submit(lambda: None).result()
+
+
 def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
                              keep: Iterable[str] = ()) -> list[str]:
     """Removes the leftovers of killed saves under ``root`` (those of ``target``, a name
@@ -109,5 +177,5 @@ def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
     return [path for path in stale_temporaries(root, target, keep) if remove_if_stale(path)]
 
 
-__all__ = ["TMP_MARKER", "held_here", "hold", "release", "remove_if_stale", "remove_stale_temporaries",
-           "stale_temporaries"]
+__all__ = ["TMP_MARKER", "aside_name", "discard_later", "held_here", "hold", "release", "remove_if_stale",
+           "remove_stale_temporaries", "set_aside", "stale_temporaries", "wait_for_discards"]

@@ -788,3 +788,40 @@ def test_a_url_is_refused_not_made_a_local_folder(tmp_path, monkeypatch, action)
     with pytest.raises(ValueError, match="'s3://bucket/run.*' is a URL"):
         action("s3://bucket/run")
     assert not os.listdir(tmp_path)
+
+
+def test_what_a_save_replaces_is_freed_in_the_background(tmp_path) -> None:
+    """A replaced file, a checkpoint replaced with overwrite=True, and pruned checkpoints
+    leave their names at once and are removed by a background thread; a file's save over
+    a folder still fails and leaves the folder."""
+    from tensorferry.temporaries import wait_for_discards
+    path = tmp_path / "state.safetensors"
+    _write_file(path, 1.0)
+    with ShardReader(path) as old_reader:  # open across the replacement: still the old bytes
+        _write_file(path, 2.0)
+        assert old_reader.read("x")[0] == 1.0
+    with ShardReader(path) as reader:
+        assert reader.read("x")[0] == 2.0
+    for step in range(3):
+        tensorferry.save_checkpoint(tmp_path / "c", {"x": np.full(8, step)}, overwrite=True)
+    for step in range(3):
+        tensorferry.save_checkpoint(tmp_path / "run" / f"step_{step}", {"x": np.full(8, step)})
+    removed = tensorferry.prune_checkpoints(tmp_path / "run", keep_last=1, wait=False)
+    assert [os.path.basename(p) for p in removed] == ["step_0", "step_1"]
+    assert [os.path.basename(p) for p in tensorferry.list_checkpoints(tmp_path / "run")] == ["step_2"]
+    wait_for_discards()
+    assert sorted(os.listdir(tmp_path)) == ["c", "run", "state.safetensors"]
+    assert os.listdir(tmp_path / "run") == ["step_2"]
+    assert tensorferry.load_checkpoint(tmp_path / "c")["x"][0] == 2
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "keep").write_text("mine")
+    with pytest.raises(OSError):
+        _write_file(tmp_path / "folder", 3.0)
+    assert (tmp_path / "folder" / "keep").read_text() == "mine"
+    wait_for_discards()
+    assert sorted(os.listdir(tmp_path)) == ["c", "folder", "run", "state.safetensors"]
+
+
+def _write_file(path, value: float) -> None:
+    with ShardWriter(path, atomic=True) as writer:
+        writer.add("x", np.full(1 << 20, value))

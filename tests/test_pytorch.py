@@ -461,6 +461,9 @@ def test_checkpointer_single_process(tmp_path) -> None:
             assert gc.isenabled()
     ckpt.wait()
     assert gc.isenabled()
+    assert [os.path.basename(p) for p in tensorferry.list_checkpoints(tmp_path)] == ["step_3", "step_4"]
+    from tensorferry.temporaries import wait_for_discards
+    wait_for_discards()  # the pruned ones' files are freed in the background
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step_3", "step_4"]
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     train_step(model, opt, 99)

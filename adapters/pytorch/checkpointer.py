@@ -152,7 +152,7 @@ class FSDPCheckpointer:
 
     def _retain(self) -> None:
         if self.keep_last is not None and self._rank() == 0:
-            prune_checkpoints(self.checkpoint_dir, self.keep_last)
+            prune_checkpoints(self.checkpoint_dir, self.keep_last, wait=False)  # training goes on meanwhile
 
     def latest_step(self) -> int | None:
         """The newest complete sharded step, or None."""

@@ -24,6 +24,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ...checkpoint import DEFAULT_SHARD_BYTES
 from ...engine import Engine, local_path
+from ...temporaries import wait_for_discards
 from .serialization import _storage_key, load, save, save_checkpoint
 
 MapLocation = Any  # None, a device or its name, a dict of location names, or torch.load's callable
@@ -82,6 +83,7 @@ class TensorferryCheckpointIO(CheckpointIO):
         pending, self._pending = self._pending, []
         for future in pending:
             future.result()
+        wait_for_discards()  # replaced checkpoints, whose files are freed in the background
 
     def teardown(self) -> None:
         try:
