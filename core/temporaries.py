@@ -62,16 +62,21 @@ def remove_if_stale(path: str) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             return False  # a save in progress (or no flock here: then no one can tell)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        _remove(path)
         return True
     finally:
         os.close(fd)
+
+
+def _remove(path: str) -> None:
+    """Removes a file or a folder with all in it; one already gone is no error."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def stale_temporaries(root: str | os.PathLike, target: str | None = None,
@@ -148,13 +153,7 @@ def discard_later(aside: str) -> concurrent.futures.Future:
 
     def remove() -> None:
         try:
-            if os.path.isdir(aside):
-                shutil.rmtree(aside, ignore_errors=True)
-            else:
-                try:
-                    os.unlink(aside)
-                except FileNotFoundError:
-                    pass
+            _remove(aside)
         finally:
             release(lock)
 
