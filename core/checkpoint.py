@@ -36,8 +36,8 @@ from .schema import (MANIFEST_VERSION, check_index, member_path, parse_json, rea
                      unseal_manifest, validate_manifest)
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
                     fsync_after_commit, fsync_dir, gc_paused)
-from .temporaries import (TMP_MARKER, aside_name, discard_later, held_here, hold, release,
-                          remove_stale_temporaries)
+from .temporaries import (NEW_TEMPORARY_TRIES, TMP_MARKER, aside_name, discard_later, held_here, hold_new,
+                          release, remove_stale_temporaries)
 
 MANIFEST = "tensorferry.json"
 FORMAT_VERSION = MANIFEST_VERSION
@@ -83,23 +83,26 @@ class PendingCheckpoint:
         :meth:`commit` or :meth:`abort`; removes what killed saves to the same path left
         (temporaries no live writer holds)."""
         directory = os.path.abspath(local_path(directory))
-        pending = cls(directory, token or secrets.token_hex(6))
         parent, name = os.path.split(directory)
         recoverable = list(recoverable_checkpoints(parent).values())
         remove_stale_temporaries(parent, name, keep=recoverable)
-        try:
-            os.makedirs(pending.tmp_path)
-        except FileExistsError:
-            if not held_here(pending.tmp_path):
-                raise
-            # Held by this process: by a save still running, or by a failed one whose
-            # holder only the collector frees (the exception that ended that save keeps
-            # its frames in a reference cycle). A collection tells them apart.
-            gc.collect()
-            remove_stale_temporaries(parent, name, keep=recoverable)
-            os.makedirs(pending.tmp_path)
-        pending._lock = hold(pending.tmp_path)
-        return pending
+        for _ in range(NEW_TEMPORARY_TRIES if token is None else 1):
+            pending = cls(directory, token or secrets.token_hex(6))
+            try:
+                os.makedirs(pending.tmp_path)
+            except FileExistsError:
+                if not held_here(pending.tmp_path):
+                    raise
+                # Held by this process: by a save still running, or by a failed one whose
+                # holder only the collector frees (the exception that ended that save keeps
+                # its frames in a reference cycle). A collection tells them apart.
+                gc.collect()
+                remove_stale_temporaries(parent, name, keep=recoverable)
+                os.makedirs(pending.tmp_path)
+            pending._lock = hold_new(pending.tmp_path)
+            if pending._lock is not None:
+                return pending
+        raise FileExistsError(f"{pending.tmp_path} was taken by another save to {directory} as it was made")
 
     @property
     def tmp_path(self) -> str:
@@ -136,8 +139,7 @@ class PendingCheckpoint:
         if not overwrite and resolve_checkpoint(self.directory) != self.directory:
             raise FileExistsError(f"{self.directory} exists (moved aside by an interrupted overwrite); "
                                   "pass overwrite=True to replace it")
-        if not os.path.lexists(self.directory):
-            os.rename(self.tmp_path, self.directory)
+        if not os.path.lexists(self.directory) and self._rename_into_place():
             self._committed()
         elif not overwrite:
             raise FileExistsError(f"{self.directory} exists; pass overwrite=True to replace it")
@@ -160,6 +162,17 @@ class PendingCheckpoint:
         self._lock = None
         remove_stale_temporaries(*os.path.split(self.directory))  # an old one moved aside is one now
         return self.directory
+
+    def _rename_into_place(self) -> bool:
+        """Renames the temporary to the free name; False where another save took the
+        name meanwhile (then this one replaces it, or finds it there)."""
+        try:
+            os.rename(self.tmp_path, self.directory)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            return False
+        return True
 
     def _committed(self) -> None:
         fsync_after_commit(self.directory)
@@ -419,16 +432,27 @@ def load_with_manifest(directory: str | os.PathLike, names: Iterable[str] | None
         with foreign.open(engine=engine, verify=verify) as source:
             return None, source.read(names, out, mmap=mmap)
     manifest = read_manifest(directory)
-    try:
-        return manifest, _load_as_listed(directory, manifest, names, out, engine, verify, mmap)
-    except (CorruptCheckpointError, OSError):
-        # An overwrite may have replaced the checkpoint between its manifest and its
-        # files: then, and only then, the new one is read (once).
-        directory = resolve_checkpoint(directory)
-        again = read_manifest(directory)
-        if (again["files"], again.get("committed_at")) == (manifest["files"], manifest.get("committed_at")):
-            raise
-    return again, _load_as_listed(directory, again, names, out, engine, verify, mmap)
+    for tries_left in reversed(range(OVERWRITTEN_READ_TRIES)):
+        try:
+            return manifest, _load_as_listed(directory, manifest, names, out, engine, verify, mmap)
+        except (CorruptCheckpointError, OSError):
+            # An overwrite may have replaced the checkpoint between its manifest and its
+            # files: then, and only then, the new one is read.
+            directory = resolve_checkpoint(directory)
+            again = read_manifest(directory)
+            if not tries_left or _identity(again) == _identity(manifest):
+                raise
+            manifest = again
+    raise AssertionError("unreachable")
+
+
+# Reads of a checkpoint that overwrites kept replacing under them (six threads
+# overwriting one checkpoint while reading it: a second try failed now and then).
+OVERWRITTEN_READ_TRIES = 8
+
+
+def _identity(manifest: Mapping[str, Any]) -> tuple[Any, Any]:
+    return manifest["files"], manifest.get("committed_at")
 
 
 def _foreign_layout(directory: str) -> Any:

@@ -34,7 +34,7 @@ from .dtypes import to_numpy_dtype, to_safetensors_dtype
 from .engine import Engine, File, IOFuture, default_engine, local_path
 from .errors import CorruptCheckpointError, DurabilityWarning, TensorferryIOError
 from .schema import check_tensor_entry, parse_json
-from .temporaries import discard_later, hold, release, remove_stale_temporaries, set_aside
+from .temporaries import NEW_TEMPORARY_TRIES, discard_later, hold_new, release, remove_stale_temporaries, set_aside
 
 ALIGNMENT = 4096
 _OWN_MAPPING = 1 << 20  # from this size on, aligned_empty maps memory of its own
@@ -300,9 +300,18 @@ class ShardWriter:
         if self._write_path != self.path:  # whatever killed saves to this path left goes first
             remove_stale_temporaries(*os.path.split(os.path.abspath(self.path)))
         file = File(self._write_path, "w")
-        try:
+        for _ in range(NEW_TEMPORARY_TRIES if self._write_path != self.path else 0):
+            lock = hold_new(self._write_path)
+            if lock is not None:
+                break
+            file.close()  # taken by another save to this path as a leftover: another name
+            self._write_path = f"{self.path}.tmp-{secrets.token_hex(4)}"
+            file = File(self._write_path, "w")
+        else:
             if self._write_path != self.path:
-                lock = hold(self._write_path)
+                file.close()
+                raise FileExistsError(f"{self._write_path}: taken by another save to {self.path} as it was made")
+        try:
             file.reserve(header.size + offset)
             # A small file needs no more staging than its own size (one slot of it).
             staging = min(self.buffer_size, 2 * round_up(max(offset, 1), ALIGNMENT))

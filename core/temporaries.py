@@ -38,6 +38,30 @@ def hold(path: str) -> int:
     return fd
 
 
+def hold_new(path: str) -> int | None:
+    """:func:`hold` for a temporary this process has just made; None where a concurrent
+    save to the same target took it first, as a leftover, and is removing it (make another
+    then). Between being made and being held a temporary is unheld: six threads
+    overwriting one checkpoint failed with BlockingIOError and FileNotFoundError."""
+    try:
+        fd = hold(path)
+    except (BlockingIOError, FileNotFoundError):
+        return None
+    try:
+        ours = os.path.samestat(os.fstat(fd), os.lstat(path))
+    except FileNotFoundError:
+        ours = False
+    if not ours:  # removed (and perhaps made again by another) before we held it
+        release(fd)
+        return None
+    return fd
+
+
+# Fresh temporaries made before one is held (see hold_new): more tries than this means
+# something other than a concurrent save's clean-up takes them.
+NEW_TEMPORARY_TRIES = 16
+
+
 def release(fd: int | None) -> None:
     if fd is not None:
         _held_here.pop(fd, None)
@@ -141,11 +165,15 @@ def discard_later(aside: str) -> concurrent.futures.Future:
     process killed first leaves a temporary the next save, or ``tensorferry clean``, removes."""
     global _discarding
     try:
-        lock = hold(aside)
-    except OSError:  # held elsewhere, or gone already: its holder removes it
+        lock: int | None = hold(aside)
+    except FileNotFoundError:  # gone already
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_result(None)
         return done
+    except BlockingIOError:
+        # Another name of the same file is held: two saves replaced the file at once and
+        # each set it aside. This name is removed all the same.
+        lock = None
     with _discarding_lock:
         if _discarding is None or _discarding[0] != os.getpid():  # made anew in a forked child
             _discarding = (os.getpid(), concurrent.futures.ThreadPoolExecutor(1, "tensorferry-discard"))
@@ -176,5 +204,6 @@ def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
     return [path for path in stale_temporaries(root, target, keep) if remove_if_stale(path)]
 
 
-__all__ = ["TMP_MARKER", "aside_name", "discard_later", "held_here", "hold", "release", "remove_if_stale",
-           "remove_stale_temporaries", "set_aside", "stale_temporaries", "wait_for_discards"]
+__all__ = ["NEW_TEMPORARY_TRIES", "TMP_MARKER", "aside_name", "discard_later", "held_here", "hold", "hold_new",
+           "release", "remove_if_stale", "remove_stale_temporaries", "set_aside", "stale_temporaries",
+           "wait_for_discards"]

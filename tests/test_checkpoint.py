@@ -825,3 +825,34 @@ def test_what_a_save_replaces_is_freed_in_the_background(tmp_path) -> None:
 def _write_file(path, value: float) -> None:
     with ShardWriter(path, atomic=True) as writer:
         writer.add("x", np.full(1 << 20, value))
+
+
+def test_concurrent_saves_to_one_target_all_succeed_and_reads_see_whole_saves(tmp_path) -> None:
+    """Six writers replacing one file and one checkpoint (every rank saving what rank 0
+    alone should, say) while reading them back: each save either lands whole or is
+    replaced whole, and none fails. Each used to lose races now and then: a temporary
+    taken for a leftover by another save's clean-up before its maker held it, a name
+    committed between a check and a rename, a read whose checkpoint was replaced twice."""
+    from tensorferry.temporaries import wait_for_discards
+    errors: list[str] = []
+
+    def writer(k: int) -> None:
+        for i in range(12):
+            value = k * 100 + i
+            try:
+                _write_file(tmp_path / "same.safetensors", float(value))
+                with ShardReader(tmp_path / "same.safetensors") as reader:
+                    assert len(set(reader.read("x")[:: 4096].tolist())) == 1
+                tensorferry.save_checkpoint(tmp_path / "ck", {"x": np.full(1 << 14, value)}, overwrite=True)
+                assert len(set(tensorferry.load_checkpoint(tmp_path / "ck")["x"].tolist())) == 1
+            except Exception as exc:  # noqa: BLE001 (every failure is reported)
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    wait_for_discards()
+    assert sorted(os.listdir(tmp_path)) == ["ck", "same.safetensors"]
