@@ -171,6 +171,9 @@ def test_parameters_and_requires_grad_come_back_as_torch_load_gives_them(tmp_pat
             loaded["w"] is loaded["w_again"], loaded["w_data"].data_ptr() == loaded["w"].data_ptr()
 
     assert described(ours) == described(theirs)
+    if not as_directory:  # torch.load's arguments, as callers pass them
+        again = load(tmp_path / "s.safetensors", map_location="cpu", weights_only=True, mmap=True)
+        assert described(again) == described(theirs)
     assert described(ours)[0]["w"] == ("Parameter", True, True) and described(ours)[0]["b"][:2] == ("Parameter", False)
     optimizer = torch.optim.SGD([ours["prompt"]], lr=1.0)
     ours["prompt"].sum().backward()

@@ -256,9 +256,10 @@ def _writable(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, Any
 
 @gc_paused()
 def load(path: str | os.PathLike, map_location: str | torch.device | None = None, *,
-         engine: Engine | None = None, verify: bool = True, mmap: bool = False) -> Any:
+         engine: Engine | None = None, verify: bool = True, mmap: bool = False,
+         weights_only: bool | None = None) -> Any:
     """Loads what :func:`save` (a file) or :func:`save_checkpoint` (a directory) wrote, no
-    pickle. A plain safetensors file, or a folder of another layout (a Hugging Face
+    pickle (``weights_only`` is taken as ``torch.load`` takes it, and changes nothing). A plain safetensors file, or a folder of another layout (a Hugging Face
     folder, or its ``model.safetensors.index.json``), loads as a flat dict of tensors. ``map_location``
     moves tensors to a device; to a CUDA device, each read is copied over as soon as it
     lands, while later reads are in flight (numpy arrays in the structure stay on the host).
