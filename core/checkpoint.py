@@ -147,8 +147,6 @@ class PendingCheckpoint:
             # One atomic step: the path holds the new checkpoint, the temporary name the
             # old one, which goes (in the background) once the exchange is durable.
             self._committed()
-            release(self._lock)
-            self._lock = None
             discard_later(self.tmp_path)
         else:
             # No atomic exchange here: between the two renames the old checkpoint lives
@@ -431,8 +429,8 @@ def load_with_manifest(directory: str | os.PathLike, names: Iterable[str] | None
     if foreign is not None:
         with foreign.open(engine=engine, verify=verify) as source:
             return None, source.read(names, out, mmap=mmap)
-    manifest = read_manifest(directory)
-    for tries_left in reversed(range(OVERWRITTEN_READ_TRIES)):
+    manifest, tries = read_manifest(directory), 1
+    while True:
         try:
             return manifest, _load_as_listed(directory, manifest, names, out, engine, verify, mmap)
         except (CorruptCheckpointError, OSError):
@@ -440,10 +438,9 @@ def load_with_manifest(directory: str | os.PathLike, names: Iterable[str] | None
             # files: then, and only then, the new one is read.
             directory = resolve_checkpoint(directory)
             again = read_manifest(directory)
-            if not tries_left or _identity(again) == _identity(manifest):
+            if tries == OVERWRITTEN_READ_TRIES or _identity(again) == _identity(manifest):
                 raise
-            manifest = again
-    raise AssertionError("unreachable")
+            manifest, tries = again, tries + 1
 
 
 # Reads of a checkpoint that overwrites kept replacing under them (six threads

@@ -238,7 +238,7 @@ class ShardWriter:
         self.path = local_path(path)
         # With ``atomic``, the file is written under a temporary name and renamed over
         # ``path`` only once complete and durable: a reader never sees half a file.
-        self._write_path = f"{self.path}.tmp-{secrets.token_hex(4)}" if atomic else self.path
+        self._write_path = _temporary_name(self.path) if atomic else self.path
         self.staging_bytes = staging_bytes
         self.engine = engine or default_engine()
         self.buffer_size = max(ALIGNMENT, round_up(buffer_size, ALIGNMENT))
@@ -296,21 +296,7 @@ class ShardWriter:
         if self._plan is None:
             self.plan()
         entries, layout, offset, header = self._plan
-        lock = None
-        if self._write_path != self.path:  # whatever killed saves to this path left goes first
-            remove_stale_temporaries(*os.path.split(os.path.abspath(self.path)))
-        file = File(self._write_path, "w")
-        for _ in range(NEW_TEMPORARY_TRIES if self._write_path != self.path else 0):
-            lock = hold_new(self._write_path)
-            if lock is not None:
-                break
-            file.close()  # taken by another save to this path as a leftover: another name
-            self._write_path = f"{self.path}.tmp-{secrets.token_hex(4)}"
-            file = File(self._write_path, "w")
-        else:
-            if self._write_path != self.path:
-                file.close()
-                raise FileExistsError(f"{self._write_path}: taken by another save to {self.path} as it was made")
+        file, lock = self._open_for_write()
         try:
             file.reserve(header.size + offset)
             # A small file needs no more staging than its own size (one slot of it).
@@ -336,6 +322,22 @@ class ShardWriter:
         tensors = {e.name: TensorInfo(e.dtype, e.shape, *layout[e.name], checksums[e.name]) for e in entries}
         self.info = ShardInfo(self.path, size, digest(header_bytes), tensors)
         return self.info
+
+    def _open_for_write(self) -> tuple[File, int | None]:
+        """The file to write; for an atomic write, its temporary with the lock that holds
+        it, after what killed saves to this path left is removed. A fresh temporary that
+        a concurrent save's clean-up took first (:func:`hold_new`) is given up for another."""
+        if self._write_path == self.path:
+            return File(self.path, "w"), None
+        remove_stale_temporaries(*os.path.split(os.path.abspath(self.path)))
+        for _ in range(NEW_TEMPORARY_TRIES):
+            file = File(self._write_path, "w")
+            lock = hold_new(self._write_path)
+            if lock is not None:
+                return file, lock
+            file.close()
+            self._write_path = _temporary_name(self.path)
+        raise FileExistsError(f"{self._write_path}: taken by another save to {self.path} as it was made")
 
     def abort(self) -> None:
         """Discards the file (if any was started)."""
@@ -556,6 +558,11 @@ def fsync_after_commit(committed: str) -> None:
     except OSError as exc:
         warnings.warn(f"{committed} is committed, but {exc}: the rename may not survive a power cut",
                       DurabilityWarning, stacklevel=3)
+
+
+def _temporary_name(path: str) -> str:
+    """Where an atomic write of ``path`` writes before its rename."""
+    return f"{path}.tmp-{secrets.token_hex(4)}"
 
 
 def _remove_quietly(path: str) -> None:

@@ -158,11 +158,11 @@ _discarding_lock = threading.Lock()
 
 def discard_later(aside: str) -> concurrent.futures.Future:
     """Removes a temporary (a file or folder, under a name with ``TMP_MARKER``) on a
-    background thread. Freeing the blocks
-    of a replaced 2 GiB file held a save's commit 0.40-0.46 s on this VM's ext4 (0.09 s of
-    CPU); the save returns meanwhile. The temporary stays held until it is gone, so no
-    other save's clean-up removes it in the foreground. The thread is joined at exit; a
-    process killed first leaves a temporary the next save, or ``tensorferry clean``, removes."""
+    background thread. Freeing the blocks of a replaced 2 GiB file held a save's commit
+    0.40-0.46 s on this VM's ext4 (0.09 s of CPU); the save returns meanwhile. The
+    temporary stays held until it is gone, so no other save's clean-up removes it in the
+    foreground. The thread is joined at exit; a process killed first leaves a temporary
+    the next save, or ``tensorferry clean``, removes."""
     global _discarding
     try:
         lock: int | None = hold(aside)

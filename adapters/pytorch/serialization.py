@@ -259,7 +259,8 @@ def load(path: str | os.PathLike, map_location: str | torch.device | None = None
          engine: Engine | None = None, verify: bool = True, mmap: bool = False,
          weights_only: bool | None = None) -> Any:
     """Loads what :func:`save` (a file) or :func:`save_checkpoint` (a directory) wrote, no
-    pickle (``weights_only`` is taken as ``torch.load`` takes it, and changes nothing). A plain safetensors file, or a folder of another layout (a Hugging Face
+    pickle (``weights_only`` is taken as ``torch.load`` takes it, and changes nothing). A
+    plain safetensors file, or a folder of another layout (a Hugging Face
     folder, or its ``model.safetensors.index.json``), loads as a flat dict of tensors. ``map_location``
     moves tensors to a device; to a CUDA device, each read is copied over as soon as it
     lands, while later reads are in flight (numpy arrays in the structure stay on the host).
