@@ -240,6 +240,52 @@ def test_batches_are_made_by_the_reads(whole_files, tfrecords, tmp_path) -> None
         make_dataset(str(tmp_path / "r.rec"), record_bytes=4096, batch_size=0)
 
 
+@pytest.mark.parametrize("options", [{}, {"shuffle": True}, {"shard": (1, 3)}, {"batch_size": 6},
+                                     {"batch_size": 6, "drop_remainder": True},
+                                     {"batch_size": 4, "shuffle": True, "shard": (0, 2)}])
+def test_the_item_count_is_known(whole_files, tfrecords, tmp_path, options: dict) -> None:
+    """len(dataset) and cardinality() give what iterating yields, whole files, records and
+    TFRecord alike, so that take/repeat/Keras know an epoch's length."""
+    root, _ = whole_files
+    (tmp_path / "r.rec").write_bytes(bytes(range(256)) * 10)
+    paths, _ = tfrecords
+    for ds in (make_dataset(str(root / "f*.bin"), **options),
+               make_dataset(str(tmp_path / "r.rec"), record_bytes=64, **options),
+               make_dataset(paths, tfrecord=True, **options)):
+        count = sum(1 for _ in ds)
+        assert len(ds) == ds.cardinality().numpy() == count > 0
+        assert ds.repeat(3).cardinality().numpy() == 3 * count and len(ds.skip(1)) == count - 1
+
+
+def test_keras_fit_knows_each_epochs_steps(tmp_path) -> None:
+    """A Keras model trained on parsed fixed-length records: every epoch runs all its
+    batches, and Keras, knowing their number, does not warn that the input ran out."""
+    import warnings
+
+    keras = pytest.importorskip("keras")
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((1000, 8)).astype(np.float32)
+    rows = np.concatenate([x, (x.sum(1, keepdims=True) > 0).astype(np.float32)], axis=1)
+    (tmp_path / "train.bin").write_bytes(rows.tobytes())
+
+    def parse(batch: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        values = tf.bitcast(tf.reshape(batch, [-1, 9, 4]), tf.float32)
+        return values[:, :8], values[:, 8]
+
+    ds = make_dataset(str(tmp_path / "train.bin"), record_bytes=36, batch_size=64, shuffle=True, seed=1).map(parse)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="binary_crossentropy")
+    steps = []
+    counter = keras.callbacks.LambdaCallback(on_epoch_begin=lambda *_, **__: steps.append(0),
+                                             on_train_batch_end=lambda *_, **__: steps.__setitem__(-1, steps[-1] + 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(ds, epochs=3, verbose=0, callbacks=[counter])
+    assert steps == [16, 16, 16]
+    assert not [w for w in caught if "ran out of data" in str(w.message)]
+    assert history.history["loss"][-1] < history.history["loss"][0]
+
+
 def test_errors(tmp_path) -> None:
     with pytest.raises(ValueError, match="matches no files"):
         make_dataset(str(tmp_path / "*.nothing"))

@@ -161,10 +161,16 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     # at a time, as splitting a batch would copy each once more.
     started = dataset.map(start, num_parallel_calls=num_parallel_reads, deterministic=True)
     if batch_size is not None:
-        return started.map(take, num_parallel_calls=2, deterministic=True)
-    if average < SMALL_ITEM_BYTES:
-        return started.map(take, num_parallel_calls=2, deterministic=True).unbatch()
-    return started.unbatch().map(take, num_parallel_calls=2, deterministic=True)
+        items = started.map(take, num_parallel_calls=2, deterministic=True)
+        count = len(lengths) // batch_size if drop_remainder else -(-len(lengths) // batch_size)
+    elif average < SMALL_ITEM_BYTES:
+        items, count = started.map(take, num_parallel_calls=2, deterministic=True).unbatch(), len(lengths)
+    else:
+        items, count = started.unbatch().map(take, num_parallel_calls=2, deterministic=True), len(lengths)
+    # The count is known here, and tf.data cannot infer it through unbatch or the shuffle's
+    # flat_map: stated, it gives len(dataset), Keras its steps per epoch (no "ran out of
+    # data" warning at each epoch's end) and take/skip/repeat their cardinality.
+    return items.apply(tf.data.experimental.assert_cardinality(count))
 
 
 def _calls(columns: tuple[tf.Tensor, ...], size: int, shuffle: bool, seed: int | None,
