@@ -215,7 +215,7 @@ def recoverable_checkpoints(root: str | os.PathLike) -> dict[str, str]:
     """Old checkpoints an overwrite moved aside (``<name>.tmp-old-<token>``, complete)
     whose own name holds nothing, by that name: an overwrite without an atomic exchange
     was interrupted between its two renames, and this is the checkpoint."""
-    root = os.fspath(root)
+    root = local_path(root)
     found: dict[str, str] = {}
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Sequence, Tuple, Union
 import numpy as np
 
 from .buffers import PinnedPool, pool_buffer, round_up
-from .engine import Engine, IOFuture, PathLike, default_engine
+from .engine import Engine, IOFuture, PathLike, default_engine, local_path
 
 Record = Tuple[str, int, int]
 Item = Union[PathLike, Tuple[PathLike, int, int]]
@@ -79,14 +79,14 @@ def records_of(items: Iterable[Item]) -> list[Record]:
     sizes: dict[str, int] = {}
     for item in items:
         if isinstance(item, (str, os.PathLike)):
-            path, offset, length = os.fspath(item), 0, None
+            path, offset, length = local_path(item), 0, None
         else:
             try:
                 path, offset, length = item
             except (TypeError, ValueError):
                 raise TypeError(f"a FileSource item is a path or a (path, offset, length) record, "
                                 f"got {item!r}") from None
-            path, offset, length = os.fspath(path), operator.index(offset), operator.index(length)
+            path, offset, length = local_path(path), operator.index(offset), operator.index(length)
             if offset < 0 or length < 0:
                 raise ValueError(f"record {item!r}: offset and length must not be negative")
         if path not in sizes:

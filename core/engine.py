@@ -354,7 +354,7 @@ class Engine:
         paths, segments, keepalive = [], [], []
         for path, parts in reads:
             views, file_segments = _host_segments(parts, "pread_files")
-            paths.append(os.fspath(path))
+            paths.append(local_path(path))
             segments.append(file_segments)
             keepalive.append((list(parts), views))
         started: list[IOFuture | OSError] = []
@@ -428,7 +428,7 @@ class Engine:
             file._check_open()
             if is_write and file.mode == "r":
                 raise EngineClosedError(f"{file.path} is open read-only")
-        path = file.path if isinstance(file, File) else os.fspath(file)
+        path = file.path if isinstance(file, File) else local_path(file)
         with self._lock:
             if self._cufiles is None:
                 self._cufiles = gds.CuFileCache(gds.load_kvikio())

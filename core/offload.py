@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from .buffers import PinnedPool, byte_view
-from .engine import Engine, IOFuture, PathLike
+from .engine import Engine, IOFuture, PathLike, local_path
 from .engine import open as open_file
 from .errors import EngineClosedError, TensorferryIOError
 from .temporaries import hold, release, remove_if_stale
@@ -128,7 +128,7 @@ class OffloadStore:
 
     def __init__(self, directory: PathLike, engine: Engine | None = None, *,
                  max_pool_bytes: int = 256 << 20) -> None:
-        directory = os.fspath(directory)
+        directory = local_path(directory)
         if max_pool_bytes < 0:
             raise ValueError(f"max_pool_bytes must not be negative, got {max_pool_bytes}")
         if not os.path.exists(directory):

@@ -779,8 +779,13 @@ def test_a_temporary_held_only_by_garbage_is_taken_over_by_the_next_save(tmp_pat
     lambda url: ShardWriter(url + "/x.safetensors"),
     lambda url: ShardReader(url + "/x.safetensors"),
     lambda url: tensorferry.Engine().pwrite(np.ones(4096, np.uint8), url + "/x").result(),
+    lambda url: tensorferry.Engine().pread_files([(url + "/x", [(np.ones(4096, np.uint8), 0)])]),
+    lambda url: tensorferry.FileSource([url + "/x", (url + "/y", 0, 8)]),
+    lambda url: tensorferry.OffloadStore(url),
+    lambda url: tensorferry.checkpoint.recoverable_checkpoints(url),
 ], ids=["save_checkpoint", "load_checkpoint", "latest_checkpoint", "prune_checkpoints", "ShardWriter",
-        "ShardReader", "Engine.pwrite"])
+        "ShardReader", "Engine.pwrite", "Engine.pread_files", "FileSource", "OffloadStore",
+        "recoverable_checkpoints"])
 def test_a_url_is_refused_not_made_a_local_folder(tmp_path, monkeypatch, action) -> None:
     """s3://bucket/run would be a local folder "s3:" to os.makedirs, and latest_checkpoint
     would find no checkpoint there: a training job would start afresh, saving locally."""
