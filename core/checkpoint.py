@@ -35,7 +35,7 @@ from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, CorruptC
 from .schema import (MANIFEST_VERSION, check_index, member_path, parse_json, read_small_file, seal_manifest,
                      unseal_manifest, validate_manifest)
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
-                    fsync_after_commit, fsync_dir, gc_paused)
+                    foreign_files_hint, fsync_after_commit, fsync_dir, gc_paused)
 from .temporaries import (NEW_TEMPORARY_TRIES, TMP_MARKER, aside_name, discard_later, held_here, hold_new,
                           release, remove_stale_temporaries)
 
@@ -303,7 +303,8 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     except FileNotFoundError:
         if os.path.isdir(directory):
             raise CheckpointNotFoundError(f"{directory} has no {MANIFEST}: not a complete checkpoint"
-                                          f"{_hint_checkpoints_inside(directory)}", directory) from None
+                                          f"{_hint_checkpoints_inside(directory)}{foreign_files_hint(directory)}",
+                                          directory) from None
         raise CheckpointNotFoundError(f"no checkpoint at {directory}", directory) from None
 
 

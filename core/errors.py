@@ -44,7 +44,8 @@ class GDSUnavailableError(TensorferryError, RuntimeError):
 
 
 class CorruptCheckpointError(TensorferryError, ValueError):
-    """A file or checkpoint that is truncated, inconsistent or fails its checksum."""
+    """A file or checkpoint that is truncated, inconsistent or fails its checksum, or a
+    file of another format (torch.save's, say) where a safetensors file was expected."""
 
 
 class CheckpointNotFoundError(TensorferryError, FileNotFoundError):

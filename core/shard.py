@@ -537,6 +537,54 @@ class _Streamer:
             self.direct_futures.pop(0)[0].result()
 
 
+# The first bytes of files users hand to a safetensors reader by mistake, and what to do instead.
+_FOREIGN_FORMATS = [
+    (b"PK\x03\x04", "a zip archive, as torch.save (or numpy.savez) writes: tensorferry unpickles nothing; "
+                      "load it with torch.load(path, weights_only=True) and save what it returns"),
+    (b"\x80", "a pickle (torch.save's legacy format, or pickle.dump): tensorferry unpickles nothing; "
+              "load it with torch.load(path, weights_only=True) and save what it returns"),
+    (b"\x93NUMPY", "a numpy .npy file: load it with numpy.load"),
+    (b"GGUF", "a GGUF file (llama.cpp's format)"),
+    (b"\x89HDF\r\n\x1a\n", "an HDF5 file (Keras .h5 weights, say)"),
+    (b"|TZR|", "a tensorizer file: read it with tensorizer's TensorDeserializer"),
+]
+
+
+def foreign_format(prefix: bytes) -> str | None:
+    """What a file that begins with ``prefix`` is, where it is a known format other than
+    safetensors (torch.save's zip or pickle, .npy, GGUF, HDF5, tensorizer), or None."""
+    for magic, what in _FOREIGN_FORMATS:
+        if magic == b"\x80":  # PROTO opcode, then the protocol: 2 to 5
+            if len(prefix) > 1 and prefix[0] == 0x80 and 2 <= prefix[1] <= 5:
+                return what
+        elif prefix.startswith(magic):
+            return what
+    return None
+
+
+def foreign_files_hint(directory: str) -> str:
+    """For a directory that holds no checkpoint: what its files of another known format
+    are (``pytorch_model.bin``, a zip of torch.save, say), as a clause to add to the
+    error, or ``""``. Reads the first bytes of at most 64 files."""
+    found = []
+    try:
+        entries = sorted((e for e in os.scandir(directory) if e.is_file()), key=lambda e: e.name)[:64]
+    except OSError:
+        return ""
+    for entry in entries:
+        try:
+            with open(entry.path, "rb") as f:
+                foreign = foreign_format(f.read(8))
+        except OSError:
+            continue
+        if foreign is not None:
+            found.append((entry.name, foreign))
+    if not found:
+        return ""
+    names = ", ".join(name for name, _ in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    return f"; it holds {names}, not safetensors files: {found[0][0]} is {found[0][1]}"
+
+
 def fsync_dir(path: str) -> None:
     """Makes a directory's entries (a rename into it, say) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -850,7 +898,12 @@ class ShardReader:
             self._file.close()
             raise
 
-    def _corrupt(self, why: str) -> CorruptCheckpointError:
+    def _corrupt(self, why: str, prefix: bytes = b"") -> CorruptCheckpointError:
+        """The error for a file that fails to parse, saying what it is instead where its
+        first bytes (``prefix``) are those of another format."""
+        foreign = foreign_format(bytes(prefix))
+        if foreign is not None:
+            return CorruptCheckpointError(f"{self.path}: not a safetensors file but {foreign}")
         return CorruptCheckpointError(f"{self.path}: {why}")
 
     def _parse_header(self) -> None:
@@ -861,11 +914,13 @@ class ShardReader:
         self.engine.read(prefix, self._file, 0)
         (length,) = struct.unpack("<Q", prefix)
         if length > MAX_HEADER_BYTES:
-            raise self._corrupt(f"header length {length} exceeds the {MAX_HEADER_BYTES}-byte cap")
+            raise self._corrupt(f"header length {length} exceeds the {MAX_HEADER_BYTES}-byte cap", prefix)
         if 8 + length > self.size:
-            raise self._corrupt(f"header length {length} runs past the end of the {self.size}-byte file")
+            raise self._corrupt(f"header length {length} runs past the end of the {self.size}-byte file", prefix)
         raw = bytearray(8 + length)
         self.engine.read(raw, self._file, 0)
+        if raw[8:9] != b"{" and foreign_format(bytes(prefix)) is not None:
+            raise self._corrupt("the header is not a JSON object", prefix)
         self.header_bytes = bytes(raw)
         sealed_with = self._check_header_checksum()  # before the JSON: damage there is named as such
         header = parse_json(self.header_bytes[8:], "header", self.path)

@@ -856,3 +856,33 @@ def test_a_url_is_refused_by_every_entry(tmp_path, monkeypatch) -> None:
         with pytest.raises(ValueError, match="'gs://bucket/run.*' is a URL"):
             action()
     assert not os.listdir(tmp_path)
+
+
+def test_files_of_other_formats_are_named_for_what_they_are(tmp_path) -> None:
+    """A .pt, .bin, .npy or .pkl handed to load (or its folder to load_checkpoint) is not
+    "corrupt": the error says what the file is and how to read it."""
+    import pickle
+
+    from tensorferry.layouts import UnknownLayoutError, detect
+    state = {"w": torch.ones(3)}
+    torch.save(state, tmp_path / "zip.pt")
+    torch.save(state, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    np.save(tmp_path / "a.npy", np.ones(3))
+    np.savez(tmp_path / "a.npz", a=np.ones(3))
+    (tmp_path / "a.pkl").write_bytes(pickle.dumps({"a": 1}))
+    (tmp_path / "a.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(64))
+    (tmp_path / "a.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(64))
+    expected = {"zip.pt": "zip archive, as torch.save", "legacy.pt": "a pickle", "a.npy": "numpy .npy",
+                "a.npz": "zip archive", "a.pkl": "a pickle", "a.gguf": "GGUF", "a.h5": "HDF5"}
+    for name, what in expected.items():
+        for mmap in (False, True):
+            with pytest.raises(tensorferry.CorruptCheckpointError, match=f"{name}: not a safetensors file but .*{what}"):
+                load(tmp_path / name, mmap=mmap)
+    model = tmp_path / "model"
+    model.mkdir()
+    torch.save(state, model / "pytorch_model.bin")
+    (model / "config.json").write_text("{}")
+    with pytest.raises(CheckpointNotFoundError, match="holds pytorch_model.bin, not safetensors.*torch.load"):
+        load_checkpoint(model)
+    with pytest.raises(UnknownLayoutError, match="holds pytorch_model.bin"):
+        detect(model)

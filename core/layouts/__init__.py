@@ -28,7 +28,7 @@ from ..buffers import byte_view
 from ..checkpoint import MAX_CONCURRENT_SHARDS, names_to_read, refuse_out_when_mapped
 from ..dtypes import to_numpy_dtype
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TensorferryError
-from ..shard import ShardReader
+from ..shard import ShardReader, foreign_files_hint
 
 OBJECT = "object"  # the dtype of an item that is not a tensor (DCP's pickled objects, say)
 
@@ -359,8 +359,9 @@ def detect(path: str | os.PathLike) -> Layout:
     for layout in LAYOUTS:
         if layout.recognise(path):
             return layout(path)
+    hint = foreign_files_hint(path) if os.path.isdir(path) else ""
     raise UnknownLayoutError(f"{path}: not a checkpoint (no tensorferry manifest, no Hugging Face index, no DCP "
-                             f".metadata, no Orbax metadata, no safetensors files)")
+                             f".metadata, no Orbax metadata, no safetensors files){hint}")
 
 
 def describe(path: str | os.PathLike) -> dict[str, Any]:
