@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         ("FixedLengthRecordDataset, 1 MiB records",
          lambda: tf.data.FixedLengthRecordDataset(records, 1 << 20, buffer_size=16 << 20)),
         ("make_dataset, TFRecord", lambda: make_dataset(tfrecords, tfrecord=True)),
-        ("TFRecordDataset(num_parallel_reads=AUTOTUNE)", lambda: tf.data.TFRecordDataset(tfrecords, num_parallel_reads=auto)),
+        ("TFRecordDataset(num_parallel_reads=AUTOTUNE)",
+         lambda: tf.data.TFRecordDataset(tfrecords, num_parallel_reads=auto)),
     ]
     in_graph = [
         ("make_dataset, 128 KiB files (drained in the graph)", lambda: make_dataset(small)),

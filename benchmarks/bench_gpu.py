@@ -19,8 +19,9 @@ Figures (each with its peers and the fio ceiling measured in the same run):
 Writes are timed until durable (every contender fsyncs; DCP's writer does itself);
 reads start from a dropped page cache and end when the data is in device memory
 (``torch.cuda.synchronize``). tensorferry's staging pool is filled (and registered with
-CUDA) before the first step, as a training run's second save finds it. ``--device cpu`` runs the same steps with host tensors,
-to try the script where there is no GPU; its figures mean nothing for a GPU.
+CUDA) before the first step, as a training run's second save finds it. ``--device cpu`` runs the
+same steps with host tensors, to try the script where there is no GPU; its figures mean nothing
+for a GPU.
 """
 
 from __future__ import annotations

@@ -318,5 +318,5 @@ def check_index(where: str, index: Mapping[str, Any], name: str, header: Any) ->
 
 
 __all__ = ["MAX_DIMS", "MAX_NAME_BYTES", "MAX_SMALL_FILE_BYTES", "check_index", "check_name",
-           "check_structure", "check_tensor_entry", "walk_structure", "STRUCTURE_KEY", "member_path", "parse_json", "read_small_file", "seal_manifest",
-           "unseal_manifest", "validate_manifest"]
+           "check_structure", "check_tensor_entry", "walk_structure", "STRUCTURE_KEY", "member_path", "parse_json",
+           "read_small_file", "seal_manifest", "unseal_manifest", "validate_manifest"]

@@ -34,7 +34,8 @@ def test_bench_runs_and_reports_json(tmp_path, tmp_path_factory, what: str, extr
     if bench.fio_available():
         assert "fio" in names
         assert all(r["ratio_to_fio"] is not None for r in rows if r["op"] != "hash")
-    expected = {"tensorferry threads"} if what == "engine" else {"tensorferry save", "tensorferry load", "tensorferry load in place"}
+    expected = ({"tensorferry threads"} if what == "engine"
+                else {"tensorferry save", "tensorferry load", "tensorferry load in place"})
     assert expected <= names
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "the benchmark cleans up after itself"
 
@@ -202,7 +203,8 @@ def test_free_page_reporting_is_held_back_during_a_run_and_restored(tmp_path, mo
             assert held == {"page_reporting_order": "9", **bench.HELD_PAGE_REPORTING}
             assert (folder / "min_free_ms").read_text() == bench.HELD_PAGE_REPORTING["min_free_ms"]
             during = bench.machine_info(str(tmp_path))  # a result saved inside the run
-            assert during["free_page_reporting"]["min_free_ms"] == "0" and during["free_page_reporting_during_run"] == held
+            assert during["free_page_reporting"]["min_free_ms"] == "0"
+            assert during["free_page_reporting_during_run"] == held
             raise RuntimeError("a failed run")
     assert (folder / "min_free_ms").read_text() == "0" and (folder / "max_waiting_mib").read_text() == "1024"
     info = bench.machine_info(str(tmp_path))

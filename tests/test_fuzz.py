@@ -135,7 +135,8 @@ torch = pytest.importorskip("torch")
 def test_damaged_single_files_are_always_detected(tmp_path) -> None:
     from tensorferry.adapters.pytorch import load, save
     rng = random.Random(SEED + 2)
-    obj = {"model": {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(2, dtype=torch.bfloat16)},
+    obj = {"model": {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+                     "b": torch.ones(2, dtype=torch.bfloat16)},
            "step": 7, "betas": (0.9, 0.999), "names": ["a", None], "np": np.arange(3)}
     path = str(tmp_path / "state.tf")
     save(obj, path)

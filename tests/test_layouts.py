@@ -44,8 +44,10 @@ def test_each_layout_is_recognised_and_read(tmp_path: Path) -> None:
                                 metadata={"format": "pt"})
     safetensors.numpy.save_file({k: v for k, v in STATE.items() if k != "w"},
                                 str(hf / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
-    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": {
-        "w": "model-00001-of-00002.safetensors", **{k: "model-00002-of-00002.safetensors" for k in STATE if k != "w"}}}))
+    weight_map = {"w": "model-00001-of-00002.safetensors",
+                  **{k: "model-00002-of-00002.safetensors" for k in STATE if k != "w"}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1},
+                                                                  "weight_map": weight_map}))
     expected = {tmp_path / "ckpt": "tensorferry", single: "safetensors", hf: "huggingface",
                 hf / "model.safetensors.index.json": "huggingface"}
     for path, kind in expected.items():

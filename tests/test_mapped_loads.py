@@ -141,7 +141,8 @@ def test_mapped_loads_of_files_other_tools_wrote(tmp_path: Path) -> None:
     header = json.dumps({"odd": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
                          "f": {"dtype": "F32", "shape": [1000], "data_offsets": [3, 4003]}}).encode()
     header += b" " * (-len(header) % 8)
-    (tmp_path / "packed.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0\1\2" + values.tobytes())
+    (tmp_path / "packed.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0\1\2"
+                                                  + values.tobytes())
     got = tf_torch.load(tmp_path / "packed.safetensors", mmap=True)
     assert got["odd"].tolist() == [0, 1, 2] and np.array_equal(got["f"].numpy(), values)
     assert got["f"].data_ptr() % 4 == 0
@@ -172,7 +173,8 @@ def test_a_loaded_state_is_freed_when_dropped_without_the_collector(tmp_path: Pa
     gc.collect()
     gc.disable()
     try:
-        for load in (lambda: tf_torch.load(path, mmap=mapped), lambda: tf_torch.load_checkpoint(tmp_path / "ckpt", mmap=mapped)):
+        for load in (lambda: tf_torch.load(path, mmap=mapped),
+                     lambda: tf_torch.load_checkpoint(tmp_path / "ckpt", mmap=mapped)):
             state = load()
             alive = weakref.ref(state["model"]["w"])
             view = state["model"]["w"].reshape(-1)[::2]

@@ -166,7 +166,8 @@ def test_parameters_and_requires_grad_come_back_as_torch_load_gives_them(tmp_pat
     theirs = torch.load(buffer)
 
     def described(loaded):
-        leaves = {k: v for k, v in loaded.items() if k != "model"} | {f"model.{k}": v for k, v in loaded["model"].items()}
+        leaves = ({k: v for k, v in loaded.items() if k != "model"}
+                  | {f"model.{k}": v for k, v in loaded["model"].items()})
         return {k: (type(t).__name__, t.requires_grad, t.is_leaf) for k, t in leaves.items()}, \
             loaded["w"] is loaded["w_again"], loaded["w_data"].data_ptr() == loaded["w"].data_ptr()
 
@@ -876,7 +877,8 @@ def test_files_of_other_formats_are_named_for_what_they_are(tmp_path) -> None:
                 "a.npz": "zip archive", "a.pkl": "a pickle", "a.gguf": "GGUF", "a.h5": "HDF5"}
     for name, what in expected.items():
         for mmap in (False, True):
-            with pytest.raises(tensorferry.CorruptCheckpointError, match=f"{name}: not a safetensors file but .*{what}"):
+            with pytest.raises(tensorferry.CorruptCheckpointError,
+                               match=f"{name}: not a safetensors file but .*{what}"):
                 load(tmp_path / name, mmap=mmap)
     model = tmp_path / "model"
     model.mkdir()

@@ -478,7 +478,8 @@ def test_native_crc_matches_tensorflows_framing(tfrecords) -> None:
     data = np.frombuffer(raw[12:12 + length], np.uint8)
     header = np.frombuffer(raw[:8], np.uint8)
     assert _native.masked_crc32c(header.ctypes.data, 8) == int.from_bytes(raw[8:12], "little")
-    assert _native.masked_crc32c(data.ctypes.data, data.nbytes) == int.from_bytes(raw[12 + length:16 + length], "little")
+    data_crc = int.from_bytes(raw[12 + length:16 + length], "little")
+    assert _native.masked_crc32c(data.ctypes.data, data.nbytes) == data_crc
     assert data.tobytes() == ordered[0]
 
 

@@ -59,7 +59,8 @@ def _resolve_device(device: str | torch.device | int | None) -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeError(
             f"GDSDataset(device={str(resolved)!r}) needs CUDA, but torch.cuda.is_available() is "
-            f"False (torch {torch.__version__} {'has no CUDA support' if torch.version.cuda is None else 'sees no GPU'}); "
+            f"False (torch {torch.__version__} "
+            f"{'has no CUDA support' if torch.version.cuda is None else 'sees no GPU'}); "
             "use device=None for host tensors")
     if resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())

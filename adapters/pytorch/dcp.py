@@ -407,7 +407,8 @@ class DCPReader(StorageReader):
                 for item in items:
                     key = self._place(item.storage_index)[1]
                     target = None if item.type == LoadItemType.BYTE_IO else _resolve(reader, key, item, planner)
-                    if target is not None and key not in whole.get(name, {}) and _whole_in_place(reader, key, item, target):
+                    if (target is not None and key not in whole.get(name, {})
+                            and _whole_in_place(reader, key, item, target)):
                         whole.setdefault(name, {})[key] = (item, target)
                     else:
                         started.append((item, _start_read(reader, key, item, planner, target)))

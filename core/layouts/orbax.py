@@ -69,7 +69,8 @@ class OrbaxStep(Layout):
                 chunks.setdefault(name, []).extend(Chunk(prefix + rec["file"], key, tuple(offsets), tuple(sizes))
                                                    for key, offsets, sizes in rec.get("chunks", []))
         return [tensor_entry(prefix + name, rec["dtype"], rec["shape"], chunks=tuple(chunks[name]))
-                if rec["kind"] == "array" else TensorEntry(prefix + name, OBJECT, None, None, more={"value": rec["value"]})
+                if rec["kind"] == "array"
+                else TensorEntry(prefix + name, OBJECT, None, None, more={"value": rec["value"]})
                 for name, rec in leaves.items()]
 
     def _orbax_entries(self, item: str) -> list[TensorEntry]:
@@ -104,8 +105,8 @@ class OrbaxStep(Layout):
             readable.update(e.name for e in ferried if e.is_tensor)
             for file, index in indexes.items():
                 shards[self._prefix(item) + file] = (item, index)
-                problems += size_problems([file_row(self.path, self._prefix(item) + file, index["files"][file]["size"])],
-                                          by="its index")
+                row = file_row(self.path, self._prefix(item) + file, index["files"][file]["size"])
+                problems += size_problems([row], by="its index")
         if "orbax-checkpoint-tmp" in os.path.basename(os.path.normpath(self.path)):
             problems.append("a temporary directory: this save did not finish")
         return entries, problems, shards, readable
