@@ -312,6 +312,27 @@ def test_dcp_async_save_with_torchs_own_stager(tmp_path, pinned: bool) -> None:
     assert tensorferry.verify_checkpoint(tmp_path / "c") == []
 
 
+def test_dcp_async_save_in_torchs_checkpoint_process(tmp_path) -> None:
+    """dcp.async_save(..., async_checkpointer_type=PROCESS): torch sends the writer to a
+    background process of its own (pickled, with the staged state) and saves there; the
+    process serves the next saves too, each to its own folder."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        for step in (1, 2):
+            state = {"model": {f"t{i}": random_tensor(d, (64, 5), i + step) for i, d in enumerate(DTYPES)},
+                     "meta": {"step": step}}
+            dcp.async_save(state, storage_writer=DCPWriter(tmp_path / f"step{step}"),
+                           async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+            target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "meta": {"step": 0}}
+            dcp.load(target, storage_reader=DCPReader(tmp_path / f"step{step}"))
+            assert target["meta"] == {"step": step}
+            assert all(same(v, target["model"][k]) for k, v in state["model"].items())
+            assert tensorferry.verify_checkpoint(tmp_path / f"step{step}") == []
+    finally:
+        dist.destroy_process_group()
+
+
 def test_dcp_reader_reads_folders_of_torchs_own_writer(tmp_path) -> None:
     """Checkpoints from before a switch to tensorferry: DCPReader hands a folder of
     torch's FileSystemWriter to torch's FileSystemReader, tensors and objects alike."""
