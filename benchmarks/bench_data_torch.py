@@ -3,7 +3,9 @@
 The data is ``--size`` bytes as 64 files, again as one file read as 1 MiB records and
 as 64 KiB records (small items, such as tokenized sequences or thumbnails, in batches of
 128), and again as 128 KiB files (images, say; in batches of 128); the page cache is
-dropped before each reader.
+dropped before each reader. Batches are lists of the items (``collate_fn=list``), except
+in the "stacked" cases, where records come as one ``[batch, length]`` tensor, as a
+training loop takes them: ``GDSDataset.collate`` against torch's ``default_collate``.
 
     python benchmarks/bench_data_torch.py --dir /nvme/tmp --size 2G [--workers 0] [--batch 8] [--repeat 2]
         [--results benchmarks/results]
@@ -50,7 +52,8 @@ class OpenReadDataset(Dataset):
 
 
 def drain(loader: DataLoader) -> int:
-    return sum(t.numel() for batch in loader for t in batch)
+    return sum(batch.numel() if isinstance(batch, torch.Tensor) else sum(t.numel() for t in batch)
+               for batch in loader)
 
 
 def main() -> None:
@@ -87,7 +90,8 @@ def main() -> None:
                     f.write(src.read(SMALL_FILE))
         records = [(records_file, offset, RECORD) for offset in range(0, nbytes - RECORD + 1, RECORD)]
         small = [(records_file, offset, SMALL_RECORD) for offset in range(0, nbytes - SMALL_RECORD + 1, SMALL_RECORD)]
-        cases = {  # dataset, batch size
+        stacked = f"64 KiB records, batches of {SMALL_BATCH} stacked"
+        cases = {  # dataset, batch size[, collate_fn]
             f"GDSDataset, {FILES} files": (GDSDataset(paths), args.batch),
             f"open().read(), {FILES} files": (OpenReadDataset(paths), args.batch),
             "GDSDataset, 1 MiB records": (GDSDataset(records), args.batch),
@@ -96,9 +100,16 @@ def main() -> None:
             f"open().read(), 64 KiB records, batches of {SMALL_BATCH}": (OpenReadDataset(small), SMALL_BATCH),
             f"GDSDataset, 128 KiB files, batches of {SMALL_BATCH}": (GDSDataset(small_files), SMALL_BATCH),
             f"open().read(), 128 KiB files, batches of {SMALL_BATCH}": (OpenReadDataset(small_files), SMALL_BATCH),
+            "GDSDataset, 1 MiB records stacked (GDSDataset.collate)":
+                (GDSDataset(records), args.batch, GDSDataset.collate),
+            "GDSDataset, 1 MiB records stacked (default_collate)": (GDSDataset(records), args.batch, None),
+            "open().read(), 1 MiB records stacked (default_collate)": (OpenReadDataset(records), args.batch, None),
+            f"GDSDataset, {stacked} (GDSDataset.collate)": (GDSDataset(small), SMALL_BATCH, GDSDataset.collate),
+            f"open().read(), {stacked} (default_collate)": (OpenReadDataset(small), SMALL_BATCH, None),
         }
-        loaders = {name: DataLoader(dataset, batch_size=batch, num_workers=args.workers, collate_fn=list)
-                   for name, (dataset, batch) in cases.items()}
+        loaders = {name: DataLoader(case[0], batch_size=case[1], num_workers=args.workers,
+                                    collate_fn=case[2] if len(case) > 2 else list)
+                   for name, case in cases.items()}
         results = bench.reader_rounds(directory, [*paths, records_file, *small_files], nbytes,
                                       {name: lambda loader=loader: drain(loader) for name, loader in loaders.items()},
                                       args.repeat, rounds=True)

@@ -274,6 +274,49 @@ def test_cuda_without_gds_copies_from_pinned_buffers(tmp_path: Path, monkeypatch
     assert dataset[0].device.type == "cuda"
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_collate_hands_out_a_batch_of_equal_records_as_read(tmp_path: Path, workers: int) -> None:
+    """Records of whole 4 KiB slots are read as rows of one [batch, length] tensor, and
+    GDSDataset.collate hands that tensor out without a copy; other batches (a transform,
+    unequal or unaligned lengths) are stacked by default_collate, as before."""
+    rng = np.random.default_rng(4)
+    blob = rng.integers(0, 256, 10 * 8192, dtype=np.uint8)
+    (tmp_path / "records.bin").write_bytes(blob.tobytes())
+    records = [(str(tmp_path / "records.bin"), i * 8192, 8192) for i in range(10)]
+    dataset = GDSDataset(records)
+    rows = dataset.__getitems__([3, 4, 5])
+    batch = GDSDataset.collate(rows)
+    assert batch.shape == (3, 8192) and batch.is_contiguous()
+    assert batch.data_ptr() == rows[0].data_ptr()  # the read's own memory
+    np.testing.assert_array_equal(batch.numpy(), blob.reshape(10, 8192)[3:6])
+    loader = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=workers, collate_fn=GDSDataset.collate)
+    for _ in range(2):
+        batches = list(loader)
+        assert [len(b) for b in batches] == [4, 4, 2]
+        got = sorted(bytes(row.numpy()) for b in batches for row in b)
+        assert got == sorted(bytes(r) for r in blob.reshape(10, 8192))
+        batches[0].fill_(0)  # each batch is memory of its own: the next epoch is unaffected
+    for other in (GDSDataset(records, transform=lambda t: t[:100]),
+                  GDSDataset([(str(tmp_path / "records.bin"), i * 5000, 5000) for i in range(10)])):
+        rows = other.__getitems__([0, 1, 2])
+        batch = GDSDataset.collate(rows)
+        assert batch.data_ptr() != rows[0].data_ptr()
+        assert [bytes(r.numpy()) for r in batch] == [bytes(r.numpy()) for r in rows]
+    assert GDSDataset.collate([{"a": torch.ones(2)}, {"a": torch.zeros(2)}])["a"].shape == (2, 2)
+
+
+@requires_cuda
+def test_cuda_batches_of_equal_records_copy_once_and_collate_in_place(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(data_module, "_gds_usable", lambda *_: False)
+    blob = np.random.default_rng(5).integers(0, 256, 6 * 4096, dtype=np.uint8)
+    (tmp_path / "records.bin").write_bytes(blob.tobytes())
+    dataset = GDSDataset([(str(tmp_path / "records.bin"), i * 4096, 4096) for i in range(6)], device="cuda")
+    for _ in range(3):  # later batches reuse buffers whose copies have ended
+        batches = list(DataLoader(dataset, batch_size=4, collate_fn=GDSDataset.collate))
+        assert [b.device.type for b in batches] == ["cuda", "cuda"] and [len(b) for b in batches] == [4, 2]
+        np.testing.assert_array_equal(torch.cat(batches).cpu().numpy(), blob.reshape(6, 4096))
+
+
 @requires_cuda
 def test_cuda_dataset_in_spawned_workers(tmp_path: Path) -> None:
     """CUDA is up in the trainer (a forked worker could not use it): spawned workers get

@@ -17,12 +17,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset, default_collate, get_worker_info
 
 from ... import gds
-from ...buffers import PinnedPool
+from ...buffers import PinnedPool, pool_buffer
 from ...config import default_config
-from ...data import FileSource, Item
+from ...data import SLOT_ALIGNMENT, FileSource, Item
 from ...engine import Engine
 from ...errors import TensorferryIOError
 from .staging import staging_pool
@@ -92,6 +92,12 @@ class GDSDataset(Dataset):
 
     With ``num_workers > 0`` and a CUDA device, workers return host tensors and one
     :class:`GDSWorkerWarning` per worker process says why.
+
+    Batches: the items of one ``__getitems__`` call of equal length (a multiple of 4 KiB)
+    and without ``transform`` are rows of one ``[batch, length]`` tensor, read in place.
+    ``DataLoader(..., collate_fn=GDSDataset.collate)`` hands that tensor out as the batch;
+    ``default_collate`` would copy the rows into a new one (0.7-0.9 CPU-s/GB more on the
+    development VM, where it lost 15-40% of the throughput too).
     """
 
     def __init__(self, items: Iterable[Item], *, device: str | torch.device | int | None = None,
@@ -143,6 +149,22 @@ class GDSDataset(Dataset):
             return tensors
         return [self.transform(t) for t in tensors]
 
+    @staticmethod
+    def collate(items: list[Any]) -> Any:
+        """A ``collate_fn`` that hands out rows of one tensor (what ``__getitems__`` reads
+        for a batch of equal records) as that tensor, without a copy; anything else goes
+        to torch's ``default_collate``."""
+        first = items[0] if items else None
+        if isinstance(first, torch.Tensor) and first.is_contiguous() and first.numel():
+            storage, step = first.untyped_storage(), first.numel()
+            if all(isinstance(t, torch.Tensor) and t.is_contiguous() and t.shape == first.shape
+                   and t.dtype == first.dtype and t.device == first.device
+                   and t.untyped_storage().data_ptr() == storage.data_ptr()
+                   and t.storage_offset() == first.storage_offset() + i * step for i, t in enumerate(items)):
+                batch = torch.empty(0, dtype=first.dtype, device=first.device)
+                return batch.set_(storage, first.storage_offset(), (len(items), *first.shape))
+        return default_collate(items)
+
     def close(self) -> None:
         """Closes the kvikio file handles of the GDS path (reopened if read again)."""
         for handle in self._cufiles.values():
@@ -169,12 +191,35 @@ class GDSDataset(Dataset):
     def _read_host(self, indices: list[int]) -> list[torch.Tensor]:
         # The arrays belong to the caller (FileSource's contract), so the tensors can
         # share them without a copy.
-        return [torch.from_numpy(array) for array in self._source.read_batch(indices)]
+        arrays = self._source.read_batch(indices)
+        batch = self._as_batch(arrays)
+        if batch is not None:
+            return list(torch.from_numpy(batch).unbind(0))
+        return [torch.from_numpy(array) for array in arrays]
+
+    def _as_batch(self, arrays: list[np.ndarray]) -> np.ndarray | None:
+        """``arrays`` as the rows of one matrix, where read_batch placed them so: equal
+        lengths of whole slots, one after another in one buffer (and no transform, which
+        could make anything of them)."""
+        if self.transform is not None or len(arrays) < 2:
+            return None
+        length = len(arrays[0])
+        if not length or length % SLOT_ALIGNMENT or any(len(a) != length for a in arrays):
+            return None
+        buffer = pool_buffer(arrays[0])
+        start = buffer.ctypes.data
+        if any(pool_buffer(a) is not buffer or a.ctypes.data != start + i * length for i, a in enumerate(arrays)):
+            return None
+        return buffer[:len(arrays) * length].reshape(len(arrays), length)
 
     def _read_copied(self, indices: list[int]) -> list[torch.Tensor]:
         self._release_copied()
         arrays = self._source.read_batch(indices)
-        tensors = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
+        batch = self._as_batch(arrays)
+        if batch is not None:  # one copy, and rows of one device tensor (for collate)
+            tensors = list(torch.from_numpy(batch).to(self.device, non_blocking=True).unbind(0))
+        else:
+            tensors = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         self._copying.append((event, arrays))
