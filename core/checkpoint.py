@@ -136,10 +136,9 @@ class PendingCheckpoint:
                 raise CorruptCheckpointError(f"{path}: missing or of the wrong size before commit")
         write_durably(os.path.join(self.tmp_path, MANIFEST), manifest)
         fsync_dir(self.tmp_path)
-        if not overwrite and resolve_checkpoint(self.directory) != self.directory:
-            raise FileExistsError(f"{self.directory} exists (moved aside by an interrupted overwrite); "
-                                  "pass overwrite=True to replace it")
-        if not os.path.lexists(self.directory) and self._rename_into_place():
+        if not overwrite:
+            refuse_existing(self.directory)
+        if not occupied(self.directory) and self._rename_into_place():
             self._committed()
         elif not overwrite:
             raise FileExistsError(f"{self.directory} exists; pass overwrite=True to replace it")
@@ -162,8 +161,9 @@ class PendingCheckpoint:
         return self.directory
 
     def _rename_into_place(self) -> bool:
-        """Renames the temporary to the free name; False where another save took the
-        name meanwhile (then this one replaces it, or finds it there)."""
+        """Renames the temporary to the free name (over an empty directory, which the
+        rename replaces); False where another save took the name meanwhile (then this
+        one replaces it, or finds it there)."""
         try:
             os.rename(self.tmp_path, self.directory)
         except OSError as exc:
@@ -186,6 +186,29 @@ class PendingCheckpoint:
         # the temporary becomes a leftover that the next save or prune removes.
         release(self._lock)
         self._lock = None
+
+
+def occupied(path: str) -> bool:
+    """Whether a save to ``path`` would replace something: anything there but an empty
+    directory (one made for the checkpoint beforehand, as ``os.makedirs(path,
+    exist_ok=True)`` before ``dcp.save`` does for torch's writer; a rename replaces it)."""
+    if not os.path.lexists(path):
+        return False
+    if os.path.islink(path) or not os.path.isdir(path):
+        return True
+    with os.scandir(path) as entries:
+        return any(True for _ in entries)
+
+
+def refuse_existing(directory: str | os.PathLike, hint: str = "pass overwrite=True to replace it") -> None:
+    """Raises ``FileExistsError`` if a save to ``directory`` without overwriting could not
+    commit: called before anything is written, so that a save bound to fail does not
+    write its state first."""
+    directory = os.path.abspath(local_path(directory))
+    if resolve_checkpoint(directory) != directory:
+        raise FileExistsError(f"{directory} exists (moved aside by an interrupted overwrite); {hint}")
+    if occupied(directory):
+        raise FileExistsError(f"{directory} exists; {hint}")
 
 
 OLD_MARKER = f"{TMP_MARKER}old-"
@@ -368,6 +391,8 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
     """
     engine = engine or default_engine()
     json.dumps(dict(metadata or {}))  # fail before writing anything if it cannot be saved
+    if not overwrite:
+        refuse_existing(directory)
     groups = split_by_size({n: a.nbytes if isinstance(a, Deferred) else np.asarray(a).nbytes
                             for n, a in arrays.items()}, max_shard_bytes)
     writers = min(default_files_per_process(), len(groups))

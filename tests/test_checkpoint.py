@@ -592,6 +592,29 @@ def test_commit_refuses_a_tensor_in_two_files(tmp_path) -> None:
         pending.writer("rank2.safetensors").add("__metadata__", np.zeros(1))
 
 
+def test_an_existing_target_is_refused_before_anything_is_written(tmp_path, monkeypatch) -> None:
+    """Without overwrite, a save to an existing checkpoint (or file, or link) fails before
+    it writes its state, not after; an empty directory, made for the checkpoint
+    beforehand, is no obstacle: the commit's rename replaces it."""
+    tensorferry.save_checkpoint(tmp_path / "ckpt", {"a": np.ones(3)})
+    (tmp_path / "file").write_text("x")
+    os.symlink(tmp_path / "nowhere", tmp_path / "link")
+
+    def written(*_args, **_kwargs):
+        raise AssertionError("the state was written before the existing target was refused")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ShardWriter, "add", written)
+        for target in ("ckpt", "file", "link"):
+            with pytest.raises(FileExistsError, match=f"{target} exists; pass overwrite=True"):
+                tensorferry.save_checkpoint(tmp_path / target, {"a": np.zeros(3)})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "file", "link"]
+    np.testing.assert_array_equal(tensorferry.load_checkpoint(tmp_path / "ckpt")["a"], np.ones(3))
+    (tmp_path / "made").mkdir()
+    tensorferry.save_checkpoint(tmp_path / "made", {"a": np.full(3, 2.0)})
+    np.testing.assert_array_equal(tensorferry.load_checkpoint(tmp_path / "made")["a"], np.full(3, 2.0))
+
+
 def test_disk_full_keeps_the_previous_checkpoint(small_tmpfs) -> None:
     root = small_tmpfs
     previous = {"w": sample(np.float32, (200_000,), 1)}  # 800 kB

@@ -333,6 +333,21 @@ def test_dcp_async_save_in_torchs_checkpoint_process(tmp_path) -> None:
         dist.destroy_process_group()
 
 
+def test_dcp_into_a_directory_made_beforehand(tmp_path) -> None:
+    """os.makedirs(path, exist_ok=True) before dcp.save, as code written for torch's
+    FileSystemWriter does: DCPWriter saves into the empty directory; a second save there
+    is refused before writing, without overwrite=True."""
+    state = {"w": torch.arange(6.0), "step": 3}
+    os.makedirs(tmp_path / "step3", exist_ok=True)
+    dcp.save(state, storage_writer=DCPWriter(tmp_path / "step3"))
+    with pytest.raises(CheckpointException, match="exists; pass DCPWriter"):
+        dcp.save(state, storage_writer=DCPWriter(tmp_path / "step3"))
+    target = {"w": torch.zeros(6), "step": 0}
+    dcp.load(target, storage_reader=DCPReader(tmp_path / "step3"))
+    assert torch.equal(target["w"], state["w"]) and target["step"] == 3
+    assert tensorferry.verify_checkpoint(tmp_path / "step3") == []
+
+
 def test_dcp_reader_reads_folders_of_torchs_own_writer(tmp_path) -> None:
     """Checkpoints from before a switch to tensorferry: DCPReader hands a folder of
     torch's FileSystemWriter to torch's FileSystemReader, tensors and objects alike."""

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_process, open_shard, read_manifest,
-                           read_other_file, split_by_size, write_durably)
+                           read_other_file, refuse_existing, split_by_size, write_durably)
 from ...engine import Engine, local_path
 from ...errors import CorruptCheckpointError
 from ...layouts.dcp import DCP_METADATA, ITEMS_KEY, read_dcp_metadata, unpickle_dcp_metadata, written_by_torch
@@ -165,8 +165,8 @@ class DCPWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # Fail on every rank before anything is written.
-        if os.path.lexists(self.path) and not self.overwrite:
-            raise FileExistsError(f"{self.path} exists; pass DCPWriter(..., overwrite=True) to replace it")
+        if not self.overwrite:
+            refuse_existing(self.path, "pass DCPWriter(..., overwrite=True) to replace it")
         for item in plan.items:
             if item.type != WriteItemType.BYTE_IO:
                 safetensors_dtype(item.tensor_data.properties.dtype, item.index.fqn)
