@@ -348,6 +348,21 @@ def test_dcp_into_a_directory_made_beforehand(tmp_path) -> None:
     assert tensorferry.verify_checkpoint(tmp_path / "step3") == []
 
 
+def test_dcp_reads_keys_without_a_template(tmp_path) -> None:
+    """torch's _load_state_dict_from_keys (what torchtune and torchtitan call to read a
+    checkpoint whose structure they do not hold): the whole state, or chosen keys."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    state = {"model": {"w": torch.randn(4, 4), "b": torch.ones(3, dtype=torch.bfloat16)}, "step": 5,
+             "opt": {"lr": 0.1}}
+    dcp.save(state, storage_writer=DCPWriter(tmp_path / "c"))
+    whole = _load_state_dict_from_keys(storage_reader=DCPReader(tmp_path / "c"))
+    assert whole["step"] == 5 and whole["opt"] == {"lr": 0.1}
+    assert same(whole["model"]["w"], state["model"]["w"]) and same(whole["model"]["b"], state["model"]["b"])
+    chosen = _load_state_dict_from_keys(keys={"model.w", "step"}, storage_reader=DCPReader(tmp_path / "c"))
+    assert set(chosen) == {"model", "step"} and set(chosen["model"]) == {"w"}
+    assert same(chosen["model"]["w"], state["model"]["w"])
+
+
 def test_dcp_reader_reads_folders_of_torchs_own_writer(tmp_path) -> None:
     """Checkpoints from before a switch to tensorferry: DCPReader hands a folder of
     torch's FileSystemWriter to torch's FileSystemReader, tensors and objects alike."""
