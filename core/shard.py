@@ -329,7 +329,12 @@ class ShardWriter:
         a concurrent save's clean-up took first (:func:`hold_new`) is given up for another."""
         if self._write_path == self.path:
             return File(self.path, "w"), None
-        remove_stale_temporaries(*os.path.split(os.path.abspath(self.path)))
+        parent, name = os.path.split(os.path.abspath(self.path))
+        if not os.path.isdir(parent):  # else the error would name a temporary the caller never saw
+            if os.path.lexists(parent):
+                raise TensorferryIOError(errno.ENOTDIR, f"cannot save {name} into what is not a directory", parent)
+            raise TensorferryIOError(errno.ENOENT, f"cannot save {name}: its directory does not exist", parent)
+        remove_stale_temporaries(parent, name)
         for _ in range(NEW_TEMPORARY_TRIES):
             file = File(self._write_path, "w")
             lock = hold_new(self._write_path)

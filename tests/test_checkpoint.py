@@ -632,6 +632,19 @@ def test_missing_parent_is_created(tmp_path) -> None:
     assert tensorferry.latest_checkpoint(tmp_path / "runs" / "a").endswith("step_1")
 
 
+def test_a_file_saved_into_a_missing_directory_names_it(tmp_path) -> None:
+    """As torch.save, a single file needs its directory; the error names that directory,
+    not the temporary the save would have written first."""
+    with ShardWriter(tmp_path / "f.safetensors") as w:
+        w.add("x", np.ones(2))
+    for parent, code in ((tmp_path / "no" / "such"), errno.ENOENT), ((tmp_path / "f.safetensors"), errno.ENOTDIR):
+        with pytest.raises(tensorferry.TensorferryIOError) as info:
+            with ShardWriter(parent / "g.safetensors", atomic=True) as w:
+                w.add("x", np.ones(2))
+        assert info.value.errno == code and info.value.filename == str(parent)
+        assert ".tmp-" not in str(info.value)
+
+
 def test_unwritable_directory() -> None:
     from conftest import mounted
     with mounted("tmpfs", "size=1m,ro") as root:
