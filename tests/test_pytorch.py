@@ -119,6 +119,8 @@ def test_load_plain_safetensors_and_map_location(tmp_path) -> None:
     for torch_load_form in (lambda s, _: s, {"cuda:1": "cuda:0"}):
         with pytest.raises(TypeError, match="safetensors files record no device"):
             load(tmp_path / "peer.safetensors", map_location=torch_load_form)
+    with pytest.raises(ValueError, match="not on \\['meta'\\]; for names, shapes and dtypes .*mmap=True, verify=False"):
+        load(tmp_path / "peer.safetensors", map_location="meta")
 
 
 ALL_DTYPES = DTYPES + [torch.uint16, torch.uint32, torch.uint64]

@@ -303,7 +303,11 @@ def _cuda_device(map_location: Any, out: Mapping[str, torch.Tensor] | None = Non
     if not devices:
         return None
     if len(devices) > 1 or next(iter(devices)).type != "cuda":
-        raise ValueError(f"a load lands on the host or on one CUDA device, not on {sorted(map(str, devices))}")
+        hint = ""
+        if "meta" in map(str, devices):
+            hint = ("; for names, shapes and dtypes without reading the data, load with mmap=True, verify=False "
+                    "(nothing is read until touched) or run 'tensorferry inspect PATH'")
+        raise ValueError(f"a load lands on the host or on one CUDA device, not on {sorted(map(str, devices))}{hint}")
     device = next(iter(devices))
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
