@@ -332,6 +332,14 @@ def test_dcp_async_save_in_torchs_checkpoint_process(tmp_path) -> None:
             assert all(same(v, target["model"][k]) for k, v in state["model"].items())
             assert tensorferry.verify_checkpoint(tmp_path / f"step{step}") == []
     finally:
+        # torch keeps its checkpoint process for later saves, and ends it only when its
+        # handle is collected: ended here, it would outlive the test as an active child
+        # (which other tests' fixtures wait on).
+        from torch.distributed.checkpoint import _async_process_executor as executor
+        process, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
+        if process is not None:
+            process.__del__()
+            assert not process._save_process.is_alive()
         dist.destroy_process_group()
 
 
