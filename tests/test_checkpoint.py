@@ -23,6 +23,7 @@ import pytest
 import tensorferry
 from tensorferry import CheckpointNotFoundError, CorruptCheckpointError, ShardReader, ShardWriter
 from tensorferry.shard import HEADER_CHECKSUM_KEY, gc_paused
+from tensorferry.temporaries import wait_for_discards
 from tensorferry.temporaries import held_here
 
 DTYPES = [np.float64, np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
@@ -550,6 +551,7 @@ def test_existing_checkpoint_is_replaced_only_on_request(tmp_path) -> None:
     assert os.listdir(tmp_path) == ["c"], "the failed save left no temporary directory"
     tensorferry.save_checkpoint(tmp_path / "c", {"x": np.zeros(3)}, overwrite=True)
     assert tensorferry.load_checkpoint(tmp_path / "c")["x"][0] == 0
+    wait_for_discards()  # the replaced checkpoint is removed in the background
     assert os.listdir(tmp_path) == ["c"]
 
 
@@ -835,7 +837,6 @@ def test_what_a_save_replaces_is_freed_in_the_background(tmp_path) -> None:
     """A replaced file, a checkpoint replaced with overwrite=True, and pruned checkpoints
     leave their names at once and are removed by a background thread; a file's save over
     a folder still fails and leaves the folder."""
-    from tensorferry.temporaries import wait_for_discards
     path = tmp_path / "state.safetensors"
     _write_file(path, 1.0)
     with ShardReader(path) as old_reader:  # open across the replacement: still the old bytes
@@ -874,7 +875,6 @@ def test_concurrent_saves_to_one_target_all_succeed_and_reads_see_whole_saves(tm
     replaced whole, and none fails. Each used to lose races now and then: a temporary
     taken for a leftover by another save's clean-up before its maker held it, a name
     committed between a check and a rename, a read whose checkpoint was replaced twice."""
-    from tensorferry.temporaries import wait_for_discards
     errors: list[str] = []
 
     def writer(k: int) -> None:
