@@ -529,6 +529,9 @@ def test_cuda_state_round_trips(tmp_path, as_directory: bool) -> None:
     state["host"] = state["host"].cuda()  # map_location moves every tensor
     assert isinstance(loaded["np"], np.ndarray), "numpy arrays stay on the host"
     assert_same(state, loaded)
+    where = tmp_path / ("ckpt" if as_directory else "s.safetensors")
+    for torch_load_form in (lambda storage, loc: storage.cuda(0), {"cpu": "cuda:0"}):  # as torch.load takes them
+        assert_same(state, load(where, map_location=torch_load_form))
 
 
 @requires_cuda

@@ -116,9 +116,15 @@ def test_load_plain_safetensors_and_map_location(tmp_path) -> None:
     save_file(every, str(tmp_path / "dtypes.safetensors"))
     back = load(tmp_path / "dtypes.safetensors")
     assert all(same(t, back[name]) for name, t in every.items())
-    for torch_load_form in (lambda s, _: s, {"cuda:1": "cuda:0"}):
-        with pytest.raises(TypeError, match="safetensors files record no device"):
-            load(tmp_path / "peer.safetensors", map_location=torch_load_form)
+    # torch.load's dict and callable forms, as code written for it passes them: a file's
+    # tensors count as saved at "cpu" (the classic "load a GPU checkpoint on the CPU").
+    save({"x": torch.arange(6.0), "n": 3}, tmp_path / "ours.safetensors")
+    for torch_load_form in (lambda storage, loc: storage, {"cuda:0": "cpu"}, {"cpu": "cpu"}):
+        for path in (tmp_path / "peer.safetensors", tmp_path / "ours.safetensors"):
+            loaded = load(path, map_location=torch_load_form)
+            assert loaded["x"].device.type == "cpu" and torch.equal(loaded["x"], torch.arange(6.0))
+    with pytest.raises(TypeError, match="map_location must be a device, a device name, a dict"):
+        load(tmp_path / "peer.safetensors", map_location=3)
     with pytest.raises(ValueError, match="not on \\['meta'\\]; for names, shapes and dtypes .*mmap=True, verify=False"):
         load(tmp_path / "peer.safetensors", map_location="meta")
 

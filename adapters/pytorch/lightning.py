@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
@@ -25,9 +25,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from ...checkpoint import DEFAULT_SHARD_BYTES
 from ...engine import Engine, local_path
 from ...temporaries import wait_for_discards
-from .serialization import _storage_key, load, save, save_checkpoint
+from .serialization import MapLocation, _storage_key, load, save, save_checkpoint
 
-MapLocation = Any  # None, a device or its name, a dict of location names, or torch.load's callable
 
 
 class TensorferryCheckpointIO(CheckpointIO):
@@ -120,9 +119,7 @@ class TensorferryCheckpointIO(CheckpointIO):
         self.wait()
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {os.fspath(path)}")
-        if map_location is None or isinstance(map_location, (str, torch.device)):
-            return load(path, map_location, engine=self.engine, verify=self.verify)
-        return _relocate(load(path, engine=self.engine, verify=self.verify), map_location)
+        return load(path, map_location, engine=self.engine, verify=self.verify)
 
     def load_from_checkpoint(self, cls: type, path: str | os.PathLike, map_location: MapLocation = None,
                              strict: bool | None = None, **kwargs: Any) -> Any:
@@ -158,20 +155,6 @@ def _remove(path: str) -> None:
         shutil.rmtree(path)
     elif os.path.lexists(path):
         os.unlink(path)
-
-
-def _relocate(obj: Any, map_location: Callable | Mapping[str, str]) -> Any:
-    """``obj`` (read to the CPU) with each tensor moved where ``map_location`` says, as
-    torch.load would: a callable gets ``(storage, "cpu")`` and returns the storage to
-    use; a dict maps the location ``"cpu"`` to another."""
-    def move(tensor: torch.Tensor) -> torch.Tensor:
-        if callable(map_location):
-            device = map_location(tensor.untyped_storage(), "cpu").device
-        else:
-            device = torch.device(map_location.get("cpu", "cpu"))
-        return tensor if device == tensor.device else tensor.to(device)
-
-    return _apply(obj, move)
 
 
 def _snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:

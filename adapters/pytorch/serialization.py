@@ -12,7 +12,7 @@ import concurrent.futures
 import json
 import os
 import sys
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Union
 
 import numpy as np
 import torch
@@ -200,11 +200,24 @@ class _Decoder:
 _TENSOR_KINDS = ("tensor", "tensor_requires_grad", "parameter", "parameter_no_grad")
 
 
-def _check_map_location(map_location: Any) -> None:
-    if map_location is not None and not isinstance(map_location, (str, torch.device)):
-        raise TypeError(f"map_location must be a device or a device name, not a {type(map_location).__name__}: "
-                        "safetensors files record no device, so torch.load's dict and callable forms have nothing "
-                        "to map (tensors load to the CPU unless map_location names a device)")
+MapLocation = Union[str, torch.device, Mapping[str, Any], Callable[[torch.UntypedStorage, str], Any], None]
+"""``torch.load``'s forms: a device or its name, a dict of location names, or a callable."""
+
+
+def resolve_map_location(map_location: MapLocation) -> str | torch.device | None:
+    """The device ``map_location`` sends tensors to, in any of ``torch.load``'s forms. A
+    tensorferry or safetensors file keeps its tensors' bytes, not their devices: every
+    tensor is taken as saved at location ``"cpu"``, which a dict maps
+    (``{"cuda:0": "cpu"}`` leaves it there) and a callable is given, with an empty CPU
+    storage (``lambda storage, loc: storage.cuda(rank)`` moves it)."""
+    if map_location is None or isinstance(map_location, (str, torch.device)):
+        return map_location
+    if isinstance(map_location, Mapping):
+        return map_location.get("cpu", None)
+    if callable(map_location):
+        return map_location(torch.UntypedStorage(0), "cpu").device
+    raise TypeError(f"map_location must be a device, a device name, a dict of location names or torch.load's "
+                    f"callable, not a {type(map_location).__name__}")
 
 
 def _to_tensors(arrays: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
@@ -255,14 +268,15 @@ def _writable(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, Any
 
 
 @gc_paused()
-def load(path: str | os.PathLike, map_location: str | torch.device | None = None, *,
+def load(path: str | os.PathLike, map_location: MapLocation = None, *,
          engine: Engine | None = None, verify: bool = True, mmap: bool = False,
          weights_only: bool | None = None) -> Any:
     """Loads what :func:`save` (a file) or :func:`save_checkpoint` (a directory) wrote, no
     pickle (``weights_only`` is taken as ``torch.load`` takes it, and changes nothing). A
     plain safetensors file, or a folder of another layout (a Hugging Face
     folder, or its ``model.safetensors.index.json``), loads as a flat dict of tensors. ``map_location``
-    moves tensors to a device; to a CUDA device, each read is copied over as soon as it
+    moves tensors to a device, in any of ``torch.load``'s forms (see
+    :func:`resolve_map_location`); to a CUDA device, each read is copied over as soon as it
     lands, while later reads are in flight (numpy arrays in the structure stay on the host).
 
     ``mmap=True`` (host only) returns tensors over a private copy-on-write mapping of the
@@ -271,7 +285,7 @@ def load(path: str | os.PathLike, map_location: str | torch.device | None = None
     to a tensor copies just the pages written and never changes the file. Suits weights
     that are read, not trained. The file must not be truncated or rewritten in place
     while the tensors live (tensorferry's saves replace files whole)."""
-    _check_map_location(map_location)
+    map_location = resolve_map_location(map_location)
     device = _cuda_device(map_location)
     _refuse_mapped_to_device(mmap, device)
     if os.path.isdir(path) or os.fspath(path).endswith(INDEX_SUFFIX):
@@ -357,7 +371,7 @@ def save_checkpoint(directory: str | os.PathLike, obj: Any, metadata: Mapping[st
 
 
 @gc_paused()
-def load_checkpoint(directory: str | os.PathLike, map_location: str | torch.device | None = None, *,
+def load_checkpoint(directory: str | os.PathLike, map_location: MapLocation = None, *,
                     names: Iterable[str] | None = None, out: Mapping[str, torch.Tensor] | None = None,
                     engine: Engine | None = None, verify: bool = True, mmap: bool = False) -> Any:
     """Loads a checkpoint directory as torch tensors.
@@ -368,7 +382,7 @@ def load_checkpoint(directory: str | os.PathLike, map_location: str | torch.devi
     all on the CPU or all on one CUDA device) are read in place. ``mmap=True``: as in
     :func:`load`, for tensorferry checkpoints and folders of safetensors files.
     """
-    _check_map_location(map_location)
+    map_location = resolve_map_location(map_location)
     device = _cuda_device(map_location, out)
     _refuse_mapped_to_device(mmap, device)
     if device is not None and os.path.isfile(os.path.join(directory, MANIFEST)):
