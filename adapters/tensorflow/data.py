@@ -64,7 +64,8 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
                  reads_per_call: int | None = None, batch_size: int | None = None, drop_remainder: bool = False,
                  engine: Engine | None = None) -> tf.data.Dataset:
     """A dataset of whole files (``tf.string``), fixed-length records (``uint8[record_bytes]``)
-    or TFRecord records (``tf.string``, CRCs checked).
+    or TFRecord records (``tf.string``, CRCs checked). Its length is known: ``len(dataset)``,
+    and Keras's steps per epoch.
 
     Args:
         files: a list of paths or a glob pattern (matched and sorted now).
