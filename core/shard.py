@@ -546,25 +546,21 @@ class _Streamer:
 _FOREIGN_FORMATS = [
     (b"PK\x03\x04", "a zip archive, as torch.save (or numpy.savez) writes: tensorferry unpickles nothing; "
                       "load it with torch.load(path, weights_only=True) and save what it returns"),
-    (b"\x80", "a pickle (torch.save's legacy format, or pickle.dump): tensorferry unpickles nothing; "
-              "load it with torch.load(path, weights_only=True) and save what it returns"),
     (b"\x93NUMPY", "a numpy .npy file: load it with numpy.load"),
     (b"GGUF", "a GGUF file (llama.cpp's format)"),
     (b"\x89HDF\r\n\x1a\n", "an HDF5 file (Keras .h5 weights, say)"),
     (b"|TZR|", "a tensorizer file: read it with tensorizer's TensorDeserializer"),
 ]
+_PICKLE = ("a pickle (torch.save's legacy format, or pickle.dump): tensorferry unpickles nothing; "
+           "load it with torch.load(path, weights_only=True) and save what it returns")
 
 
 def foreign_format(prefix: bytes) -> str | None:
     """What a file that begins with ``prefix`` is, where it is a known format other than
     safetensors (torch.save's zip or pickle, .npy, GGUF, HDF5, tensorizer), or None."""
-    for magic, what in _FOREIGN_FORMATS:
-        if magic == b"\x80":  # PROTO opcode, then the protocol: 2 to 5
-            if len(prefix) > 1 and prefix[0] == 0x80 and 2 <= prefix[1] <= 5:
-                return what
-        elif prefix.startswith(magic):
-            return what
-    return None
+    if len(prefix) > 1 and prefix[0] == 0x80 and 2 <= prefix[1] <= 5:  # pickle's PROTO opcode, protocol 2-5
+        return _PICKLE
+    return next((what for magic, what in _FOREIGN_FORMATS if prefix.startswith(magic)), None)
 
 
 def foreign_files_hint(directory: str) -> str:

@@ -28,7 +28,6 @@ from ...temporaries import wait_for_discards
 from .serialization import MapLocation, _storage_key, load, save, save_checkpoint
 
 
-
 class TensorferryCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves and loads through tensorferry.
 

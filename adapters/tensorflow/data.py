@@ -163,7 +163,7 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     started = dataset.map(start, num_parallel_calls=num_parallel_reads, deterministic=True)
     if batch_size is not None:
         items = started.map(take, num_parallel_calls=2, deterministic=True)
-        count = len(lengths) // batch_size if drop_remainder else -(-len(lengths) // batch_size)
+        count = _call_count(len(lengths), batch_size, drop_remainder)
     elif average < SMALL_ITEM_BYTES:
         items, count = started.map(take, num_parallel_calls=2, deterministic=True).unbatch(), len(lengths)
     else:
@@ -196,7 +196,12 @@ def _calls(columns: tuple[tf.Tensor, ...], size: int, shuffle: bool, seed: int |
         begin = i * size
         return tuple(tf.ensure_shape(c[begin:tf.minimum(begin + size, n)], shape) for c in columns)
 
-    return tf.data.Dataset.range(n // size if drop_remainder else -(-n // size)).map(group)
+    return tf.data.Dataset.range(_call_count(n, size, drop_remainder)).map(group)
+
+
+def _call_count(n: int, size: int, drop_remainder: bool) -> int:
+    """How many groups of ``size`` the ``n`` items make (start calls, or batches)."""
+    return n // size if drop_remainder else -(-n // size)
 
 
 def _shuffled_groups(n: int, size: int, seed: int | None, drop_remainder: bool) -> tf.data.Dataset:
