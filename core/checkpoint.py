@@ -481,11 +481,22 @@ def _identity(manifest: Mapping[str, Any]) -> tuple[Any, Any]:
 def _foreign_layout(directory: str) -> Any:
     """The layout of what ``directory`` holds when it is not one of our checkpoint
     directories but something :mod:`tensorferry.layouts` reads (a single safetensors file,
-    a Hugging Face folder, torch's DCP, an Orbax step); None otherwise."""
-    if os.path.isfile(os.path.join(directory, MANIFEST)):
+    a Hugging Face folder, torch's DCP, DCPWriter's too, an Orbax step); None otherwise."""
+    if listed_by_manifest(directory):
         return None
     from .layouts import foreign_layout  # the layouts build on this module
     return foreign_layout(directory)
+
+
+def listed_by_manifest(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds its tensors as its manifest lists them (one of
+    :func:`save_checkpoint`'s). A folder of DCPWriter has a manifest too, but what it lists
+    are the chunks DCP's items were stored in, each rank's shard of a tensor apart: read
+    as listed, a tensor saved by two ranks came back as two pieces named ``w@0,0`` and
+    ``w@16,0``, and a pickled object as a tensor of its bytes. Its layout assembles them."""
+    from .layouts.dcp import DCP_METADATA  # the layouts build on this module
+    return os.path.isfile(os.path.join(directory, MANIFEST)) and \
+        not os.path.isfile(os.path.join(directory, DCP_METADATA))
 
 
 def refuse_out_when_mapped(out: Mapping[str, Any] | None) -> None:
@@ -728,7 +739,8 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
     the checksums its files carry, else for consistent headers and sizes.
     """
     directory = resolve_checkpoint(directory)
-    foreign = _foreign_layout(directory)
+    # Where there is a manifest (DCPWriter's too), every file it lists is checked against it.
+    foreign = None if os.path.isfile(os.path.join(directory, MANIFEST)) else _foreign_layout(directory)
     if foreign is not None:
         return foreign.verify(progress).problems
     manifest = read_manifest(directory)

@@ -11,6 +11,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -105,6 +106,23 @@ def test_the_folder_reads_where_tensorferry_is_not_installed(ours: Path, tmp_pat
     assert all(torch.equal(out[f"model.{k}"], v) for k, v in STATE["model"].items())
 
 
+@pytest.mark.parametrize("writer", ["tensorferry", "torch"])
+def test_load_checkpoint_gives_the_tensors_by_name_whoever_wrote_the_folder(tmp_path: Path, writer: str) -> None:
+    """As for torch's folders: the tensors by their flattened names, DCP's pickled objects
+    left out. A DCPWriter folder gave ``step`` as a tensor of its pickle's bytes."""
+    from tensorferry.adapters.pytorch import load, load_checkpoint
+
+    save(tmp_path / "ckpt", STATE, writer)
+    expected = {f"model.{k}": v for k, v in STATE["model"].items()}
+    as_numpy = tensorferry.load_checkpoint(tmp_path / "ckpt")
+    as_numpy["model.h"] = as_numpy["model.h"].view(np.int16)  # numpy has no bfloat16
+    for loaded in (load_checkpoint(tmp_path / "ckpt"), load(tmp_path / "ckpt"),
+                   *([load(tmp_path / "ckpt", mmap=True)] if writer == "tensorferry" else []),
+                   {k: torch.from_numpy(v).view(expected[k].dtype) for k, v in as_numpy.items()}):
+        assert set(loaded) == set(expected)
+        assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+
 def test_a_checkpoint_of_an_older_dcpwriter_still_loads(ours: Path) -> None:
     """Before issue 20, .metadata held tensorferry's StoredItem and the manifest no item list."""
     with open(ours / ".metadata", "rb") as f:
@@ -153,8 +171,12 @@ def test_convert_reads_dcp_in_batches_not_once_per_tensor(tmp_path: Path, writer
 @pytest.mark.slow
 def test_an_fsdp2_checkpoint_of_two_ranks_reads_whole(tmp_path: Path) -> None:
     """Each parameter of a 2-rank FSDP2 save lies in chunks in two ranks' files: the
-    layout assembles each from its chunks, as convert and load see it."""
+    layout assembles each from its chunks, as convert and load see it. ``load_checkpoint``
+    of the folder gave the chunks apart (``model.w@0,0``), and AdamW's 0-d ``step``
+    tensors failed to read ("float32 is read-only")."""
     from test_pytorch import run
+
+    from tensorferry.adapters.pytorch import load_checkpoint
 
     run(2, str(tmp_path), "save_sharded")
     expected = torch.load(tmp_path / "expected.pt")
@@ -164,6 +186,11 @@ def test_an_fsdp2_checkpoint_of_two_ranks_reads_whole(tmp_path: Path) -> None:
     with layout.open() as source:
         names = {k: next(n for n in source.tensors if n.endswith(f"model.{k}") or n == k) for k in expected}
         assert any(len(source.tensors[n].chunks) == 2 for n in names.values())
-        arrays = source.read(list(names.values()))
+        arrays = source.read()
+    steps = [n for n in arrays if n.endswith(".step")]
+    assert steps and all(arrays[n].shape == () and arrays[n] == 1 for n in steps)  # one AdamW step
     for k, v in expected.items():
         assert arrays[names[k]].tobytes() == v.numpy().tobytes(), k
+    for loaded in (load_checkpoint(folder), tensorferry.load_checkpoint(folder)):
+        assert set(loaded) == set(arrays)  # whole tensors by name: no chunk apart, no pickled object's bytes
+        assert all(np.asarray(loaded[n]).tobytes() == a.tobytes() for n, a in arrays.items())

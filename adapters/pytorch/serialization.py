@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterable, Mapping, Union
 import numpy as np
 import torch
 
-from ...checkpoint import (DEFAULT_SHARD_BYTES, MANIFEST, MAX_CONCURRENT_SHARDS, load_with_manifest, names_to_read,
-                           open_shard, read_manifest)
+from ...checkpoint import (DEFAULT_SHARD_BYTES, MAX_CONCURRENT_SHARDS, listed_by_manifest, load_with_manifest,
+                           names_to_read, open_shard, read_manifest)
 from ...checkpoint import load_checkpoint as _load_directory
 from ...checkpoint import save_checkpoint as _save_directory
 from ...dtypes import to_safetensors_dtype
@@ -385,7 +385,7 @@ def load_checkpoint(directory: str | os.PathLike, map_location: MapLocation = No
     map_location = resolve_map_location(map_location)
     device = _cuda_device(map_location, out)
     _refuse_mapped_to_device(mmap, device)
-    if device is not None and os.path.isfile(os.path.join(directory, MANIFEST)):
+    if device is not None and listed_by_manifest(directory):
         manifest, arrays = _load_directory_to_device(directory, names, out, device, engine, verify)
     else:
         destinations = {name: host_array(t, writable=True) for name, t in (out or {}).items()}

@@ -233,7 +233,8 @@ class ChunkSource(TensorSource):
                 array = np.empty(entry.shape, dtype)
             covered = 0
             for chunk in entry.chunks:
-                box = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+                # The Ellipsis keeps a 0-d tensor's box a view: array[()] is a copy, a numpy scalar.
+                box = (*(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes)), ...)
                 reads.append(self._readers[chunk.file].read_box(chunk.key, [0] * len(chunk.sizes), chunk.sizes,
                                                                 out=array[box]))
                 covered += math.prod(chunk.sizes)

@@ -9,6 +9,7 @@ that it is read here without torch).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import re
@@ -22,8 +23,8 @@ from ..checkpoint import MANIFEST, open_shard, read_directory_file, read_manifes
 from ..dtypes import TORCH_DTYPE_NAMES, to_numpy_dtype
 from ..errors import CorruptCheckpointError, TensorferryError
 from ..schema import member_path
-from . import (OBJECT, Chunk, ChunkSource, Layout, TensorEntry, TensorSource, Verification, file_row, size_problems,
-               tensor_entry)
+from . import (OBJECT, Chunk, ChunkSource, Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row,
+               size_problems, tensor_entry)
 
 DCP_METADATA = ".metadata"
 # The key of a DCPWriter manifest's metadata that lists the DCP items: {"tensors": {fqn:
@@ -179,9 +180,20 @@ class DCPFolder(Layout):
         skipped = len(entries) - len(tensors)
         if self.ours:
             manifest = read_manifest(self.path)
-            return ChunkSource(tensors, lambda file: open_shard(self.path, manifest, file, engine=engine,
-                                                                verify=verify), skipped=skipped, where=self.path)
+
+            def open_reader(file: str) -> Any:
+                return open_shard(self.path, manifest, file, engine=engine, verify=verify)
+
+            if all(_stored_whole(e) for e in tensors.values()):  # saved by one rank: read (or mapped) as files
+                whole = {n: dataclasses.replace(e, file=e.chunks[0].file) for n, e in tensors.items()}
+                return ShardSource(whole, open_reader, skipped=skipped)
+            return ChunkSource(tensors, open_reader, skipped=skipped, where=self.path)
         return _TorchSource(self.path, tensors, metadata, skipped)
+
+
+def _stored_whole(entry: TensorEntry) -> bool:
+    """Whether the tensor is one chunk in one file (as one rank saves it)."""
+    return len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.shape and not any(entry.chunks[0].offsets)
 
 
 def _entries_from_manifest(items: Mapping[str, Any]) -> list[TensorEntry]:
