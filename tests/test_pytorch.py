@@ -893,6 +893,59 @@ def test_resharding(tmp_path, save_world: int, load_world: int) -> None:
     run(load_world, str(tmp_path), "load_sharded")
 
 
+
+def fsdp1_model() -> torch.nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    return FullyShardedDataParallel(small_model(), device_id=torch.device("cpu"), use_orig_params=True)
+
+
+def fsdp1_full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def scenario_fsdp1(rank: int, world: int, root: str) -> None:
+    """FSDP1 (``FullyShardedDataParallel``, as accelerate and transformers' Trainer still
+    wrap models), whose sharded state dicts hold ShardedTensors: ``FSDPCheckpointer``
+    resumes it bit-identically, and so does DCP called as FSDP1's own recipe calls it
+    (``SHARDED_STATE_DICT``, ``optim_state_dict``) with our writer and reader."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    model = fsdp1_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = FSDPCheckpointer(os.path.join(root, "checkpointer"), model, opt)
+    for step in range(2):
+        train_step(model, opt, step, rank)
+    ckpt.save(2)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+        assert type(state["model"]["0.weight"]).__name__ == "ShardedTensor"
+        dcp.save(state, storage_writer=DCPWriter(os.path.join(root, "recipe")))
+    for step in range(2, 4):
+        train_step(model, opt, step, rank)
+    reference = fsdp1_full_params(model)
+    for load in ("checkpointer", "recipe"):
+        if load == "checkpointer":
+            assert ckpt.load() == 2
+        else:
+            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+                state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+                dcp.load(state, storage_reader=DCPReader(os.path.join(root, "recipe")))
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, state["optim"]))
+        for step in range(2, 4):
+            train_step(model, opt, step, rank)
+        for k, v in fsdp1_full_params(model).items():
+            assert torch.equal(v, reference[k]), (load, k)
+
+
+@pytest.mark.slow
+def test_fsdp1_resume_is_bit_identical_on_2_ranks(tmp_path) -> None:
+    run(2, str(tmp_path), "fsdp1")
+
+
 @pytest.mark.slow
 def test_dcp_with_a_process_group(tmp_path) -> None:
     run(2, str(tmp_path), "dcp_plain")
