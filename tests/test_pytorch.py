@@ -108,6 +108,41 @@ def test_save_keeps_tied_tensors_tied_and_refuses_pickle_only_objects(tmp_path) 
     assert [p.name for p in tmp_path.iterdir()] == ["tied.safetensors"]
 
 
+def test_file_objects_as_torch_save_and_load_take_them(tmp_path) -> None:
+    """``save(state, f)`` and ``load(f)`` with a file object (``io.BytesIO``, an open file,
+    an fsspec stream), from where it stands, as ``torch.save``/``torch.load`` do: the same
+    bytes as a file saved by path. Both raised TypeError from os.fspath."""
+    import io
+
+    import fsspec
+
+    w = torch.randn(300, 70)
+    state = {"model": {"w": w, "b": torch.arange(5)}, "tied": w, "step": 7, "name": "run"}
+    save(state, tmp_path / "by_path.safetensors")
+    on_disk = (tmp_path / "by_path.safetensors").read_bytes()
+    stream = io.BytesIO()
+    stream.write(b"before")
+    save(state, stream)
+    assert stream.getvalue() == b"before" + on_disk
+    stream.seek(len(b"before"))
+    with open(tmp_path / "by_path.safetensors", "rb") as opened:
+        with fsspec.open("memory://tensorferry-test/state.safetensors", "wb") as remote:
+            save(state, remote)
+        with fsspec.open("memory://tensorferry-test/state.safetensors", "rb") as remote:
+            for back in (load(stream), load(opened), load(remote)):
+                assert torch.equal(back["model"]["w"], w) and torch.equal(back["model"]["b"], state["model"]["b"])
+                assert back["tied"] is back["model"]["w"] and back["step"] == 7 and back["name"] == "run"
+                back["model"]["w"].add_(1)  # the memory a stream was read into is the caller's
+    for junk, named in ((b"not a checkpoint", "header length"), (on_disk[:-100], "fall outside")):
+        with pytest.raises(tensorferry.CorruptCheckpointError, match=f"<BytesIO>: .*{named}"):
+            load(io.BytesIO(junk))
+    pickled = io.BytesIO()
+    torch.save(state, pickled)
+    pickled.seek(0)
+    with pytest.raises(tensorferry.CorruptCheckpointError, match="<BytesIO>: not a safetensors file but a zip archive"):
+        load(pickled)
+
+
 def test_load_plain_safetensors_and_map_location(tmp_path) -> None:
     from safetensors.torch import save_file
     save_file({"x": torch.arange(6.0)}, str(tmp_path / "peer.safetensors"))
@@ -926,8 +961,8 @@ def scenario_fsdp1(rank: int, world: int, root: str) -> None:
     for step in range(2, 4):
         train_step(model, opt, step, rank)
     reference = fsdp1_full_params(model)
-    for load in ("checkpointer", "recipe"):
-        if load == "checkpointer":
+    for way in ("checkpointer", "recipe"):
+        if way == "checkpointer":
             assert ckpt.load() == 2
         else:
             with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
@@ -938,7 +973,7 @@ def scenario_fsdp1(rank: int, world: int, root: str) -> None:
         for step in range(2, 4):
             train_step(model, opt, step, rank)
         for k, v in fsdp1_full_params(model).items():
-            assert torch.equal(v, reference[k]), (load, k)
+            assert torch.equal(v, reference[k]), (way, k)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import concurrent.futures
 import json
 import os
 import sys
-from typing import Any, Callable, Iterable, Mapping, Union
+from typing import Any, BinaryIO, Callable, Iterable, Mapping, Union
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from ...errors import CorruptCheckpointError
 from ...layouts.huggingface import INDEX_SUFFIX
 from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse_json
 from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, gc_paused, write_order
+from ...streams import copy_from_stream, copy_to_stream, is_stream, memory_file
 from .staging import DeviceToHost, read_to_device
 from .tensors import from_array, host_array, safetensors_dtype
 
@@ -230,22 +231,30 @@ def _to_tensors(arrays: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
 
 
 @gc_paused()
-def save(obj: Any, path: str | os.PathLike, *, metadata: dict[str, str] | None = None,
+def save(obj: Any, path: str | os.PathLike | BinaryIO, *, metadata: dict[str, str] | None = None,
          engine: Engine | None = None) -> None:
     """Saves a state dict (or any nesting of dicts, lists, tuples, tensors, numpy arrays and
     scalars) as one safetensors file.
 
-    The file replaces ``path`` atomically once it is complete and durable. Tensors that
+    The file replaces ``path`` atomically once it is complete and durable. A file object
+    (``io.BytesIO``, an fsspec stream) gets the same bytes written from where it stands,
+    as ``torch.save`` writes; it is made in memory first. Tensors that
     share memory (tied weights) are stored once and load back as one tensor. Its
     metadata says ``{"format": "pt"}`` (unless ``metadata`` says otherwise), as
     safetensors' torch module writes and transformers asks.
     """
-    path = os.fspath(path)
     encoder = _Encoder()
     structure = encoder.encode(obj)
     meta = {**TORCH_FORMAT, **(metadata or {})}
     meta[STRUCTURE_KEY] = json.dumps(structure, separators=(",", ":"))
-    with ShardWriter(path, engine, metadata=meta, atomic=True) as writer:
+    if is_stream(path):
+        with memory_file(path) as staged:
+            with ShardWriter(staged, engine, metadata=meta) as writer:
+                for key, t in _writable(encoder.tensors).items():
+                    writer.add(key, t)
+            copy_to_stream(staged, path)
+        return
+    with ShardWriter(os.fspath(path), engine, metadata=meta, atomic=True) as writer:
         for key, t in _writable(encoder.tensors).items():
             writer.add(key, t)
 
@@ -268,7 +277,7 @@ def _writable(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, Any
 
 
 @gc_paused()
-def load(path: str | os.PathLike, map_location: MapLocation = None, *,
+def load(path: str | os.PathLike | BinaryIO, map_location: MapLocation = None, *,
          engine: Engine | None = None, verify: bool = True, mmap: bool = False,
          weights_only: bool | None = None) -> Any:
     """Loads what :func:`save` (a file) or :func:`save_checkpoint` (a directory) wrote, no
@@ -284,10 +293,18 @@ def load(path: str | os.PathLike, map_location: MapLocation = None, *,
     nothing copied), checksums still verified, pages shared with the page cache; writing
     to a tensor copies just the pages written and never changes the file. Suits weights
     that are read, not trained. The file must not be truncated or rewritten in place
-    while the tensors live (tensorferry's saves replace files whole)."""
+    while the tensors live (tensorferry's saves replace files whole).
+
+    A file object is read from where it stands to its end into memory, which the tensors
+    then map (``mmap`` changes nothing for it)."""
     map_location = resolve_map_location(map_location)
     device = _cuda_device(map_location)
     _refuse_mapped_to_device(mmap, device)
+    if is_stream(path):
+        with memory_file(path) as staged:
+            copy_from_stream(path, staged)
+            # Mapped: the tensors keep the memory the stream was read into, with no copy.
+            return load(staged, map_location, engine=engine, verify=verify, mmap=device is None)
     if os.path.isdir(path) or os.fspath(path).endswith(INDEX_SUFFIX):
         return load_checkpoint(path, map_location, engine=engine, verify=verify, mmap=mmap)
     with ShardReader(path, engine, verify=verify) as reader:
