@@ -981,6 +981,76 @@ def test_fsdp1_resume_is_bit_identical_on_2_ranks(tmp_path) -> None:
     run(2, str(tmp_path), "fsdp1")
 
 
+
+def two_dimensional_model(kind: str) -> torch.nn.Module:
+    """``small_model`` on a 2 x 2 mesh of the 4 ranks: HSDP (replicated across the first
+    dimension, sharded across the second), or FSDP over tensor parallelism (torchtitan's
+    2D: column- then row-wise Linear pairs on "tp", FSDP on "dp", which shards the "tp"
+    shards again, as _StridedShard placements)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = small_model()
+    if kind == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        mesh = mesh["dp"]
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def scenario_two_dimensional(rank: int, world: int, root: str) -> None:
+    """Resume bit-identical on 4 ranks for both meshes of :func:`two_dimensional_model`;
+    the folder then loads whole without a process group (see the test)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: the strided shards gather in two steps
+        for kind in ("hsdp", "fsdp_tp"):
+            model = two_dimensional_model(kind)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            ckpt = FSDPCheckpointer(os.path.join(root, kind), model, opt)
+            # Ranks of one tensor-parallel group see the same batch, as they must.
+            batch_rank = rank if kind == "hsdp" else rank // 2
+            for step in range(2):
+                train_step(model, opt, step, batch_rank)
+            ckpt.save(2)
+            saved = full_params(model)
+            for step in range(2, 4):
+                train_step(model, opt, step, batch_rank)
+            reference = full_params(model)
+            assert ckpt.load() == 2
+            for step in range(2, 4):
+                train_step(model, opt, step, batch_rank)
+            for k, v in full_params(model).items():
+                assert torch.equal(v, reference[k]), (kind, k)
+            if rank == 0:
+                torch.save(saved, os.path.join(root, f"{kind}.pt"))
+
+
+@pytest.mark.slow
+def test_hsdp_and_fsdp_over_tensor_parallel_on_4_ranks(tmp_path) -> None:
+    """Two 2D meshes as torchtitan runs them: every rank resumes bit-identically, and the
+    folder loads whole in one process, by ``load_checkpoint`` and by ``dcp.load`` into a
+    plain model (resharded from 4 ranks and two mesh dimensions to 1)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    run(4, str(tmp_path), "two_dimensional")
+    for kind in ("hsdp", "fsdp_tp"):
+        saved = torch.load(tmp_path / f"{kind}.pt")
+        folder = tensorferry.latest_checkpoint(tmp_path / kind)
+        flat = load_checkpoint(folder)
+        assert all(torch.equal(flat[f"model.{k}"], v) for k, v in saved.items()), kind
+        state = {"model": small_model().state_dict()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP without a process group
+            dcp.load(state, storage_reader=DCPReader(folder), planner=DefaultLoadPlanner(allow_partial_load=True))
+        assert all(torch.equal(state["model"][k], v) for k, v in saved.items()), kind
+
 @pytest.mark.slow
 def test_dcp_with_a_process_group(tmp_path) -> None:
     run(2, str(tmp_path), "dcp_plain")
