@@ -2,12 +2,14 @@
 fsspec's), as ``torch.save`` and ``torch.load`` take them: the file is made or read in
 an anonymous in-memory file (``memfd_create``) that the engine opens by path, and
 copied to or from the stream in one pass. A load then maps that memory rather than
-copying it again, so a stream's bytes are held once."""
+copying it again, so a stream's bytes are held once. A file opened for reading, at its
+start, is read as the file it is."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from typing import Any, Iterator
 
 from .errors import TensorferryError
@@ -29,19 +31,53 @@ def stream_name(stream: Any) -> str:
 
 
 @contextlib.contextmanager
+def _errors_naming(stream: Any, path: str) -> Iterator[None]:
+    """Errors of the block that name ``path`` (a /proc/self/fd link) name ``stream`` instead."""
+    try:
+        yield
+    except TensorferryError as exc:
+        if path in str(exc) and not isinstance(exc, OSError):
+            raise type(exc)(str(exc).replace(path, stream_name(stream))) from None
+        raise
+
+
+@contextlib.contextmanager
 def memory_file(stream: Any) -> Iterator[str]:
     """A path to a new, empty file in memory, gone once the block ends and nothing maps
     it. Errors that name it name ``stream`` instead."""
     fd = os.memfd_create("tensorferry-stream", os.MFD_CLOEXEC)
     path = f"/proc/self/fd/{fd}"
     try:
-        yield path
-    except TensorferryError as exc:
-        if path in str(exc) and not isinstance(exc, OSError):
-            raise type(exc)(str(exc).replace(path, stream_name(stream))) from None
-        raise
+        with _errors_naming(stream, path):
+            yield path
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def stream_as_file(stream: Any) -> Iterator[tuple[str, bool]]:
+    """For a load: a path to the bytes of ``stream`` from where it stands to its end, and
+    whether they were copied into memory. A file object over a regular file at its start
+    (``open(path, "rb")``) is that file, read by the engine with O_DIRECT as a path would
+    be, and left at its end, as ``torch.load`` leaves it; any other is copied into a
+    :func:`memory_file`."""
+    own = _regular_file_at_start(stream)
+    if own is not None:
+        with _errors_naming(stream, own):
+            yield own, False
+        stream.seek(0, os.SEEK_END)
+        return
+    with memory_file(stream) as staged:
+        copy_from_stream(stream, staged)
+        yield staged, True
+
+
+def _regular_file_at_start(stream: Any) -> str | None:
+    try:
+        fd, position = stream.fileno(), stream.tell()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+        return None
+    return f"/proc/self/fd/{fd}" if position == 0 and stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
 def copy_from_stream(stream: Any, path: str) -> None:
@@ -62,4 +98,4 @@ def copy_to_stream(path: str, stream: Any) -> None:
             stream.write(piece)
 
 
-__all__ = ["copy_from_stream", "copy_to_stream", "is_stream", "memory_file", "stream_name"]
+__all__ = ["copy_from_stream", "copy_to_stream", "is_stream", "memory_file", "stream_as_file", "stream_name"]

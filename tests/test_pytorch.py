@@ -108,13 +108,15 @@ def test_save_keeps_tied_tensors_tied_and_refuses_pickle_only_objects(tmp_path) 
     assert [p.name for p in tmp_path.iterdir()] == ["tied.safetensors"]
 
 
-def test_file_objects_as_torch_save_and_load_take_them(tmp_path) -> None:
+def test_file_objects_as_torch_save_and_load_take_them(tmp_path, monkeypatch) -> None:
     """``save(state, f)`` and ``load(f)`` with a file object (``io.BytesIO``, an open file,
     an fsspec stream), from where it stands, as ``torch.save``/``torch.load`` do: the same
     bytes as a file saved by path. Both raised TypeError from os.fspath."""
     import io
 
     import fsspec
+
+    import tensorferry.streams
 
     w = torch.randn(300, 70)
     state = {"model": {"w": w, "b": torch.arange(5)}, "tied": w, "step": 7, "name": "run"}
@@ -141,6 +143,20 @@ def test_file_objects_as_torch_save_and_load_take_them(tmp_path) -> None:
     pickled.seek(0)
     with pytest.raises(tensorferry.CorruptCheckpointError, match="<BytesIO>: not a safetensors file but a zip archive"):
         load(pickled)
+    # A file opened at its start is read as the file (O_DIRECT, no copy in memory), and
+    # left at its end; after a prefix it goes through memory. Errors name its path.
+    (tmp_path / "prefixed").write_bytes(b"before" + on_disk)
+    copies = []
+    real_copy = tensorferry.streams.copy_from_stream
+    monkeypatch.setattr(tensorferry.streams, "copy_from_stream", lambda *a: copies.append(1) or real_copy(*a))
+    with open(tmp_path / "by_path.safetensors", "rb") as opened, open(tmp_path / "prefixed", "rb") as prefixed:
+        prefixed.seek(len(b"before"))
+        for f, copied in ((opened, 0), (prefixed, 1)):
+            assert torch.equal(load(f)["model"]["w"], w) and len(copies) == copied and f.read() == b""
+    (tmp_path / "pickled.pt").write_bytes(pickled.getvalue())
+    with open(tmp_path / "pickled.pt", "rb") as opened:
+        with pytest.raises(tensorferry.CorruptCheckpointError, match=f"{tmp_path}/pickled.pt: not a safetensors"):
+            load(opened)
 
 
 def test_load_plain_safetensors_and_map_location(tmp_path) -> None:

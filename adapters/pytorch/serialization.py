@@ -27,7 +27,7 @@ from ...errors import CorruptCheckpointError
 from ...layouts.huggingface import INDEX_SUFFIX
 from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse_json
 from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, gc_paused, write_order
-from ...streams import copy_from_stream, copy_to_stream, is_stream, memory_file
+from ...streams import copy_to_stream, is_stream, memory_file, stream_as_file
 from .staging import DeviceToHost, read_to_device
 from .tensors import from_array, host_array, safetensors_dtype
 
@@ -296,15 +296,14 @@ def load(path: str | os.PathLike | BinaryIO, map_location: MapLocation = None, *
     while the tensors live (tensorferry's saves replace files whole).
 
     A file object is read from where it stands to its end into memory, which the tensors
-    then map (``mmap`` changes nothing for it)."""
+    then map; one opened on a file, at its start, is read as that file."""
     map_location = resolve_map_location(map_location)
     device = _cuda_device(map_location)
     _refuse_mapped_to_device(mmap, device)
     if is_stream(path):
-        with memory_file(path) as staged:
-            copy_from_stream(path, staged)
-            # Mapped: the tensors keep the memory the stream was read into, with no copy.
-            return load(staged, map_location, engine=engine, verify=verify, mmap=device is None)
+        with stream_as_file(path) as (staged, in_memory):
+            # Mapped from memory: the tensors keep what the stream was read into, with no copy.
+            return load(staged, map_location, engine=engine, verify=verify, mmap=mmap or in_memory and device is None)
     if os.path.isdir(path) or os.fspath(path).endswith(INDEX_SUFFIX):
         return load_checkpoint(path, map_location, engine=engine, verify=verify, mmap=mmap)
     with ShardReader(path, engine, verify=verify) as reader:
