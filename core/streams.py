@@ -82,20 +82,26 @@ def _regular_file_at_start(stream: Any) -> str | None:
 
 def copy_from_stream(stream: Any, path: str) -> None:
     """The rest of ``stream`` (from where it stands, as ``torch.load`` reads) into ``path``."""
-    if not hasattr(stream, "read"):
-        raise TypeError(f"{type(stream).__name__} has no read(): load takes a path or a readable file object")
+    _require(stream, "read", "load", "readable")
     with open(path, "wb") as out:
-        while piece := stream.read(STREAM_PIECE):
-            out.write(piece)
+        _pump(stream, out)
 
 
 def copy_to_stream(path: str, stream: Any) -> None:
     """The file at ``path`` written to ``stream`` (from where it stands, as ``torch.save`` writes)."""
-    if not hasattr(stream, "write"):
-        raise TypeError(f"{type(stream).__name__} has no write(): save takes a path or a writable file object")
+    _require(stream, "write", "save", "writable")
     with open(path, "rb") as source:
-        while piece := source.read(STREAM_PIECE):
-            stream.write(piece)
+        _pump(source, stream)
+
+
+def _require(stream: Any, method: str, verb: str, able: str) -> None:
+    if not hasattr(stream, method):
+        raise TypeError(f"{type(stream).__name__} has no {method}(): {verb} takes a path or a {able} file object")
+
+
+def _pump(source: Any, destination: Any) -> None:
+    while piece := source.read(STREAM_PIECE):
+        destination.write(piece)
 
 
 __all__ = ["copy_from_stream", "copy_to_stream", "is_stream", "memory_file", "stream_as_file", "stream_name"]
