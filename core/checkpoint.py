@@ -437,7 +437,8 @@ def load_checkpoint(directory: str | os.PathLike, names: Iterable[str] | None = 
     Hugging Face folder, torch's DCP, an Orbax step) is read through :mod:`tensorferry.layouts`.
     With ``mmap``, the arrays are copy-on-write mappings of the files
     (:meth:`ShardReader.map_many`: less CPU, pages shared with the page cache) instead of
-    new memory; layouts that store tensors in pieces (DCP, Orbax) cannot be mapped.
+    new memory; layouts that store tensors in pieces (Orbax, DCP saved by several ranks)
+    cannot be mapped.
     """
     return load_with_manifest(directory, names, out=out, engine=engine, verify=verify, mmap=mmap)[1]
 
