@@ -26,7 +26,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -443,22 +443,36 @@ def cmd_convert(args: argparse.Namespace) -> int:
             raise CLIError(f"{dst} exists and is not a tensorferry checkpoint: not replacing it")
     start = time.perf_counter()
     with layout.open(verify=not args.no_verify) as source:
-        nbytes = sum(t.nbytes for t in source.tensors.values())
+        names = _selected(source, args.select, src)
+        nbytes = sum(source.tensors[n].nbytes for n in names.values())
         with progress_bar(args, nbytes) as bar:
             if args.to == "safetensors":
-                _to_safetensors(source, dst, bar)
+                _to_safetensors(source, names, dst, bar)
             else:
-                _to_tensorferry(source, dst, bar, args.shard_size, args.overwrite)
+                _to_tensorferry(source, names, dst, bar, args.shard_size, args.overwrite)
     if source.skipped:
         note(args, f"left out {plural(source.skipped, 'item')} that tensorferry does not read as a tensor "
                    "(DCP's pickled objects, scalars, items of other Orbax handlers)")
     seconds = time.perf_counter() - start
-    count = len(source.tensors)
+    count = len(names)
     data = {"source": src, "destination": dst, "to": args.to, "tensors": count, "bytes": nbytes,
             "seconds": round(seconds, 3), "gbps": round(nbytes / seconds / 1e9, 3)}
     emit(args, data, f"wrote {dst}: {count} tensors, {human_bytes(nbytes)} in {seconds:.1f} s "
                      f"({nbytes / seconds / 1e9:.2f} GB/s)")
     return EXIT_OK
+
+
+def _selected(source: layouts.TensorSource, prefix: str | None, src: str) -> dict[str, str]:
+    """The tensors to write, each by its new name: all as they are, or with ``--select``
+    those under ``prefix``, without it."""
+    if prefix is None:
+        return {name: name for name in source.tensors}
+    names = {name[len(prefix):]: name for name in source.tensors if name.startswith(prefix) and name != prefix}
+    if not names:
+        tops = sorted({name.split(".")[0] + "." for name in source.tensors})
+        raise CLIError(f"no tensor of {src} has a name that starts with {prefix!r} (they start with "
+                       f"{', '.join(tops[:8])}{', ...' if len(tops) > 8 else ''})")
+    return names
 
 
 def _read_ahead(source: layouts.TensorSource, names: Sequence[str], bar: Any) -> dict[str, Callable[[], Any]]:
@@ -487,28 +501,32 @@ def _read_ahead(source: layouts.TensorSource, names: Sequence[str], bar: Any) ->
     return {name: functools.partial(fetch, name) for name in names}
 
 
-def _to_safetensors(source: layouts.TensorSource, dst: str, bar: Any) -> None:
-    """Streams every tensor into one safetensors file, written under a temporary name and
-    renamed into place once durable; the source's metadata keys stay where they were."""
-    lazy = _read_ahead(source, list(source.tensors), bar)
+def _to_safetensors(source: layouts.TensorSource, names: Mapping[str, str], dst: str, bar: Any) -> None:
+    """Streams the tensors (``names``: new name -> the source's) into one safetensors
+    file, written under a temporary name and renamed into place once durable; the
+    source's metadata keys stay where they were."""
+    lazy = _read_ahead(source, list(names.values()), bar)
     with ShardWriter(dst, metadata=to_file_metadata(source.metadata), atomic=True) as writer:
-        for name, t in source.tensors.items():
-            writer.add(name, t.dtype, t.shape, data=lazy[name])
+        for name, old in names.items():
+            t = source.tensors[old]
+            writer.add(name, t.dtype, t.shape, data=lazy[old])
 
 
-def _to_tensorferry(source: layouts.TensorSource, dst: str, bar: Any, shard_size: int, overwrite: bool) -> None:
-    """Streams the tensors into a checkpoint directory, one shard file at a time, split
-    like :func:`tensorferry.save_checkpoint` splits, committed atomically."""
-    groups = split_by_size({n: t.nbytes for n, t in source.tensors.items()}, shard_size)
+def _to_tensorferry(source: layouts.TensorSource, names: Mapping[str, str], dst: str, bar: Any, shard_size: int,
+                    overwrite: bool) -> None:
+    """Streams the tensors (``names``: new name -> the source's) into a checkpoint
+    directory, one shard file at a time, split like :func:`tensorferry.save_checkpoint`
+    splits, committed atomically."""
+    groups = split_by_size({n: source.tensors[old].nbytes for n, old in names.items()}, shard_size)
     pending = PendingCheckpoint.begin(dst)
     try:
         shards = []
         for index, group in enumerate(groups):
-            lazy = _read_ahead(source, group, bar)
+            lazy = _read_ahead(source, [names[n] for n in group], bar)
             with pending.writer(f"shard-{index:05d}.safetensors") as writer:
                 for name in group:
-                    t = source.tensors[name]
-                    writer.add(name, t.dtype, t.shape, data=lazy[name])
+                    t = source.tensors[names[name]]
+                    writer.add(name, t.dtype, t.shape, data=lazy[names[name]])
             shards.append(writer.info)
         pending.commit(shards, source.metadata, overwrite=overwrite)
     except BaseException:
@@ -711,6 +729,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--shard-size", type=_size_arg, default=DEFAULT_SHARD_BYTES,
                    help="--to tensorferry: about this many bytes per shard file (default 512M)")
+    p.add_argument("--select", metavar="PREFIX",
+                   help="only the tensors whose names start with PREFIX, written without it: --select model. "
+                        "takes the model's weights from a step of FSDPCheckpointer, as the module names them")
     p.add_argument("--no-verify", action="store_true", help="do not check the source's checksums")
     p.set_defaults(func=cmd_convert)
 

@@ -269,6 +269,45 @@ def test_convert_dcp_checkpoints_to_one_safetensors_file(tmp_path: Path, writer:
         assert torch.equal(loaded[f"model.{name}"], state["model"][name])
 
 
+def test_convert_selects_a_models_weights_for_transformers(tmp_path: Path) -> None:
+    """An FSDPCheckpointer step holds {"model": ..., "optim": ...}: ``--select model.``
+    writes the weights alone, as the module names them, with safetensors.torch's
+    ``{"format": "pt"}`` (transformers 4.x refuses a file without it), and transformers
+    loads the folder with nothing missing or unexpected."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    from tensorferry.adapters.pytorch import DCPWriter
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.arange(8)[None], labels=torch.arange(8)[None]).loss.backward()
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
+                 storage_writer=DCPWriter(tmp_path / "step_1"))
+    result = run("convert", tmp_path / "step_1", tmp_path / "hf" / "model.safetensors", "--to", "safetensors",
+                 "--select", "model.")
+    assert result.returncode == 2 and "no such directory" in result.stderr
+    (tmp_path / "hf").mkdir()
+    result = run("convert", tmp_path / "step_1", tmp_path / "hf" / "model.safetensors", "--to", "safetensors",
+                 "--select", "model.")
+    assert result.returncode == 0, result.stderr
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert f.metadata()["format"] == "pt" and set(f.keys()) == set(model.state_dict())
+    config.save_pretrained(tmp_path / "hf")
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+    result = run("convert", tmp_path / "step_1", tmp_path / "none.safetensors", "--to", "safetensors",
+                 "--select", "ema.")
+    assert result.returncode == 2 and "starts with 'ema.' (they start with model., optim.)" in result.stderr
+
+
 def test_convert_refusals(checkpoint: Path, tmp_path: Path) -> None:
     dcp_dir = tmp_path / "dcp"
     dcp_dir.mkdir()

@@ -30,6 +30,9 @@ DCP_METADATA = ".metadata"
 # The key of a DCPWriter manifest's metadata that lists the DCP items: {"tensors": {fqn:
 # {"dtype", "shape", "chunks": [[file, key, offsets, sizes], ...]}}, "objects": {fqn: [file, key]}}.
 ITEMS_KEY = "dcp_items"
+# The metadata a DCP folder's tensors carry into a converted file: torch's, as
+# safetensors.torch marks its files (transformers 4.x refuses a file without "format").
+TORCH_TENSORS = {"format": "pt"}
 # Tensors of at most this many bytes in all are loaded by one dcp.load call.
 TORCH_BATCH_BYTES = 64 << 20
 
@@ -186,8 +189,8 @@ class DCPFolder(Layout):
 
             if all(_stored_whole(e) for e in tensors.values()):  # saved by one rank: read (or mapped) as files
                 whole = {n: dataclasses.replace(e, file=e.chunks[0].file) for n, e in tensors.items()}
-                return ShardSource(whole, open_reader, skipped=skipped)
-            return ChunkSource(tensors, open_reader, skipped=skipped, where=self.path)
+                return ShardSource(whole, open_reader, TORCH_TENSORS, skipped=skipped)
+            return ChunkSource(tensors, open_reader, TORCH_TENSORS, skipped=skipped, where=self.path)
         return _TorchSource(self.path, tensors, metadata, skipped)
 
 
@@ -234,7 +237,7 @@ class _TorchSource(TensorSource):
     once, not once per call (which made a conversion quadratic)."""
 
     def __init__(self, path: str, tensors: Mapping[str, TensorEntry], metadata: Any, skipped: int) -> None:
-        super().__init__(tensors, skipped=skipped)
+        super().__init__(tensors, TORCH_TENSORS, skipped)
         import torch.distributed.checkpoint as dcp
 
         self._reader = dcp.FileSystemReader(path)
