@@ -270,7 +270,7 @@ def test_convert_dcp_checkpoints_to_one_safetensors_file(tmp_path: Path, writer:
 
 
 def test_convert_selects_a_models_weights_for_transformers(tmp_path: Path) -> None:
-    """An FSDPCheckpointer step holds {"model": ..., "optim": ...}: ``--select model.``
+    """An FSDPCheckpointer step holds {"model": ..., "optimizer": ...}: ``--select model.``
     writes the weights alone, as the module names them, with safetensors.torch's
     ``{"format": "pt"}`` (transformers 4.x refuses a file without it), and transformers
     loads the folder with nothing missing or unexpected."""
