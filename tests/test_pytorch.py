@@ -178,6 +178,10 @@ def test_load_plain_safetensors_and_map_location(tmp_path) -> None:
         load(tmp_path / "peer.safetensors", map_location=3)
     with pytest.raises(ValueError, match="not on \\['meta'\\]; for names, shapes and dtypes .*mmap=True, verify=False"):
         load(tmp_path / "peer.safetensors", map_location="meta")
+    if not torch.cuda.is_available():  # torch's own failure inside was "Torch not compiled with CUDA enabled"
+        for to_a_gpu in ("cuda", "cuda:1", {"cpu": "cuda:0"}):
+            with pytest.raises(RuntimeError, match="torch.cuda.is_available\\(\\) is False.*map_location='cpu'"):
+                load(tmp_path / "ours.safetensors", map_location=to_a_gpu)
 
 
 ALL_DTYPES = DTYPES + [torch.uint16, torch.uint32, torch.uint64]

@@ -339,6 +339,9 @@ def _cuda_device(map_location: Any, out: Mapping[str, torch.Tensor] | None = Non
                     "(nothing is read until touched) or run 'tensorferry inspect PATH'")
         raise ValueError(f"a load lands on the host or on one CUDA device, not on {sorted(map(str, devices))}{hint}")
     device = next(iter(devices))
+    if not torch.cuda.is_available():  # else torch's own failure deep inside: "Torch not compiled with CUDA"
+        raise RuntimeError(f"a load to {device}, but torch.cuda.is_available() is False: on a machine "
+                           "without a GPU, load with map_location='cpu'")
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
