@@ -8,6 +8,7 @@ start, is read as the file it is."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import stat
 from typing import Any, Iterator
@@ -73,9 +74,13 @@ def stream_as_file(stream: Any) -> Iterator[tuple[str, bool]]:
 
 
 def _regular_file_at_start(stream: Any) -> str | None:
+    # Only a file's own bytes: a gzip.GzipFile (bz2, lzma alike) answers fileno() with
+    # the compressed file's descriptor, so a stream over another object goes by its reads.
+    if not isinstance(getattr(stream, "raw", stream), io.FileIO):
+        return None
     try:
         fd, position = stream.fileno(), stream.tell()
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+    except (OSError, ValueError):  # io.UnsupportedOperation is both; a closed file, ValueError
         return None
     return f"/proc/self/fd/{fd}" if position == 0 and stat.S_ISREG(os.fstat(fd).st_mode) else None
 

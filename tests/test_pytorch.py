@@ -153,6 +153,11 @@ def test_file_objects_as_torch_save_and_load_take_them(tmp_path, monkeypatch) ->
         prefixed.seek(len(b"before"))
         for f, copied in ((opened, 0), (prefixed, 1)):
             assert torch.equal(load(f)["model"]["w"], w) and len(copies) == copied and f.read() == b""
+    import gzip  # its fileno() is the compressed file's: read through the stream, decompressed
+    with gzip.open(tmp_path / "state.safetensors.gz", "wb") as packed:
+        save(state, packed)
+    with gzip.open(tmp_path / "state.safetensors.gz", "rb") as packed:
+        assert torch.equal(load(packed)["model"]["w"], w) and len(copies) == 2
     (tmp_path / "pickled.pt").write_bytes(pickled.getvalue())
     with open(tmp_path / "pickled.pt", "rb") as opened:
         with pytest.raises(tensorferry.CorruptCheckpointError, match=f"{tmp_path}/pickled.pt: not a safetensors"):
