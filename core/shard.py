@@ -550,6 +550,9 @@ _FOREIGN_FORMATS = [
     (b"GGUF", "a GGUF file (llama.cpp's format)"),
     (b"\x89HDF\r\n\x1a\n", "an HDF5 file (Keras .h5 weights, say)"),
     (b"|TZR|", "a tensorizer file: read it with tensorizer's TensorDeserializer"),
+    *((magic, f"{name}-compressed: decompress it (or pass load() the open {name} stream)")
+      for magic, name in ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\x00", "xz"),
+                          (b"BZh", "bz2"))),
 ]
 _PICKLE = ("a pickle (torch.save's legacy format, or pickle.dump): tensorferry unpickles nothing; "
            "load it with torch.load(path, weights_only=True) and save what it returns")
@@ -557,7 +560,8 @@ _PICKLE = ("a pickle (torch.save's legacy format, or pickle.dump): tensorferry u
 
 def foreign_format(prefix: bytes) -> str | None:
     """What a file that begins with ``prefix`` is, where it is a known format other than
-    safetensors (torch.save's zip or pickle, .npy, GGUF, HDF5, tensorizer), or None."""
+    safetensors (torch.save's zip or pickle, .npy, GGUF, HDF5, tensorizer, a compressed
+    file), or None."""
     if len(prefix) > 1 and prefix[0] == 0x80 and 2 <= prefix[1] <= 5:  # pickle's PROTO opcode, protocol 2-5
         return _PICKLE
     return next((what for magic, what in _FOREIGN_FORMATS if prefix.startswith(magic)), None)

@@ -1123,8 +1123,14 @@ def test_files_of_other_formats_are_named_for_what_they_are(tmp_path) -> None:
     (tmp_path / "a.pkl").write_bytes(pickle.dumps({"a": 1}))
     (tmp_path / "a.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(64))
     (tmp_path / "a.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(64))
+    import gzip
+    import lzma
+    save(state, tmp_path / "plain.safetensors")
+    (tmp_path / "a.safetensors.gz").write_bytes(gzip.compress((tmp_path / "plain.safetensors").read_bytes()))
+    (tmp_path / "a.safetensors.xz").write_bytes(lzma.compress((tmp_path / "plain.safetensors").read_bytes()))
     expected = {"zip.pt": "zip archive, as torch.save", "legacy.pt": "a pickle", "a.npy": "numpy .npy",
-                "a.npz": "zip archive", "a.pkl": "a pickle", "a.gguf": "GGUF", "a.h5": "HDF5"}
+                "a.npz": "zip archive", "a.pkl": "a pickle", "a.gguf": "GGUF", "a.h5": "HDF5",
+                "a.safetensors.gz": "gzip-compressed: decompress it", "a.safetensors.xz": "xz-compressed"}
     for name, what in expected.items():
         for mmap in (False, True):
             with pytest.raises(tensorferry.CorruptCheckpointError,
