@@ -323,6 +323,21 @@ class ShardWriter:
         self.info = ShardInfo(self.path, size, digest(header_bytes), tensors)
         return self.info
 
+    def write_to(self, stream: Any) -> None:
+        """Writes the file to a writable file object (``io.BytesIO``, an fsspec stream)
+        instead, from where it stands: the same bytes as :meth:`close` writes. The
+        checksums go in the header, ahead of the data, so every tensor is hashed before any
+        is written; each is then handed to ``stream.write`` as it lies in memory (a lazy
+        source's array is made once and held until then). ``path`` only names the stream."""
+        if self._plan is None:
+            self.plan()
+        entries, _, _, header = self._plan
+        data = [_Streamer._bytes_of(e) for e in entries]
+        stream.write(header.encode({e.name: digest(d) for e, d in zip(entries, data)}))
+        for d in data:
+            if d.nbytes:
+                stream.write(d)
+
     def _open_for_write(self) -> tuple[File, int | None]:
         """The file to write; for an atomic write, its temporary with the lock that holds
         it, after what killed saves to this path left is removed. A fresh temporary that

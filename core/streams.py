@@ -1,9 +1,9 @@
-"""File objects where a path is expected (``save(state, io.BytesIO())``, a stream of
-fsspec's), as ``torch.save`` and ``torch.load`` take them: the file is made or read in
-an anonymous in-memory file (``memfd_create``) that the engine opens by path, and
-copied to or from the stream in one pass. A load then maps that memory rather than
-copying it again, so a stream's bytes are held once. A file opened for reading, at its
-start, is read as the file it is."""
+"""File objects where a path is expected (``load(io.BytesIO(...))``, a stream of
+fsspec's), as ``torch.load`` takes them: the stream is copied in one pass into an
+anonymous in-memory file (``memfd_create``) that the engine opens by path, and the load
+maps that memory rather than copying it again, so a stream's bytes are held once. A file
+opened for reading, at its start, is read as the file it is. (A save to a stream needs
+no file: :meth:`ShardWriter.write_to`.)"""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from typing import Any, Iterator
 
 from .errors import TensorferryError
 
-# Copied between a stream and memory in pieces of this size (a stream of fsspec's
-# buffers what it is given: one piece the size of the file would be held twice).
+# A stream is read in pieces of this size: read whole, it would be held twice.
 STREAM_PIECE = 16 << 20
 
 
@@ -87,26 +86,17 @@ def _regular_file_at_start(stream: Any) -> str | None:
 
 def copy_from_stream(stream: Any, path: str) -> None:
     """The rest of ``stream`` (from where it stands, as ``torch.load`` reads) into ``path``."""
-    _require(stream, "read", "load", "readable")
+    require(stream, "read", "load")
     with open(path, "wb") as out:
-        _pump(stream, out)
+        while piece := stream.read(STREAM_PIECE):
+            out.write(piece)
 
 
-def copy_to_stream(path: str, stream: Any) -> None:
-    """The file at ``path`` written to ``stream`` (from where it stands, as ``torch.save`` writes)."""
-    _require(stream, "write", "save", "writable")
-    with open(path, "rb") as source:
-        _pump(source, stream)
-
-
-def _require(stream: Any, method: str, verb: str, able: str) -> None:
+def require(stream: Any, method: str, verb: str) -> None:
+    """A ``TypeError`` unless ``stream`` has ``method`` (``read`` for a load, ``write`` for a save)."""
     if not hasattr(stream, method):
-        raise TypeError(f"{type(stream).__name__} has no {method}(): {verb} takes a path or a {able} file object")
+        raise TypeError(f"{type(stream).__name__} has no {method}(): {verb} takes a path or a file object "
+                        f"with {method}()")
 
 
-def _pump(source: Any, destination: Any) -> None:
-    while piece := source.read(STREAM_PIECE):
-        destination.write(piece)
-
-
-__all__ = ["copy_from_stream", "copy_to_stream", "is_stream", "memory_file", "stream_as_file", "stream_name"]
+__all__ = ["copy_from_stream", "is_stream", "memory_file", "require", "stream_as_file", "stream_name"]

@@ -27,7 +27,7 @@ from ...errors import CorruptCheckpointError
 from ...layouts.huggingface import INDEX_SUFFIX
 from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse_json
 from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, gc_paused, write_order
-from ...streams import copy_to_stream, is_stream, memory_file, stream_as_file
+from ...streams import is_stream, require, stream_as_file, stream_name
 from .staging import DeviceToHost, read_to_device
 from .tensors import from_array, host_array, safetensors_dtype
 
@@ -238,7 +238,7 @@ def save(obj: Any, path: str | os.PathLike | BinaryIO, *, metadata: dict[str, st
 
     The file replaces ``path`` atomically once it is complete and durable. A file object
     (``io.BytesIO``, an fsspec stream) gets the same bytes written from where it stands,
-    as ``torch.save`` writes; it is made in memory first. Tensors that
+    as ``torch.save`` writes (:meth:`ShardWriter.write_to`). Tensors that
     share memory (tied weights) are stored once and load back as one tensor. Its
     metadata says ``{"format": "pt"}`` (unless ``metadata`` says otherwise), as
     safetensors' torch module writes and transformers asks.
@@ -248,11 +248,11 @@ def save(obj: Any, path: str | os.PathLike | BinaryIO, *, metadata: dict[str, st
     meta = {**TORCH_FORMAT, **(metadata or {})}
     meta[STRUCTURE_KEY] = json.dumps(structure, separators=(",", ":"))
     if is_stream(path):
-        with memory_file(path) as staged:
-            with ShardWriter(staged, engine, metadata=meta) as writer:
-                for key, t in _writable(encoder.tensors).items():
-                    writer.add(key, t)
-            copy_to_stream(staged, path)
+        require(path, "write", "save")
+        writer = ShardWriter(stream_name(path), engine, metadata=meta)
+        for key, t in _writable(encoder.tensors).items():
+            writer.add(key, t)
+        writer.write_to(path)
         return
     with ShardWriter(os.fspath(path), engine, metadata=meta, atomic=True) as writer:
         for key, t in _writable(encoder.tensors).items():
