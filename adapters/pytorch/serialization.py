@@ -299,7 +299,7 @@ def load(path: str | os.PathLike | BinaryIO, map_location: MapLocation = None, *
     then map; one opened on a file, at its start, is read as that file."""
     map_location = resolve_map_location(map_location)
     device = _cuda_device(map_location)
-    _refuse_mapped_to_device(mmap, device)
+    _check_device(mmap, device)
     if is_stream(path):
         with stream_as_file(path) as (staged, in_memory):
             # Mapped from memory: the tensors keep what the stream was read into, with no copy.
@@ -339,15 +339,22 @@ def _cuda_device(map_location: Any, out: Mapping[str, torch.Tensor] | None = Non
                     "(nothing is read until touched) or run 'tensorferry inspect PATH'")
         raise ValueError(f"a load lands on the host or on one CUDA device, not on {sorted(map(str, devices))}{hint}")
     device = next(iter(devices))
-    if not torch.cuda.is_available():  # else torch's own failure deep inside: "Torch not compiled with CUDA"
+    if device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _check_device(mmap: bool, device: torch.device | None) -> None:
+    """Refuses a load to ``device`` that cannot be: one mapping files (host memory), or one
+    to a GPU torch has not (else torch's own failure deep inside: "Torch not compiled
+    with CUDA enabled")."""
+    if device is None:
+        return
+    if mmap:
+        raise ValueError(f"mmap=True maps files into host memory; to load to {device} leave it off")
+    if not torch.cuda.is_available():
         raise RuntimeError(f"a load to {device}, but torch.cuda.is_available() is False: on a machine "
                            "without a GPU, load with map_location='cpu'")
-    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-
-
-def _refuse_mapped_to_device(mmap: bool, device: torch.device | None) -> None:
-    if mmap and device is not None:
-        raise ValueError(f"mmap=True maps files into host memory; to load to {device} leave it off")
 
 
 def _host_names(structure: Any) -> set[str]:
@@ -403,7 +410,7 @@ def load_checkpoint(directory: str | os.PathLike, map_location: MapLocation = No
     """
     map_location = resolve_map_location(map_location)
     device = _cuda_device(map_location, out)
-    _refuse_mapped_to_device(mmap, device)
+    _check_device(mmap, device)
     if device is not None and listed_by_manifest(directory):
         manifest, arrays = _load_directory_to_device(directory, names, out, device, engine, verify)
     else:
