@@ -247,16 +247,18 @@ def save(obj: Any, path: str | os.PathLike | BinaryIO, *, metadata: dict[str, st
     structure = encoder.encode(obj)
     meta = {**TORCH_FORMAT, **(metadata or {})}
     meta[STRUCTURE_KEY] = json.dumps(structure, separators=(",", ":"))
-    if is_stream(path):
+    to_stream = is_stream(path)
+    if to_stream:
         require(path, "write", "save")
-        writer = ShardWriter(stream_name(path), engine, metadata=meta)
-        for key, t in _writable(encoder.tensors).items():
-            writer.add(key, t)
+    # Nothing is opened before close() (or write_to), which clean up after themselves on failure.
+    writer = ShardWriter(stream_name(path) if to_stream else os.fspath(path), engine, metadata=meta,
+                         atomic=not to_stream)
+    for key, t in _writable(encoder.tensors).items():
+        writer.add(key, t)
+    if to_stream:
         writer.write_to(path)
-        return
-    with ShardWriter(os.fspath(path), engine, metadata=meta, atomic=True) as writer:
-        for key, t in _writable(encoder.tensors).items():
-            writer.add(key, t)
+    else:
+        writer.close()
 
 
 def _writable(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, Any]:
@@ -298,8 +300,7 @@ def load(path: str | os.PathLike | BinaryIO, map_location: MapLocation = None, *
     A file object is read from where it stands to its end into memory, which the tensors
     then map; one opened on a file, at its start, is read as that file."""
     map_location = resolve_map_location(map_location)
-    device = _cuda_device(map_location)
-    _check_device(mmap, device)
+    device = _cuda_device(map_location, mmap)
     if is_stream(path):
         with stream_as_file(path) as (staged, in_memory):
             # Mapped from memory: the tensors keep what the stream was read into, with no copy.
@@ -324,9 +325,11 @@ def load(path: str | os.PathLike | BinaryIO, map_location: MapLocation = None, *
     return _decode(structure, arrays, os.fspath(path), map_location)
 
 
-def _cuda_device(map_location: Any, out: Mapping[str, torch.Tensor] | None = None) -> torch.device | None:
+def _cuda_device(map_location: Any, mmap: bool, out: Mapping[str, torch.Tensor] | None = None) -> torch.device | None:
     """The CUDA device a load lands on (``map_location``'s, or that of the ``out``
-    tensors), or None for a load to the host."""
+    tensors), or None for a load to the host. Refuses one that cannot be: to any other
+    device, mapping files (``mmap``: host memory), or to a GPU torch has not (else torch's
+    own failure deep inside: "Torch not compiled with CUDA enabled")."""
     devices = {t.device for t in (out or {}).values() if t.device.type != "cpu"}
     if map_location is not None and torch.device(map_location).type != "cpu":
         devices.add(torch.device(map_location))
@@ -339,22 +342,12 @@ def _cuda_device(map_location: Any, out: Mapping[str, torch.Tensor] | None = Non
                     "(nothing is read until touched) or run 'tensorferry inspect PATH'")
         raise ValueError(f"a load lands on the host or on one CUDA device, not on {sorted(map(str, devices))}{hint}")
     device = next(iter(devices))
-    if device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _check_device(mmap: bool, device: torch.device | None) -> None:
-    """Refuses a load to ``device`` that cannot be: one mapping files (host memory), or one
-    to a GPU torch has not (else torch's own failure deep inside: "Torch not compiled
-    with CUDA enabled")."""
-    if device is None:
-        return
     if mmap:
         raise ValueError(f"mmap=True maps files into host memory; to load to {device} leave it off")
     if not torch.cuda.is_available():
         raise RuntimeError(f"a load to {device}, but torch.cuda.is_available() is False: on a machine "
                            "without a GPU, load with map_location='cpu'")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def _host_names(structure: Any) -> set[str]:
@@ -409,8 +402,7 @@ def load_checkpoint(directory: str | os.PathLike, map_location: MapLocation = No
     :func:`load`, for tensorferry checkpoints and folders of safetensors files.
     """
     map_location = resolve_map_location(map_location)
-    device = _cuda_device(map_location, out)
-    _check_device(mmap, device)
+    device = _cuda_device(map_location, mmap, out)
     if device is not None and listed_by_manifest(directory):
         manifest, arrays = _load_directory_to_device(directory, names, out, device, engine, verify)
     else:
