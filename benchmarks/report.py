@@ -101,6 +101,9 @@ COMMANDS = [
     ("peers", "python benchmarks/bench_peers.py --dir DIR --size 2G --repeat 3 --results benchmarks/results",
      "every load and save path against torch.save/load, safetensors, DCP, the Run:ai model streamer, "
      "fastsafetensors, tensorizer, DeepSpeed's `aio_handle` and FastPersist, where installed"),
+    ("streams", "python benchmarks/bench_streams.py --size 1G --repeat 3 --results benchmarks/results",
+     "`save`/`load` through `io.BytesIO` and a stream without seek, against `torch.save`/`torch.load` and "
+     "safetensors' bytes API, in memory"),
     ("hf", "python benchmarks/bench_hf.py --dir DIR --size 1G --shards 4 --repeat 3 --results benchmarks/results",
      "`adapters.pytorch.load` of a Hugging Face folder against safetensors' `load_file` of its shards, every byte "
      "touched"),

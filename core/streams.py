@@ -1,9 +1,8 @@
 """File objects where a path is expected (``load(io.BytesIO(...))``, a stream of
-fsspec's), as ``torch.load`` takes them: the stream is copied in one pass into an
-anonymous in-memory file (``memfd_create``) that the engine opens by path, and the load
-maps that memory rather than copying it again, so a stream's bytes are held once. A file
-opened for reading, at its start, is read as the file it is. (A save to a stream needs
-no file: :meth:`ShardWriter.write_to`.)"""
+fsspec's), as ``torch.load`` takes them. A file opened for reading, at its start, is read
+as the file it is; any other stream is read once into new memory by
+:class:`~tensorferry.shard.StreamReader`, and a save writes to a stream directly
+(:meth:`~tensorferry.shard.ShardWriter.write_to`)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from typing import Any, Iterator
 
 from .errors import TensorferryError
 
-# A stream is read in pieces of this size: read whole, it would be held twice.
+# A stream is read in pieces of this size, each faulted in just before it is read into.
 STREAM_PIECE = 16 << 20
 
 
@@ -42,34 +41,19 @@ def _errors_naming(stream: Any, path: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def memory_file(stream: Any) -> Iterator[str]:
-    """A path to a new, empty file in memory, gone once the block ends and nothing maps
-    it. Errors that name it name ``stream`` instead."""
-    fd = os.memfd_create("tensorferry-stream", os.MFD_CLOEXEC)
-    path = f"/proc/self/fd/{fd}"
-    try:
-        with _errors_naming(stream, path):
-            yield path
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def stream_as_file(stream: Any) -> Iterator[tuple[str, bool]]:
-    """For a load: a path to the bytes of ``stream`` from where it stands to its end, and
-    whether they were copied into memory. A file object over a regular file at its start
-    (``open(path, "rb")``) is that file, read by the engine with O_DIRECT as a path would
-    be, and left at its end, as ``torch.load`` leaves it; any other is copied into a
-    :func:`memory_file`."""
+def file_behind(stream: Any) -> Iterator[str | None]:
+    """For a load: a path to the file ``stream`` reads, where it is a file object over a
+    regular file at its start (``open(path, "rb")``), so that the engine reads that file with
+    O_DIRECT as it would by path, and then leaves the stream at its end, as ``torch.load``
+    does; None for any other stream (:class:`~tensorferry.shard.StreamReader` reads those).
+    Errors of the block that name the path name the stream."""
     own = _regular_file_at_start(stream)
-    if own is not None:
-        with _errors_naming(stream, own):
-            yield own, False
-        stream.seek(0, os.SEEK_END)
+    if own is None:
+        yield None
         return
-    with memory_file(stream) as staged:
-        copy_from_stream(stream, staged)
-        yield staged, True
+    with _errors_naming(stream, own):
+        yield own
+    stream.seek(0, os.SEEK_END)
 
 
 def _regular_file_at_start(stream: Any) -> str | None:
@@ -84,14 +68,6 @@ def _regular_file_at_start(stream: Any) -> str | None:
     return f"/proc/self/fd/{fd}" if position == 0 and stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
-def copy_from_stream(stream: Any, path: str) -> None:
-    """The rest of ``stream`` (from where it stands, as ``torch.load`` reads) into ``path``."""
-    require(stream, "read", "load")
-    with open(path, "wb") as out:
-        while piece := stream.read(STREAM_PIECE):
-            out.write(piece)
-
-
 def require(stream: Any, method: str, verb: str) -> None:
     """A ``TypeError`` unless ``stream`` has ``method`` (``read`` for a load, ``write`` for a save)."""
     if not hasattr(stream, method):
@@ -99,4 +75,4 @@ def require(stream: Any, method: str, verb: str) -> None:
                         f"with {method}()")
 
 
-__all__ = ["copy_from_stream", "is_stream", "memory_file", "require", "stream_as_file", "stream_name"]
+__all__ = ["STREAM_PIECE", "file_behind", "is_stream", "require", "stream_name"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import functools
 import gc
+import json
 import os
 import tempfile
 import warnings
@@ -116,7 +117,7 @@ def test_file_objects_as_torch_save_and_load_take_them(tmp_path, monkeypatch) ->
 
     import fsspec
 
-    import tensorferry.streams
+    import tensorferry.shard
 
     w = torch.randn(300, 70)
     state = {"model": {"w": w, "b": torch.arange(5)}, "tied": w, "step": 7, "name": "run"}
@@ -146,22 +147,82 @@ def test_file_objects_as_torch_save_and_load_take_them(tmp_path, monkeypatch) ->
     # A file opened at its start is read as the file (O_DIRECT, no copy in memory), and
     # left at its end; after a prefix it goes through memory. Errors name its path.
     (tmp_path / "prefixed").write_bytes(b"before" + on_disk)
-    copies = []
-    real_copy = tensorferry.streams.copy_from_stream
-    monkeypatch.setattr(tensorferry.streams, "copy_from_stream", lambda *a: copies.append(1) or real_copy(*a))
+    in_memory = []
+    real_reader = tensorferry.shard.StreamReader.__init__
+    monkeypatch.setattr(tensorferry.shard.StreamReader, "__init__",
+                        lambda self, *a, **k: in_memory.append(1) or real_reader(self, *a, **k))
     with open(tmp_path / "by_path.safetensors", "rb") as opened, open(tmp_path / "prefixed", "rb") as prefixed:
         prefixed.seek(len(b"before"))
-        for f, copied in ((opened, 0), (prefixed, 1)):
-            assert torch.equal(load(f)["model"]["w"], w) and len(copies) == copied and f.read() == b""
+        for f, through_memory in ((opened, 0), (prefixed, 1)):
+            assert torch.equal(load(f)["model"]["w"], w) and len(in_memory) == through_memory and f.read() == b""
     import gzip  # its fileno() is the compressed file's: read through the stream, decompressed
     with gzip.open(tmp_path / "state.safetensors.gz", "wb") as packed:
         save(state, packed)
     with gzip.open(tmp_path / "state.safetensors.gz", "rb") as packed:
-        assert torch.equal(load(packed)["model"]["w"], w) and len(copies) == 2
+        assert torch.equal(load(packed)["model"]["w"], w) and len(in_memory) == 2
     (tmp_path / "pickled.pt").write_bytes(pickled.getvalue())
     with open(tmp_path / "pickled.pt", "rb") as opened:
         with pytest.raises(tensorferry.CorruptCheckpointError, match=f"{tmp_path}/pickled.pt: not a safetensors"):
             load(opened)
+
+
+def test_streams_read_once_through_the_last_tensor() -> None:
+    """A stream that is not a file at its start is read into new memory through its last
+    tensor, and no further: two saves written back to back into a pipe load one after the
+    other. Streams without seek or readinto load too; a short one is truncated, a damaged
+    one fails its checksum, naming the stream; the source stays the caller's to change."""
+    import io
+    import threading
+
+    first = {"w": torch.randn(1000, 300), "step": 1}
+    second = {"w": torch.randn(7), "b": torch.ones(3, dtype=torch.bfloat16), "step": 2}
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, "rb") as pipe:
+        def writer() -> None:
+            with os.fdopen(write_end, "wb") as out:
+                save(first, out)
+                save(second, out)
+        thread = threading.Thread(target=writer)
+        thread.start()
+        loaded = [load(pipe), load(pipe)]
+        thread.join()
+        assert pipe.read() == b""
+    for back, state in zip(loaded, (first, second)):
+        assert back["step"] == state["step"] and all(torch.equal(back[k], state[k]) for k in state if k != "step")
+
+    class ReadOnly:  # read() alone: no readinto, seek or tell, as some wrappers have
+        def __init__(self, data: bytes) -> None:
+            self.data, self.at = data, 0
+
+        def read(self, n: int = -1) -> bytes:
+            piece = self.data[self.at:] if n < 0 else self.data[self.at:self.at + n]
+            self.at += len(piece)
+            return piece
+
+    source = io.BytesIO()
+    save(first, source)
+    data = source.getvalue()
+    assert torch.equal(load(ReadOnly(data))["w"], first["w"])
+    source.seek(0)
+    back = load(source)
+    source.write(b"changed")  # the tensors hold memory of their own, not a view of the BytesIO's
+    assert torch.equal(back["w"], first["w"])
+    with pytest.raises(tensorferry.CorruptCheckpointError, match=r"<ReadOnly>: the stream ends 100 bytes .*truncated"):
+        load(ReadOnly(data[:-100]))
+    header = json.dumps({"x": {"dtype": "U8", "shape": [1 << 60], "data_offsets": [0, 1 << 60]}}).encode()
+    with pytest.raises(MemoryError, match=f"<ReadOnly>: its tensors take {1 << 60} bytes"):
+        load(ReadOnly(len(header).to_bytes(8, "little") + header))
+    damaged = bytearray(data)
+    damaged[-5] ^= 1
+    with pytest.raises(tensorferry.CorruptCheckpointError, match=r"<BytesIO>: checksum mismatch in tensor"):
+        load(io.BytesIO(bytes(damaged)))
+    assert torch.equal(load(io.BytesIO(bytes(damaged)), verify=False)["w"].flatten()[:-2], first["w"].flatten()[:-2])
+    class WriteOnly:
+        def write(self, data: bytes) -> int:
+            return len(data)
+
+    with pytest.raises(TypeError, match="WriteOnly has no read"):
+        load(WriteOnly())
 
 
 def test_load_plain_safetensors_and_map_location(tmp_path) -> None:

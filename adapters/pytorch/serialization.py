@@ -26,8 +26,8 @@ from ...engine import Engine
 from ...errors import CorruptCheckpointError
 from ...layouts.huggingface import INDEX_SUFFIX
 from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse_json
-from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, gc_paused, write_order
-from ...streams import is_stream, require, stream_as_file, stream_name
+from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, StreamReader, gc_paused, write_order
+from ...streams import file_behind, is_stream, require, stream_name
 from .staging import DeviceToHost, read_to_device
 from .tensors import from_array, host_array, safetensors_dtype
 
@@ -297,22 +297,28 @@ def load(path: str | os.PathLike | BinaryIO, map_location: MapLocation = None, *
     that are read, not trained. The file must not be truncated or rewritten in place
     while the tensors live (tensorferry's saves replace files whole).
 
-    A file object is read from where it stands to its end into memory, which the tensors
-    then map; one opened on a file, at its start, is read as that file."""
+    A file object is read once into new memory from where it stands through the file's
+    last tensor, and the tensors are views of that memory; one opened on a file, at its
+    start, is read as that file."""
     map_location = resolve_map_location(map_location)
     device = _cuda_device(map_location, mmap)
     if is_stream(path):
-        with stream_as_file(path) as (staged, in_memory):
-            # Mapped from memory: the tensors keep what the stream was read into, with no copy.
-            return load(staged, map_location, engine=engine, verify=verify, mmap=mmap or in_memory and device is None)
-    if os.path.isdir(path) or os.fspath(path).endswith(INDEX_SUFFIX):
+        with file_behind(path) as own:
+            if own is not None:
+                return load(own, map_location, engine=engine, verify=verify, mmap=mmap)
+        require(path, "read", "load")
+        reader: ShardReader = StreamReader(path, verify=verify)
+    elif os.path.isdir(path) or os.fspath(path).endswith(INDEX_SUFFIX):
         return load_checkpoint(path, map_location, engine=engine, verify=verify, mmap=mmap)
-    with ShardReader(path, engine, verify=verify) as reader:
+    else:
+        reader = ShardReader(path, engine, verify=verify)
+    with reader:
+        where = reader.path
         structure_text = reader.metadata.get(STRUCTURE_KEY)
-        structure = None if structure_text is None else parse_json(structure_text, "saved structure", path)
+        structure = None if structure_text is None else parse_json(structure_text, "saved structure", where)
         if structure is not None:
-            check_structure(structure, os.fspath(path), reader.tensors)
-        if mmap:
+            check_structure(structure, where, reader.tensors)
+        if mmap or isinstance(reader, StreamReader):  # a stream's tensors: views of the memory it was read into
             arrays = reader.map_many()
         elif device is None:
             arrays = reader.read_many(populate=False)  # one file, one thread: see read_many
@@ -322,7 +328,7 @@ def load(path: str | os.PathLike | BinaryIO, map_location: MapLocation = None, *
             arrays.update(reader.read_many([n for n in reader.tensors if n in on_host]))
     if structure is None:
         return _to_tensors(arrays, map_location)
-    return _decode(structure, arrays, os.fspath(path), map_location)
+    return _decode(structure, arrays, where, map_location)
 
 
 def _cuda_device(map_location: Any, mmap: bool, out: Mapping[str, torch.Tensor] | None = None) -> torch.device | None:
