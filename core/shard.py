@@ -816,6 +816,13 @@ def aligned_copy(array: Any) -> np.ndarray:
     return out
 
 
+def item_aligned(array: np.ndarray) -> np.ndarray:
+    """``array``, or where its elements are not aligned to their size (a tensor at an odd
+    offset in another writer's file, read with the file's phase) a copy in aligned memory:
+    numpy marks such arrays unaligned, and kernels that assume alignment fault on ARM."""
+    return array if array.flags.aligned else aligned_copy(array)
+
+
 def aligned_copies(arrays: Sequence[Any]) -> list[np.ndarray]:
     """:func:`aligned_copy` of each array, several at a time: the copies (and the page
     faults of their new memory) run without the GIL, so they take every core."""
@@ -872,7 +879,7 @@ class WholeReads:
             landed = {}
             for name, view in views.items():
                 try:
-                    landed[name] = self.reader._typed(name, self.reader._verified(name, view, True))
+                    landed[name] = item_aligned(self.reader._typed(name, self.reader._verified(name, view, True)))
                 except CorruptCheckpointError as exc:
                     landed[name] = exc
             self._landed[number] = landed
@@ -1106,7 +1113,7 @@ class ShardReader:
             if self.verify:
                 for n, v in views:
                     self.check_checksum(n, v)
-        return results
+        return {n: a if n in out else item_aligned(a) for n, a in results.items()}
 
     def map_many(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """Several tensors (default: all) as arrays over one private, copy-on-write mapping
@@ -1147,21 +1154,17 @@ class ShardReader:
                             populated.append(helper.submit(self._populate, whole, *slices[len(populated)]))
                         populated[at].result()
                         at += 1
-                    results[name] = self._viewed(name, whole[start:end], start)
+                    results[name] = self._viewed(name, whole[start:end])
             finally:
                 for future in populated:
                     future.cancel()
         return {n: results[n] for n in names}
 
-    def _viewed(self, name: str, raw: np.ndarray, at: int) -> np.ndarray:
-        """Tensor ``name`` over its bytes ``raw`` (at address offset ``at`` from an aligned
-        base), verified; copied out where ``at`` does not align them to their item size
-        (files of other writers can)."""
-        if at % to_numpy_dtype(self.tensors[name].dtype).itemsize:
-            raw = aligned_copy(raw)
+    def _viewed(self, name: str, raw: np.ndarray) -> np.ndarray:
+        """Tensor ``name`` over its bytes ``raw``, verified (and :func:`item_aligned`)."""
         if self.verify:
             self.check_checksum(name, raw)
-        return self._typed(name, raw)
+        return item_aligned(self._typed(name, raw))
 
     def _populate(self, whole: np.ndarray, begin: int, end: int) -> None:
         """Reads in the mapping's pages of bytes ``[begin, end)`` (``begin`` page-aligned)."""
@@ -1262,7 +1265,7 @@ class ShardReader:
             # box arithmetic (which cost a JAX restore of 4096 leaves more than its reads).
             buffer = self.buffer_for(name, 0, t.nbytes)
             return BoxRead(self.pread(name, buffer), True,
-                           lambda: self._verified(name, buffer, True).view(dtype).reshape(shape))
+                           lambda: item_aligned(self._verified(name, buffer, True).view(dtype).reshape(shape)))
         if not (len(offsets) == len(lengths) == len(shape)
                 and all(o >= 0 and n >= 0 and o + n <= d for o, n, d in zip(offsets, lengths, shape))):
             raise self._corrupt(f"the box at {list(offsets)} of size {list(lengths)} lies outside tensor "
@@ -1293,7 +1296,7 @@ class ShardReader:
         def assemble() -> np.ndarray:
             self._verified(name, buffer, whole)
             box = np.lib.stride_tricks.as_strided(buffer.view(dtype), lengths, [s * itemsize for s in strides])
-            return box if dest is None else _copy_items(box, dest)
+            return item_aligned(box) if dest is None else _copy_items(box, dest)
 
         return BoxRead(self.pread(name, buffer, first * itemsize), whole, assemble)
 
@@ -1399,8 +1402,7 @@ class StreamReader(ShardReader):
     def map_many(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """Several tensors (default: all), as views of the memory the stream was read into."""
         names = list(self.tensors) if names is None else list(names)
-        return {n: self._viewed(n, self._data[self.info(n).begin:self.info(n).end], self.info(n).begin)
-                for n in names}
+        return {n: self._viewed(n, self._data[self.info(n).begin:self.info(n).end]) for n in names}
 
     def close(self) -> None:
         pass
