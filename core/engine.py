@@ -26,12 +26,17 @@ _MODES = ("r", "r+", "w", "w+", "a")
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
+def is_url(path: Any) -> bool:
+    """Whether ``path`` is a URL (``s3://bucket/x``, ``file:///x``) rather than a path."""
+    return isinstance(path, str) and _URL.match(path) is not None
+
+
 def local_path(path: PathLike) -> str:
     """``path`` as a string; a URL (``s3://``, ``gs://``, ...) is refused with a
     ``ValueError``. The engine reads and writes files of local or mounted filesystems, and
     ``os.makedirs("s3://bucket/ckpt")`` would quietly make a local folder ``s3:``."""
     text = os.fspath(path)
-    if isinstance(text, str) and _URL.match(text):
+    if is_url(text):
         raise ValueError(f"{text!r} is a URL: tensorferry reads and writes files on local or mounted "
                          "filesystems (mount the bucket, with a FUSE driver say, or copy the files)")
     return text

@@ -39,14 +39,15 @@ class Tiny(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=16)
 
 
-def train(root: Path, epochs: int, plugin, resume: Path | None = None, strategy: str = "auto",
-          devices: int = 1, save_last: bool | str = True) -> Tiny:
+def train(root: Path, epochs: int, plugin, resume: Path | str | None = None, strategy: str = "auto",
+          devices: int = 1, save_last: bool | str = True, checkpoints: str | None = None) -> Tiny:
     pl.seed_everything(0, workers=True)
     model = Tiny()
     trainer = pl.Trainer(max_epochs=epochs, default_root_dir=root, accelerator="cpu", devices=devices,
                          strategy=strategy, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, plugins=[plugin], deterministic=True,
-                         callbacks=[ModelCheckpoint(dirpath=root / "ckpts", save_last=save_last, save_top_k=1)])
+                         callbacks=[ModelCheckpoint(dirpath=checkpoints or root / "ckpts", save_last=save_last,
+                                                    save_top_k=1)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
         trainer.fit(model, ckpt_path=resume)
@@ -78,6 +79,33 @@ def test_resume_from_last_ckpt_is_bit_identical(tmp_path: Path, wrap: str) -> No
         assert {"epoch=3-step=16.ckpt", "last.ckpt"} <= left
     else:
         assert left == {"epoch=3-step=16.ckpt", "last.ckpt"}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["plain", "asynchronous"])
+def test_checkpoints_at_a_url_go_through_fsspec(tmp_path: Path, asynchronous: bool) -> None:
+    """A ModelCheckpoint dirpath on another filesystem (fsspec's memory:// here; s3:// or
+    gs:// for users) is written, read and pruned through fsspec, as Lightning's own
+    CheckpointIO does, in the same safetensors format; it was refused as a URL. A sharded
+    checkpoint, a folder written in parallel, still needs a local or mounted filesystem."""
+    import fsspec
+    from safetensors.torch import load as load_safetensors
+
+    remote = f"memory://tensorferry-lightning-{asynchronous}/ckpts"
+    memory = fsspec.filesystem("memory")
+    straight = train(tmp_path / "straight", 4, TensorferryCheckpointIO(asynchronous=asynchronous))
+    train(tmp_path / "interrupted", 2, TensorferryCheckpointIO(asynchronous=asynchronous), checkpoints=remote)
+    assert "state_dict.net.0.weight" in load_safetensors(memory.cat(f"{remote}/last.ckpt"))
+    resumed = train(tmp_path / "interrupted", 4, TensorferryCheckpointIO(asynchronous=asynchronous),
+                    resume=f"{remote}/last.ckpt", checkpoints=remote)
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert sorted(p.rsplit("/", 1)[-1] for p in memory.ls(remote, detail=False)) == ["epoch=3-step=16.ckpt",
+                                                                                    "last.ckpt"]
+    memory.rm(remote.split("/ckpts")[0], recursive=True)
+    with pytest.raises(ValueError, match="sharded checkpoints are directories"):
+        TensorferryCheckpointIO(sharded=True).save_checkpoint({"w": torch.ones(2)}, f"{remote}/x.ckpt")
+    with pytest.raises(FileNotFoundError, match="memory://nowhere/x.ckpt"):
+        TensorferryCheckpointIO().load_checkpoint("memory://nowhere/x.ckpt")
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["file", "folder"])

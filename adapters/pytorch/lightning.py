@@ -5,7 +5,8 @@ makes (``epoch=1-step=20.ckpt``, ``last.ckpt``) as one safetensors file through 
 core (:func:`tensorferry.adapters.pytorch.save`): the tensors at drive speed, the
 entries around them (loops, callbacks, optimizer param groups, hyper-parameters) as
 JSON in its metadata. With ``asynchronous=True`` (or wrapped in Lightning's
-``AsyncCheckpointIO``) it writes in a background thread. Needs the ``[lightning]`` extra.
+``AsyncCheckpointIO``) it writes in a background thread. Checkpoints at a URL (``s3://``)
+go through fsspec, as Lightning's own. Needs the ``[lightning]`` extra.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from typing import Any, Callable
 import torch
 
 try:
+    import fsspec
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("TensorferryCheckpointIO needs Lightning: pip install 'tensorferry[lightning]'") from exc
 
 from ...checkpoint import DEFAULT_SHARD_BYTES
-from ...engine import Engine, local_path
+from ...engine import Engine, is_url, local_path
 from ...temporaries import wait_for_discards
 from .serialization import MapLocation, _storage_key, load, save, save_checkpoint
 
@@ -93,11 +95,23 @@ class TensorferryCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
-        """Writes ``checkpoint`` to ``path``, atomically (a reader never sees half of it)."""
+        """Writes ``checkpoint`` to ``path``, atomically (a reader never sees half of it).
+        A URL of another filesystem (``s3://``, ``gs://``) is written through fsspec, as
+        Lightning's own ``CheckpointIO`` writes it: the same file, streamed, at the
+        network's speed (``sharded`` needs a local or mounted filesystem)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options (got {storage_options!r})")
         if self.asynchronous:
             checkpoint = _snapshot(checkpoint)
+        remote = _remote(path)
+        if remote is not None:
+            if self.sharded:
+                raise ValueError(f"{os.fspath(path)!r}: sharded checkpoints are directories written in parallel "
+                                 "to a local or mounted filesystem; save to a URL without sharded=True")
+            filesystem, inner = remote
+            filesystem.makedirs(os.path.dirname(inner), exist_ok=True)
+            self._later(self._write_remote, checkpoint, filesystem, inner)
+            return
         # Made before returning: ModelCheckpoint(save_last="link") links last.ckpt to
         # the checkpoint as soon as this returns, and a link needs its folder.
         path = local_path(path)
@@ -111,11 +125,23 @@ class TensorferryCheckpointIO(CheckpointIO):
         else:
             save(checkpoint, path, engine=self.engine)
 
+    def _write_remote(self, checkpoint: dict[str, Any], filesystem: Any, path: str) -> None:
+        # In a transaction, as Lightning writes: the file appears once it is whole.
+        with filesystem.transaction, filesystem.open(path, "wb") as stream:
+            save(checkpoint, stream, engine=self.engine)
+
     def load_checkpoint(self, path: str | os.PathLike, map_location: MapLocation = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Reads a checkpoint back as it was saved; ``map_location`` as ``torch.load``
         takes it. ``weights_only`` changes nothing: nothing is unpickled, ever."""
         self.wait()
+        remote = _remote(path)
+        if remote is not None:
+            filesystem, inner = remote
+            if not filesystem.exists(inner):
+                raise FileNotFoundError(f"Checkpoint file not found: {os.fspath(path)}")
+            with filesystem.open(inner, "rb") as stream:
+                return load(stream, map_location, verify=self.verify)
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {os.fspath(path)}")
         return load(path, map_location, engine=self.engine, verify=self.verify)
@@ -149,8 +175,22 @@ class TensorferryCheckpointIO(CheckpointIO):
         self._later(_remove, os.fspath(path))
 
 
+def _remote(path: str | os.PathLike) -> tuple[Any, str] | None:
+    """(fsspec filesystem, path in it) for a URL of a filesystem other than the local one,
+    opened as Lightning opens it; None for a local path."""
+    text = os.fspath(path)
+    if not is_url(text) or fsspec.utils.get_protocol(text) == "file":
+        return None
+    return fsspec.core.url_to_fs(text)
+
+
 def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
+    remote = _remote(path)
+    if remote is not None:
+        filesystem, inner = remote
+        if filesystem.exists(inner):
+            filesystem.rm(inner, recursive=True)
+    elif os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     elif os.path.lexists(path):
         os.unlink(path)
