@@ -9,7 +9,7 @@ from .config import IOConfig, config_override, default_config, parse_size
 from .checkpoint import (PendingCheckpoint, latest_checkpoint, list_checkpoints, load_checkpoint,
                          prune_checkpoints, read_manifest, save_checkpoint, verify_checkpoint)
 from .engine import DirectIOFallbackWarning, Engine, File, IOFuture, default_engine, io_uring_probe, open
-from .shard import ShardInfo, ShardReader, ShardWriter, TensorInfo, gc_paused
+from .shard import ShardInfo, ShardReader, ShardWriter, StreamReader, TensorInfo, gc_paused
 from .data import FileSource
 from .offload import OffloadStore
 from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, ConfigError, CorruptCheckpointError,
@@ -22,7 +22,7 @@ __all__ = [
     "Engine", "EngineClosedError", "File", "IOConfig", "IOFuture", "PinnedMemoryWarning", "PinnedPool",
     "TensorferryError", "TensorferryIOError", "alloc_pinned", "config_override", "default_config",
     "io_uring_probe", "open", "parse_size",
-    "PendingCheckpoint", "ShardInfo", "ShardReader", "ShardWriter", "TensorInfo", "default_engine",
+    "PendingCheckpoint", "ShardInfo", "ShardReader", "ShardWriter", "StreamReader", "TensorInfo", "default_engine",
     "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prune_checkpoints", "read_manifest",
     "save_checkpoint", "verify_checkpoint", "FileSource", "OffloadStore", "GDSUnavailableError",
     "CheckpointSkippedWarning", "DurabilityWarning", "gc_paused",
