@@ -206,6 +206,39 @@ def test_two_workers_of_multi_worker_mirrored_strategy(tmp_path) -> None:
         assert len(first) == len(second) == len(every_row) // 2, way
 
 
+_SERVICE_WORKER = r"""
+import sys
+import tensorflow as tf
+import tensorferry.adapters.tensorflow  # registers the native ops: all a worker needs of tensorferry
+
+config = tf.data.experimental.service.WorkerConfig(dispatcher_address=sys.argv[1])
+worker = tf.data.experimental.service.WorkerServer(config)
+worker.join()
+"""
+
+
+def test_a_tf_data_service_worker_in_another_process(tmp_path) -> None:
+    """tf.data service: the dataset's graph, native reads included, runs in a worker
+    process that built no dataset; importing the adapter registers the ops it needs
+    (before, the worker failed with "Op type not registered 'TensorferryStartReads'")."""
+    import subprocess
+    import sys
+
+    raw = np.random.default_rng(8).integers(0, 256, (64, 1024), dtype=np.uint8)
+    (tmp_path / "r.rec").write_bytes(raw.tobytes())
+    dispatcher = tf.data.experimental.service.DispatchServer()
+    worker = subprocess.Popen([sys.executable, "-c", _SERVICE_WORKER, dispatcher.target.split("://")[1]],
+                              env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    try:
+        ds = make_dataset(str(tmp_path / "r.rec"), record_bytes=1024, batch_size=8).apply(
+            tf.data.experimental.service.distribute(processing_mode="parallel_epochs", service=dispatcher.target))
+        got = np.concatenate([batch.numpy() for batch in ds])
+    finally:
+        worker.kill()
+        worker.wait()
+    np.testing.assert_array_equal(got, raw)
+
+
 def test_batches_are_made_by_the_reads(whole_files, tfrecords, tmp_path) -> None:
     """batch_size: each batch is one call's reads, as .batch() would make it."""
     raw = np.random.default_rng(6).integers(0, 256, size=(50, 4096), dtype=np.uint8)

@@ -9,6 +9,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("tensorferry.adapters.tensorflow needs TensorFlow: "
                       "pip install 'tensorferry[tensorflow]'") from exc
 
-from .data import make_dataset, tfrecord_records
+from .data import _native_ops, make_dataset, tfrecord_records
+
+# Registered at import, not at the first make_dataset: a process that runs these datasets'
+# graphs without building them (a tf.data service worker) needs only import this module.
+_native_ops()
 
 __all__ = ["make_dataset", "tfrecord_records"]
