@@ -17,9 +17,11 @@ import concurrent.futures
 import contextlib
 import errno
 import gc
+import io
 import mmap
 import os
 import secrets
+import stat
 import struct
 import sys
 import threading
@@ -1409,17 +1411,23 @@ class StreamReader(ShardReader):
 
 
 def _remaining(stream: Any) -> int | None:
-    """How many bytes ``stream`` holds past where it stands, where it can say without
-    reading them (seekable from its end: not a decompressing one)."""
+    """How many bytes ``stream`` holds past where it stands, where that is known without
+    reading them: an ``io.BytesIO``, a regular file, an fsspec file (its ``size``). Other
+    streams are not asked, though many can seek from their end: a decompressing one (lzma,
+    bz2, a zip member) would decompress itself through to answer, and again to seek back."""
     try:
-        if not stream.seekable():
+        if isinstance(stream, io.BytesIO):
+            with stream.getbuffer() as view:
+                total = len(view)
+        elif isinstance(getattr(stream, "size", None), int):
+            total = stream.size
+        elif isinstance(getattr(stream, "raw", stream), io.FileIO) and stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
+            total = os.fstat(stream.fileno()).st_size
+        else:
             return None
-        here = stream.tell()
-        end = stream.seek(0, os.SEEK_END)
-        stream.seek(here)
-    except (AttributeError, OSError, ValueError):
+        return total - stream.tell()
+    except (OSError, ValueError):
         return None
-    return end - here
 
 
 def _fill(stream: Any, view: np.ndarray) -> int:

@@ -161,6 +161,13 @@ def test_file_objects_as_torch_save_and_load_take_them(tmp_path, monkeypatch) ->
         save(state, packed)
     with gzip.open(tmp_path / "state.safetensors.gz", "rb") as packed:
         assert torch.equal(load(packed)["model"]["w"], w) and len(in_memory) == 2
+    import bz2
+    import lzma  # these seek from their end by decompressing through: asked no length
+    for opener in (lzma.open, bz2.open):
+        with opener(tmp_path / "state.safetensors.z", "wb") as packed:
+            save(state, packed)
+        with opener(tmp_path / "state.safetensors.z", "rb") as packed:
+            assert torch.equal(load(packed)["model"]["w"], w)
     (tmp_path / "pickled.pt").write_bytes(pickled.getvalue())
     with open(tmp_path / "pickled.pt", "rb") as opened:
         with pytest.raises(tensorferry.CorruptCheckpointError, match=f"{tmp_path}/pickled.pt: not a safetensors"):
