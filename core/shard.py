@@ -17,11 +17,9 @@ import concurrent.futures
 import contextlib
 import errno
 import gc
-import io
 import mmap
 import os
 import secrets
-import stat
 import struct
 import sys
 import threading
@@ -37,7 +35,7 @@ from .dtypes import to_numpy_dtype, to_safetensors_dtype
 from .engine import Engine, File, IOFuture, default_engine, local_path
 from .errors import CorruptCheckpointError, DurabilityWarning, TensorferryIOError
 from .schema import check_tensor_entry, parse_json
-from .streams import STREAM_PIECE, stream_name
+from .streams import STREAM_PIECE, fill_from, read_exactly, remaining_bytes, stream_name
 from .temporaries import NEW_TEMPORARY_TRIES, discard_later, hold_new, release, remove_stale_temporaries, set_aside
 
 ALIGNMENT = 4096
@@ -1371,18 +1369,20 @@ class StreamReader(ShardReader):
     faulted in a piece ahead of each read and filled by the stream's ``readinto``: 1 GiB in
     64 tensors from an ``io.BytesIO`` cost 0.21-0.32 CPU-s/GB so, against 0.64-0.72 copied
     into an in-memory file and mapped, and ``torch.load``'s 0.53-0.82 (docs/architecture.md).
-    Nothing is held twice, but the memory goes back only once every tensor of the file is gone."""
+    Nothing is held twice, but the memory goes back only once every tensor of the file is gone.
+    :meth:`map_many` is its read: those by offset (``read_many``, ``read_box``, ``pread``)
+    need a file, a :class:`ShardReader`'s."""
 
     def __init__(self, stream: Any, *, verify: bool = True) -> None:
         self.path = stream_name(stream)
         self.header_vouched = False
         self.verify = verify
-        available = _remaining(stream)
-        prefix = _read_exactly(stream, 8)
+        available = remaining_bytes(stream)
+        prefix = read_exactly(stream, 8)
         if len(prefix) < 8:
             raise self._corrupt(f"{len(prefix)} bytes is too short for a safetensors header")
         length = self._header_length(prefix, available, "stream")
-        raw = prefix + _read_exactly(stream, length)
+        raw = prefix + read_exactly(stream, length)
         if len(raw) < 8 + length:
             raise self._corrupt(f"header length {length} runs past the end of the {len(raw)}-byte stream", prefix)
         self._take_header(raw, sys.maxsize if available is None else available - len(raw))
@@ -1396,7 +1396,7 @@ class StreamReader(ShardReader):
         for at in range(0, data_size, STREAM_PIECE):
             piece = self._data[at:at + STREAM_PIECE]
             _native.populate(piece.ctypes.data, piece.nbytes)
-            filled = _fill(stream, piece)
+            filled = fill_from(stream, piece)
             if filled < piece.nbytes:
                 raise self._corrupt(f"the stream ends {data_size - at - filled} bytes before its last tensor's "
                                     f"(the data section is {data_size} bytes): truncated")
@@ -1408,47 +1408,3 @@ class StreamReader(ShardReader):
 
     def close(self) -> None:
         pass
-
-
-def _remaining(stream: Any) -> int | None:
-    """How many bytes ``stream`` holds past where it stands, where that is known without
-    reading them: an ``io.BytesIO``, a regular file, an fsspec file (its ``size``). Other
-    streams are not asked, though many can seek from their end: a decompressing one (lzma,
-    bz2, a zip member) would decompress itself through to answer, and again to seek back."""
-    try:
-        if isinstance(stream, io.BytesIO):
-            with stream.getbuffer() as view:
-                total = len(view)
-        elif isinstance(getattr(stream, "size", None), int):
-            total = stream.size
-        elif isinstance(getattr(stream, "raw", stream), io.FileIO) and stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
-            total = os.fstat(stream.fileno()).st_size
-        else:
-            return None
-        return total - stream.tell()
-    except (OSError, ValueError):
-        return None
-
-
-def _fill(stream: Any, view: np.ndarray) -> int:
-    """Reads ``stream`` into ``view`` until it is full or the stream ends; the bytes read."""
-    target = memoryview(view).cast("B")
-    readinto = getattr(stream, "readinto", None)
-    filled = 0
-    while filled < len(target):
-        if readinto is not None:
-            n = readinto(target[filled:]) or 0
-        else:
-            piece = stream.read(len(target) - filled)
-            n = len(piece)
-            target[filled:filled + n] = piece
-        if not n:
-            break
-        filled += n
-    return filled
-
-
-def _read_exactly(stream: Any, nbytes: int) -> bytes:
-    """The next ``nbytes`` of ``stream`` (fewer where it ends first)."""
-    out = bytearray(nbytes)
-    return bytes(out[:_fill(stream, np.frombuffer(out, np.uint8))])

@@ -57,15 +57,70 @@ def file_behind(stream: Any) -> Iterator[str | None]:
 
 
 def _regular_file_at_start(stream: Any) -> str | None:
-    # Only a file's own bytes: a gzip.GzipFile (bz2, lzma alike) answers fileno() with
-    # the compressed file's descriptor, so a stream over another object goes by its reads.
+    fd = _regular_file(stream)
+    try:
+        at_start = fd is not None and stream.tell() == 0
+    except (OSError, ValueError):
+        return None
+    return f"/proc/self/fd/{fd}" if at_start else None
+
+
+def _regular_file(stream: Any) -> int | None:
+    """The descriptor of the regular file whose own bytes ``stream`` reads, or None. Only
+    ``io.FileIO`` streams count: a gzip.GzipFile (bz2, lzma alike) answers fileno() with the
+    compressed file's descriptor; a pipe or a socket is no regular file."""
     if not isinstance(getattr(stream, "raw", stream), io.FileIO):
         return None
     try:
-        fd, position = stream.fileno(), stream.tell()
+        fd = stream.fileno()
+        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
     except (OSError, ValueError):  # io.UnsupportedOperation is both; a closed file, ValueError
         return None
-    return f"/proc/self/fd/{fd}" if position == 0 and stat.S_ISREG(os.fstat(fd).st_mode) else None
+
+
+def remaining_bytes(stream: Any) -> int | None:
+    """How many bytes ``stream`` holds past where it stands, where that is known without
+    reading them: an ``io.BytesIO``, a regular file, an fsspec file (its ``size``). Other
+    streams are not asked, though many can seek from their end: a decompressing one (lzma,
+    bz2, a zip member) would decompress itself through to answer, and again to seek back."""
+    try:
+        if isinstance(stream, io.BytesIO):
+            with stream.getbuffer() as view:
+                total = len(view)
+        elif isinstance(getattr(stream, "size", None), int):
+            total = stream.size
+        elif (fd := _regular_file(stream)) is not None:
+            total = os.fstat(fd).st_size
+        else:
+            return None
+        return total - stream.tell()
+    except (OSError, ValueError):
+        return None
+
+
+def fill_from(stream: Any, buffer: Any) -> int:
+    """Reads ``stream`` into ``buffer`` (contiguous, writable) until it is full or the
+    stream ends, by ``readinto`` where the stream has it; the bytes read."""
+    target = memoryview(buffer).cast("B")
+    readinto = getattr(stream, "readinto", None)
+    filled = 0
+    while filled < len(target):
+        if readinto is not None:
+            n = readinto(target[filled:]) or 0
+        else:
+            piece = stream.read(len(target) - filled)
+            n = len(piece)
+            target[filled:filled + n] = piece
+        if not n:
+            break
+        filled += n
+    return filled
+
+
+def read_exactly(stream: Any, nbytes: int) -> bytes:
+    """The next ``nbytes`` of ``stream`` (fewer where it ends first)."""
+    out = bytearray(nbytes)
+    return bytes(out[:fill_from(stream, out)])
 
 
 def require(stream: Any, method: str, verb: str) -> None:
@@ -75,4 +130,5 @@ def require(stream: Any, method: str, verb: str) -> None:
                         f"with {method}()")
 
 
-__all__ = ["STREAM_PIECE", "file_behind", "is_stream", "require", "stream_name"]
+__all__ = ["STREAM_PIECE", "file_behind", "fill_from", "is_stream", "read_exactly", "remaining_bytes",
+           "require", "stream_name"]
