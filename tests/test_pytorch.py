@@ -211,6 +211,8 @@ def test_streams_read_once_through_the_last_tensor() -> None:
     save(first, source)
     data = source.getvalue()
     assert torch.equal(load(ReadOnly(data))["w"], first["w"])
+    arrays = tensorferry.StreamReader(io.BytesIO(data)).map_many()  # the core's reader, for numpy and JAX
+    assert list(arrays) == ["w"] and np.array_equal(arrays["w"], first["w"].numpy())
     source.seek(0)
     back = load(source)
     source.write(b"changed")  # the tensors hold memory of their own, not a view of the BytesIO's
