@@ -398,6 +398,30 @@ def test_cuda_tensors_are_staged_through_pinned_memory(tmp_path) -> None:
         assert torch.equal(loaded[k], v) and torch.equal(into[k], v)
 
 
+@requires_cuda
+def test_cuda_state_through_streams(tmp_path) -> None:
+    """CUDA tensors saved into a file object (``io.BytesIO``, gzip) and loaded from one,
+    to the GPU in every form of ``map_location`` and to the host: the stream path
+    (:class:`~tensorferry.StreamReader`), not the file path of the test above."""
+    import gzip
+    import io
+
+    state = {"w": torch.randn(1 << 20, device="cuda"), "h": torch.randn(3, 5, device="cuda").to(torch.bfloat16),
+             "t": torch.arange(12, device="cuda").reshape(3, 4).t(), "step": 7}  # t: not contiguous
+    buffer = io.BytesIO()
+    save(state, buffer)
+    with gzip.open(tmp_path / "s.gz", "wb") as packed:
+        save(state, packed)
+    for where in ("cuda", "cuda:0", torch.device("cuda"), {"cpu": "cuda:0"}, lambda s, _: s.cuda()):
+        for stream in (io.BytesIO(buffer.getvalue()), gzip.open(tmp_path / "s.gz", "rb")):
+            loaded = load(stream, map_location=where)
+            assert loaded["step"] == 7
+            for k in ("w", "h", "t"):
+                assert loaded[k].device.type == "cuda" and torch.equal(loaded[k], state[k]), (k, where)
+    on_host = load(io.BytesIO(buffer.getvalue()))
+    assert all(on_host[k].device.type == "cpu" and torch.equal(on_host[k], state[k].cpu()) for k in ("w", "h", "t"))
+
+
 def test_dcp_round_trip_single_process(tmp_path) -> None:
     state = {"model": {f"t{i}": random_tensor(d, (7, 5), i) for i, d in enumerate(DTYPES)},
              "meta": {"step": 12, "note": "x"}}
