@@ -422,6 +422,47 @@ def test_cuda_state_through_streams(tmp_path) -> None:
     assert all(on_host[k].device.type == "cpu" and torch.equal(on_host[k], state[k].cpu()) for k in ("w", "h", "t"))
 
 
+@pytest.mark.slow
+def test_a_tensor_past_2_gib_on_every_path(tmp_path) -> None:
+    """A tensor of more than 2**31 bytes (an LLM's embedding in bf16 is about that), and a
+    tensor stored after it at a file offset past 2**31: where a 32-bit length or offset
+    in the native engine, the checksums or the layout code would wrap or a read would
+    stop at Linux's 2 GiB per call, some path here gets wrong bytes or a short read."""
+    psutil = pytest.importorskip("psutil")
+    if psutil.virtual_memory().available < 8 << 30:
+        pytest.skip("needs 8 GiB of free memory (a 2 GiB tensor and its copies)")
+    big = torch.zeros((1 << 31) + 4096 + 3, dtype=torch.uint8)  # untouched pages cost no memory
+    marks = [0, 4095, (1 << 31) - 1, 1 << 31, (1 << 31) + 4097, big.numel() - 1]
+    big[marks] = torch.arange(1, len(marks) + 1, dtype=torch.uint8)
+    # Of the same element size, so laid out after it (write_order: largest element size first).
+    state = {"a.embed": big, "b.after": (torch.arange(1000) % 251).to(torch.uint8)}
+
+    def check(loaded: dict, how: str) -> None:
+        assert loaded["a.embed"].shape == big.shape, how
+        assert loaded["a.embed"][marks].tolist() == big[marks].tolist(), how
+        assert int(loaded["a.embed"].count_nonzero()) == len(marks), how
+        assert torch.equal(loaded["b.after"], state["b.after"]), how
+
+    save(state, tmp_path / "one.safetensors")
+    with tensorferry.ShardReader(tmp_path / "one.safetensors") as reader:
+        assert reader.tensors["b.after"].begin > 1 << 31, "the second tensor is stored past 2 GiB"
+    check(load(tmp_path / "one.safetensors"), "load")
+    check(load(tmp_path / "one.safetensors", mmap=True), "load(mmap=True)")
+    save_checkpoint(tmp_path / "ckpt", state)
+    check(load_checkpoint(tmp_path / "ckpt"), "load_checkpoint")
+    assert tensorferry.verify_checkpoint(tmp_path / "ckpt") == []
+    dcp.save(state, storage_writer=DCPWriter(tmp_path / "dcp"))
+    into = {name: torch.ones_like(t) for name, t in state.items()}
+    dcp.load(into, storage_reader=DCPReader(tmp_path / "dcp"))
+    check(into, "DCPReader")
+    # The engine alone, one request of more than 2 GiB each way.
+    with tensorferry.Engine() as engine:
+        engine.pwrite(big, tmp_path / "raw", offset=4096).result()
+        back = torch.empty_like(big)
+        engine.pread(back, tmp_path / "raw", offset=4096).result()
+    check({"a.embed": back, "b.after": state["b.after"]}, "Engine.pread/pwrite")
+
+
 def test_dcp_round_trip_single_process(tmp_path) -> None:
     state = {"model": {f"t{i}": random_tensor(d, (7, 5), i) for i, d in enumerate(DTYPES)},
              "meta": {"step": 12, "note": "x"}}
