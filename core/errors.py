@@ -25,9 +25,14 @@ class TensorferryIOError(TensorferryError, OSError):
         super().__init__(err, f"{message}{where}", path)
         self.offset = offset
         self.length = length
+        self._message = message  # strerror holds the offset too: made again from this, not from it
+
+    def naming(self, path: str) -> "TensorferryIOError":
+        """The same error, naming ``path`` as the file."""
+        return type(self)(self.errno, self._message, path, self.offset, self.length)
 
     def __reduce__(self):
-        return (type(self), (self.errno, self.strerror, self.filename, self.offset, self.length))
+        return (type(self), (self.errno, self._message, self.filename, self.offset, self.length))
 
 
 class EngineClosedError(TensorferryError, ValueError):

@@ -236,11 +236,14 @@ class ShardWriter:
 
     def __init__(self, path: str | os.PathLike, engine: Engine | None = None,
                  buffer_size: int = DEFAULT_BUFFER_SIZE, *, metadata: Mapping[str, str] | None = None,
-                 staging_bytes: int = 256 << 20, atomic: bool = False) -> None:
+                 staging_bytes: int = 256 << 20, atomic: bool = False, keep_on_failure: bool = False) -> None:
         self.path = local_path(path)
         # With ``atomic``, the file is written under a temporary name and renamed over
         # ``path`` only once complete and durable: a reader never sees half a file.
         self._write_path = _temporary_name(self.path) if atomic else self.path
+        # A failed write removes its file, unless the file is the caller's (an open file
+        # written through its /proc/self/fd link, which cannot be unlinked either).
+        self._keep_on_failure = keep_on_failure
         self.staging_bytes = staging_bytes
         self.engine = engine or default_engine()
         self.buffer_size = max(ALIGNMENT, round_up(buffer_size, ALIGNMENT))
@@ -317,7 +320,7 @@ class ShardWriter:
                     discard_later(replaced)
         except BaseException:
             file.close()
-            _remove_quietly(self._write_path)
+            self.abort()
             raise
         finally:
             release(lock)
@@ -362,9 +365,10 @@ class ShardWriter:
         raise FileExistsError(f"{self._write_path}: taken by another save to {self.path} as it was made")
 
     def abort(self) -> None:
-        """Discards the file (if any was started)."""
+        """Discards the file (if any was started), unless it is the caller's (``keep_on_failure``)."""
         self.info = None
-        _remove_quietly(self._write_path)
+        if not self._keep_on_failure:
+            _remove_quietly(self._write_path)
 
     def __enter__(self) -> "ShardWriter":
         return self

@@ -1,7 +1,8 @@
 """File objects where a path is expected (``load(io.BytesIO(...))``, a stream of
-fsspec's), as ``torch.load`` takes them. A file opened for reading, at its start, is read
-as the file it is; any other stream is read once into new memory by
-:class:`~tensorferry.shard.StreamReader`, and a save writes to a stream directly
+fsspec's), as ``torch.load`` and ``torch.save`` take them. A file opened for reading, at
+its start, is read as the file it is, and one just opened for writing is written as the
+file it is; any other stream is read once into new memory by
+:class:`~tensorferry.shard.StreamReader`, or written directly
 (:meth:`~tensorferry.shard.ShardWriter.write_to`)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import stat
 from typing import Any, Iterator
 
-from .errors import TensorferryError
+from .errors import TensorferryError, TensorferryIOError
 
 # A stream is read in pieces of this size, each faulted in just before it is read into.
 STREAM_PIECE = 16 << 20
@@ -34,6 +35,10 @@ def _errors_naming(stream: Any, path: str) -> Iterator[None]:
     """Errors of the block that name ``path`` (a /proc/self/fd link) name ``stream`` instead."""
     try:
         yield
+    except TensorferryIOError as exc:
+        if exc.filename == path:
+            raise exc.naming(stream_name(stream)) from None
+        raise
     except TensorferryError as exc:
         if path in str(exc) and not isinstance(exc, OSError):
             raise type(exc)(str(exc).replace(path, stream_name(stream))) from None
@@ -41,13 +46,17 @@ def _errors_naming(stream: Any, path: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def file_behind(stream: Any) -> Iterator[str | None]:
+def file_behind(stream: Any, *, for_write: bool = False) -> Iterator[str | None]:
     """For a load: a path to the file ``stream`` reads, where it is a file object over a
     regular file at its start (``open(path, "rb")``), so that the engine reads that file with
     O_DIRECT as it would by path, and then leaves the stream at its end, as ``torch.load``
     does; None for any other stream (:class:`~tensorferry.shard.StreamReader` reads those).
-    Errors of the block that name the path name the stream."""
-    own = _regular_file_at_start(stream)
+    For a save (``for_write``): a path to the file ``stream`` writes, where it is one just
+    opened to be written (``open(path, "wb")``: mode ``wb`` or ``xb``, still empty), so that
+    the engine writes it as it would by path (O_DIRECT, fsynced), in place: the file is the
+    caller's, so it is not replaced atomically. Errors of the block that name the path name
+    the stream."""
+    own = _regular_file_at_start(stream, for_write)
     if own is None:
         yield None
         return
@@ -56,10 +65,15 @@ def file_behind(stream: Any) -> Iterator[str | None]:
     stream.seek(0, os.SEEK_END)
 
 
-def _regular_file_at_start(stream: Any) -> str | None:
+def _regular_file_at_start(stream: Any, for_write: bool = False) -> str | None:
     fd = _regular_file(stream)
     try:
-        at_start = fd is not None and stream.tell() == 0
+        # "r+b" and "ab" streams go the stream's way: a save writes over or after what
+        # they hold, as torch.save does, where the engine would truncate.
+        if fd is None or (for_write and (getattr(stream, "mode", None) not in ("wb", "xb")
+                                         or os.fstat(fd).st_size != 0)):
+            return None
+        at_start = stream.tell() == 0
     except (OSError, ValueError):
         return None
     return f"/proc/self/fd/{fd}" if at_start else None

@@ -296,6 +296,13 @@ def test_disk_full(engine: Engine, small_tmpfs: str) -> None:
         engine.write(random_bytes(8 << 20), path)
     assert info.value.errno == errno.ENOSPC
     assert info.value.filename == path
+    # As another process gets it (a DataLoader worker's, another rank's through DCP): the
+    # same message, not one with its offset said twice.
+    import pickle
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert (str(copy), copy.errno, copy.filename, copy.offset, copy.length) == \
+        (str(info.value), errno.ENOSPC, path, info.value.offset, info.value.length)
+    assert info.value.length and str(copy).count(" at offset ") == 1
 
 
 def test_use_after_close(backend: str, tmp_path) -> None:

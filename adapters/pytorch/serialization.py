@@ -9,6 +9,7 @@ the metadata as JSON. Any safetensors reader can open the files.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import sys
@@ -238,7 +239,9 @@ def save(obj: Any, path: str | os.PathLike | BinaryIO, *, metadata: dict[str, st
 
     The file replaces ``path`` atomically once it is complete and durable. A file object
     (``io.BytesIO``, an fsspec stream) gets the same bytes written from where it stands,
-    as ``torch.save`` writes (:meth:`ShardWriter.write_to`). Tensors that
+    as ``torch.save`` writes (:meth:`ShardWriter.write_to`); one just opened on a file to
+    be written (``open(path, "wb")``) is written as that file, by the engine, durable
+    but in place. Tensors that
     share memory (tied weights) are stored once and load back as one tensor. Its
     metadata says ``{"format": "pt"}`` (unless ``metadata`` says otherwise), as
     safetensors' torch module writes and transformers asks.
@@ -250,15 +253,16 @@ def save(obj: Any, path: str | os.PathLike | BinaryIO, *, metadata: dict[str, st
     to_stream = is_stream(path)
     if to_stream:
         require(path, "write", "save")
-    # Nothing is opened before close() (or write_to), which clean up after themselves on failure.
-    writer = ShardWriter(stream_name(path) if to_stream else os.fspath(path), engine, metadata=meta,
-                         atomic=not to_stream)
-    for key, t in _writable(encoder.tensors).items():
-        writer.add(key, t)
-    if to_stream:
-        writer.write_to(path)
-    else:
-        writer.close()
+    with file_behind(path, for_write=True) if to_stream else contextlib.nullcontext() as own:
+        # Nothing is opened before close() (or write_to), which clean up after themselves on failure.
+        writer = ShardWriter(own or (stream_name(path) if to_stream else os.fspath(path)), engine,
+                             metadata=meta, atomic=not to_stream, keep_on_failure=own is not None)
+        for key, t in _writable(encoder.tensors).items():
+            writer.add(key, t)
+        if to_stream and own is None:
+            writer.write_to(path)
+        else:
+            writer.close()
 
 
 def _writable(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, Any]:
