@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import errno
 import gc
+import io
 import mmap
 import os
 import secrets
@@ -331,12 +332,25 @@ class ShardWriter:
     def write_to(self, stream: Any) -> None:
         """Writes the file to a writable file object (``io.BytesIO``, an fsspec stream)
         instead, from where it stands: the same bytes as :meth:`close` writes. The
-        checksums go in the header, ahead of the data, so every tensor is hashed before any
-        is written; each is then handed to ``stream.write`` as it lies in memory (a lazy
-        source's array is made once and held until then). ``path`` only names the stream."""
+        checksums go in the header, ahead of the data. Into an ``io.BytesIO``, which can
+        be written again behind, the header's place is held (its length does not depend on
+        the checksums), each tensor is hashed a piece at a time as the piece is written,
+        while it is in the cache, and the header goes in last. Any other stream gets every
+        tensor hashed before any is written, then each handed to ``stream.write`` as it
+        lies in memory (a lazy source's array is made once and held until then): every
+        byte read twice. ``path`` only names the stream."""
         if self._plan is None:
             self.plan()
         entries, _, _, header = self._plan
+        if isinstance(stream, io.BytesIO):
+            start = stream.tell()
+            stream.write(bytes(header.size))
+            checksums = {e.name: _write_hashing(stream, _Streamer._bytes_of(e)) for e in entries}
+            end = stream.tell()
+            stream.seek(start)
+            stream.write(header.encode(checksums))
+            stream.seek(end)
+            return
         data = [_Streamer._bytes_of(e) for e in entries]
         stream.write(header.encode({e.name: digest(d) for e, d in zip(entries, data)}))
         for d in data:
@@ -378,6 +392,21 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+def _write_hashing(stream: Any, data: np.ndarray) -> str:
+    """Writes ``data`` to ``stream`` a piece at a time, each hashed just before it is
+    written (while it is in the cache); its checksum."""
+    if data.nbytes <= COPY_PIECE:
+        checksum = digest(data)
+        stream.write(data)
+        return checksum
+    hasher = new_hasher()
+    for at in range(0, data.nbytes, COPY_PIECE):
+        piece = data[at:at + COPY_PIECE]
+        hasher.update(piece)
+        stream.write(piece)
+    return hasher.hexdigest()
 
 
 class _Plan(NamedTuple):
