@@ -442,7 +442,7 @@ def test_cuda_tensors_are_staged_through_pinned_memory(tmp_path) -> None:
 
 @requires_cuda
 def test_cuda_state_through_streams(tmp_path) -> None:
-    """CUDA tensors saved into a file object (``io.BytesIO``, gzip) and loaded from one,
+    """CUDA tensors saved into a file object (``io.BytesIO``, gzip, an open file) and loaded from one,
     to the GPU in every form of ``map_location`` and to the host: the stream path
     (:class:`~tensorferry.StreamReader`), not the file path of the test above."""
     import gzip
@@ -454,6 +454,9 @@ def test_cuda_state_through_streams(tmp_path) -> None:
     save(state, buffer)
     with gzip.open(tmp_path / "s.gz", "wb") as packed:
         save(state, packed)
+    with open(tmp_path / "opened", "wb") as opened:  # written as the file, by the engine
+        save(state, opened)
+    assert (tmp_path / "opened").read_bytes() == buffer.getvalue()
     for where in ("cuda", "cuda:0", torch.device("cuda"), {"cpu": "cuda:0"}, lambda s, _: s.cuda()):
         for stream in (io.BytesIO(buffer.getvalue()), gzip.open(tmp_path / "s.gz", "rb")):
             loaded = load(stream, map_location=where)
