@@ -51,10 +51,10 @@ def file_behind(stream: Any, *, for_write: bool = False) -> Iterator[str | None]
     regular file at its start (``open(path, "rb")``), so that the engine reads that file with
     O_DIRECT as it would by path, and then leaves the stream at its end, as ``torch.load``
     does; None for any other stream (:class:`~tensorferry.shard.StreamReader` reads those).
-    For a save (``for_write``): a path to the file ``stream`` writes, where it is one just
-    opened to be written (``open(path, "wb")``: mode ``wb`` or ``xb``, still empty), so that
-    the engine writes it as it would by path (O_DIRECT, fsynced), in place: the file is the
-    caller's, so it is not replaced atomically. Errors of the block that name the path name
+    For a save (``for_write``): a path to the file ``stream`` writes, where it is a file
+    opened for writing that is still empty (``open(path, "wb")``, a ``NamedTemporaryFile``),
+    so that the engine writes it as it would by path (O_DIRECT, fsynced), in place: the
+    file is the caller's, so it is not replaced atomically. Errors of the block that name the path name
     the stream."""
     own = _regular_file_at_start(stream, for_write)
     if own is None:
@@ -68,10 +68,9 @@ def file_behind(stream: Any, *, for_write: bool = False) -> Iterator[str | None]
 def _regular_file_at_start(stream: Any, for_write: bool = False) -> str | None:
     fd = _regular_file(stream)
     try:
-        # "r+b" and "ab" streams go the stream's way: a save writes over or after what
-        # they hold, as torch.save does, where the engine would truncate.
-        if fd is None or (for_write and (getattr(stream, "mode", None) not in ("wb", "xb")
-                                         or os.fstat(fd).st_size != 0)):
+        # A file holding bytes goes the stream's way, written over ("r+b") or after ("ab")
+        # what it holds, as torch.save writes it; the engine's open would truncate it.
+        if fd is None or (for_write and (not stream.writable() or os.fstat(fd).st_size != 0)):
             return None
         at_start = stream.tell() == 0
     except (OSError, ValueError):
