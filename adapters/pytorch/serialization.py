@@ -239,10 +239,9 @@ def save(obj: Any, path: str | os.PathLike | BinaryIO, *, metadata: dict[str, st
 
     The file replaces ``path`` atomically once it is complete and durable. A file object
     (``io.BytesIO``, an fsspec stream) gets the same bytes written from where it stands,
-    as ``torch.save`` writes (:meth:`ShardWriter.write_to`); one just opened on a file to
-    be written (``open(path, "wb")``) is written as that file, by the engine, durable
-    but in place. Tensors that
-    share memory (tied weights) are stored once and load back as one tensor. Its
+    as ``torch.save`` writes (:meth:`ShardWriter.write_to`); an empty file opened for
+    writing (``open(path, "wb")``) is written as that file, by the engine, durable but
+    in place. Tensors that share memory (tied weights) are stored once and load back as one tensor. Its
     metadata says ``{"format": "pt"}`` (unless ``metadata`` says otherwise), as
     safetensors' torch module writes and transformers asks.
     """
