@@ -206,6 +206,10 @@ def test_a_file_just_opened_for_writing_is_written_as_the_file(tmp_path, small_t
         save(state, f)
         f.flush()
         assert open(f.name, "rb").read() == on_disk and not through_stream
+    with tempfile.TemporaryFile(dir=tmp_path) as f:  # no name (O_TMPFILE): reopened through /proc all the same
+        save(state, f)
+        f.seek(0)
+        assert f.read() == on_disk and not through_stream
     (tmp_path / "appended").write_bytes(b"before")
     with open(tmp_path / "appended", "ab") as f:
         save(state, f)
