@@ -98,8 +98,11 @@ def remaining_bytes(stream: Any) -> int | None:
     bz2, a zip member) would decompress itself through to answer, and again to seek back."""
     try:
         if isinstance(stream, io.BytesIO):
-            with stream.getbuffer() as view:
-                total = len(view)
+            # By seeking: getbuffer() would first copy a BytesIO made over bytes (which
+            # shares them until then) whole, 1 GiB copied to learn its length.
+            at = stream.tell()
+            total = stream.seek(0, io.SEEK_END)
+            stream.seek(at)
         elif isinstance(getattr(stream, "size", None), int):
             total = stream.size
         elif (fd := _regular_file(stream)) is not None:

@@ -228,6 +228,29 @@ def test_a_file_just_opened_for_writing_is_written_as_the_file(tmp_path, small_t
         save(state, f)  # a file opened for reading alone
 
 
+def test_a_bytesio_over_bytes_is_not_copied_to_be_loaded() -> None:
+    """``load(io.BytesIO(response_bytes))``: the BytesIO shares the bytes until someone
+    asks for its buffer; asking it its length that way (getbuffer()) copied them whole
+    first, 0.1 s and as much memory again per GiB. The load's own memory is allocated
+    natively, out of tracemalloc's sight, so what it traces is such Python copies."""
+    import io
+    import tracemalloc
+
+    state = {"w": torch.randn(4 << 20), "b": torch.arange(3)}
+    stream = io.BytesIO()
+    save(state, stream)
+    data = stream.getvalue()
+    del stream
+    tracemalloc.start()
+    try:
+        loaded = load(io.BytesIO(data))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert torch.equal(loaded["w"], state["w"])
+    assert peak < len(data) // 4, f"{peak} bytes traced while loading {len(data)}"
+
+
 def test_streams_read_once_through_the_last_tensor() -> None:
     """A stream that is not a file at its start is read into new memory through its last
     tensor, and no further: two saves written back to back into a pipe load one after the
