@@ -31,15 +31,15 @@ MANIFEST_CHECKSUM_KEY = b',"manifest_checksum":"'
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
-def member_path(directory: str | os.PathLike, name: Any, *, links_may_leave: bool = False) -> Path:
+def member_path(directory: str | os.PathLike, name: Any) -> Path:
     """The path of file ``name`` inside ``directory``, where ``name`` comes from a file
     that may be damaged or hostile (a manifest, an index, a metadata file).
 
     ``name`` must be a plain file name: a non-empty string without a path separator or
     NUL, not ``.`` or ``..``, at most ``MAX_NAME_BYTES`` bytes in UTF-8. If the entry is
-    a symbolic link, it must resolve to a place inside ``directory`` unless
-    ``links_may_leave`` (a Hugging Face cache snapshot, whose files link to ``../../blobs``,
-    is such a directory). Raises :class:`CorruptCheckpointError` naming both.
+    a symbolic link, it must resolve to a place inside ``directory``, or, where
+    ``directory`` is a snapshot of a Hugging Face cache, into that repository's ``blobs``
+    (:func:`hub_cache_blobs`). Raises :class:`CorruptCheckpointError` naming both.
     """
     directory = os.fspath(directory)
     problem = _name_problem(name)
@@ -47,13 +47,27 @@ def member_path(directory: str | os.PathLike, name: Any, *, links_may_leave: boo
         raise CorruptCheckpointError(f"{directory}: the file name {_shown(name)} {problem}; "
                                      "a checkpoint names only plain files inside itself")
     path = Path(directory, name)
-    if not links_may_leave and path.is_symlink():
-        root = os.path.realpath(directory)
+    if path.is_symlink():
         target = os.path.realpath(path)
-        if os.path.commonpath([root, target]) != root:
+        roots = [os.path.realpath(directory)] + [b for b in [hub_cache_blobs(directory)] if b is not None]
+        if not any(os.path.commonpath([root, target]) == root for root in roots):
             raise CorruptCheckpointError(f"{directory}: {name} is a symbolic link leading out of the "
                                          f"checkpoint (to {target})")
     return path
+
+
+def hub_cache_blobs(directory: str | os.PathLike) -> str | None:
+    """The ``blobs`` folder of the Hugging Face cache repository ``directory`` is a
+    snapshot of (or lies in), or None: ``snapshot_download`` gives
+    ``<cache>/models--org--name/snapshots/<revision>/``, whose files are links to
+    ``../../blobs/<hash>``, the files the repository holds, downloaded once for all its
+    revisions."""
+    at = Path(os.path.realpath(directory))
+    for revision in (at, *at.parents):
+        if revision.parent.name == "snapshots":
+            blobs = revision.parent.parent / "blobs"
+            return str(blobs) if blobs.is_dir() else None
+    return None
 
 
 def _name_problem(name: Any) -> str | None:
@@ -319,4 +333,4 @@ def check_index(where: str, index: Mapping[str, Any], name: str, header: Any) ->
 
 __all__ = ["MAX_DIMS", "MAX_NAME_BYTES", "MAX_SMALL_FILE_BYTES", "check_index", "check_name",
            "check_structure", "check_tensor_entry", "walk_structure", "STRUCTURE_KEY", "member_path", "parse_json",
-           "read_small_file", "seal_manifest", "unseal_manifest", "validate_manifest"]
+           "read_small_file", "seal_manifest", "unseal_manifest", "validate_manifest", "hub_cache_blobs"]

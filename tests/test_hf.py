@@ -45,6 +45,58 @@ def cli(*args: object, expect: int = 0) -> dict:
     return json.loads(result.stdout)
 
 
+def as_hub_cache(folder: Path, cache: Path, repo: str = "models--org--tiny", revision: str = "0" * 40) -> Path:
+    """``folder`` laid out as huggingface_hub keeps a download in its cache: each file once
+    in ``blobs/<sha256>``, and ``snapshots/<revision>/<name>`` a relative link to it (what
+    ``snapshot_download`` and ``from_pretrained`` hand back). The files are moved."""
+    import hashlib
+    import os
+
+    blobs, snapshot = cache / repo / "blobs", cache / repo / "snapshots" / revision
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (cache / repo / "refs").mkdir()
+    (cache / repo / "refs" / "main").write_text(revision)
+    for file in sorted(folder.iterdir()):
+        blob = blobs / hashlib.sha256(file.read_bytes()).hexdigest()
+        os.replace(file, blob)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+def test_a_hugging_face_cache_snapshot_loads(tmp_path: Path) -> None:
+    """What ``snapshot_download`` returns (every file a link to ``../../blobs/<hash>``) is
+    the commonest Hugging Face folder on disk; the index's links were refused as "leading
+    out of the checkpoint". Links into the same repository's blobs are followed; links
+    anywhere else still are not. A tensorferry checkpoint kept on the Hub loads from there
+    too."""
+    from huggingface_hub import scan_cache_dir
+
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    tf_torch.save_checkpoint(tmp_path / "ours", model.state_dict())
+    cache = tmp_path / "hub"
+    snapshot = as_hub_cache(tmp_path / "hf", cache)
+    ours = as_hub_cache(tmp_path / "ours", cache, "models--org--ours")
+    assert {r.repo_id for r in scan_cache_dir(cache).repos} == {"org/tiny", "org/ours"}  # the client's own view
+    expected = saved_weights(model)
+    assert same_tensors(tf_torch.load_checkpoint(snapshot), expected)
+    assert same_tensors(tf_torch.load(snapshot), expected)
+    assert same_tensors(tf_torch.load_checkpoint(snapshot, mmap=True), expected)
+    assert same_tensors(tf_torch.load_checkpoint(ours), model.state_dict())
+    assert tensorferry.verify_checkpoint(ours) == []
+    assert cli("verify", snapshot)["ok"] and cli("inspect", snapshot)["complete"]
+    assert same_tensors(transformers.AutoModelForCausalLM.from_pretrained(snapshot).state_dict(), expected)
+
+    shard = next(p for p in snapshot.iterdir() if p.name.endswith(".safetensors"))
+    for elsewhere in (tmp_path / "elsewhere.safetensors", cache / "models--org--ours" / "blobs" / "x"):
+        elsewhere.write_bytes(shard.resolve().read_bytes())
+        shard.unlink()
+        shard.symlink_to(elsewhere)  # out of the cache, or into another repository's blobs
+        with pytest.raises(tensorferry.CorruptCheckpointError, match="leading out of the checkpoint"):
+            tf_torch.load_checkpoint(snapshot)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_save_pretrained_folders_load(tmp_path: Path, dtype: torch.dtype) -> None:
     model = tiny_llama(dtype)

@@ -41,7 +41,6 @@ def test_member_path_refuses_a_link_leading_out(tmp_path) -> None:
     (inside / "alias").symlink_to("real")
     with pytest.raises(CorruptCheckpointError, match="leading out"):
         member_path(inside, "shard")
-    assert member_path(inside, "shard", links_may_leave=True) == inside / "shard"
     assert member_path(inside, "alias") == inside / "alias"
     assert member_path(inside, "n" * 255) == inside / ("n" * 255)
 
