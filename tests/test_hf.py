@@ -45,6 +45,23 @@ def cli(*args: object, expect: int = 0) -> dict:
     return json.loads(result.stdout)
 
 
+def test_a_peft_adapter_folder_loads(tmp_path: Path) -> None:
+    """PEFT's save_pretrained writes adapter_model.safetensors and adapter_config.json: the
+    folder loads as the adapter's weights, as PEFT itself reads them back."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)  # PEFT starts B at zero: give the test something to compare
+    model.save_pretrained(tmp_path / "lora")
+    from safetensors.torch import load_file
+    expected = load_file(str(tmp_path / "lora" / "adapter_model.safetensors"))
+    assert expected and same_tensors(tf_torch.load_checkpoint(tmp_path / "lora"), expected)
+    assert same_tensors(tf_torch.load(tmp_path / "lora"), expected)
+    ours = peft.get_peft_model_state_dict(model)
+    assert same_tensors(tf_torch.load_checkpoint(tmp_path / "lora"), {k: v.contiguous() for k, v in ours.items()})
+
+
 def as_hub_cache(folder: Path, cache: Path, repo: str = "models--org--tiny", revision: str = "0" * 40) -> Path:
     """``folder`` laid out as huggingface_hub keeps a download in its cache: each file once
     in ``blobs/<sha256>``, and ``snapshots/<revision>/<name>`` a relative link to it (what

@@ -68,6 +68,33 @@ def test_each_layout_is_recognised_and_read(tmp_path: Path) -> None:
     assert layouts.describe(hf)["metadata"] == {"total_size": 1, "format": "pt"}
 
 
+def test_a_folder_of_one_model_file_reads_as_that_file(tmp_path: Path) -> None:
+    """A folder with one safetensors file and no index, as libraries name it
+    (diffusers' diffusion_pytorch_model.safetensors, PEFT's adapter_model.safetensors),
+    reads as that file; it was refused as a tensorferry checkpoint without its manifest.
+    A folder whose one file is a part of one of tensorferry's layouts, or a rank's file of
+    torch's distributed writer, is not taken for a model."""
+    import safetensors.numpy
+
+    for name in ("diffusion_pytorch_model.safetensors", "adapter_model.safetensors", "model.safetensors"):
+        folder = tmp_path / name.split(".")[0]
+        folder.mkdir()
+        safetensors.numpy.save_file(STATE, str(folder / name))
+        (folder / "config.json").write_text("{}")
+        assert layouts.detect(folder).kind == "huggingface"
+        assert all(same(tensorferry.load_checkpoint(folder)[n], a) for n, a in STATE.items())
+        assert cli("verify", folder)["ok"]
+    tensorferry.save_checkpoint(tmp_path / "ckpt", STATE)
+    os.unlink(tmp_path / "ckpt" / tensorferry.checkpoint.MANIFEST)  # a damaged checkpoint, still
+    with pytest.raises(CheckpointNotFoundError, match="not a complete checkpoint"):
+        tensorferry.load_checkpoint(tmp_path / "ckpt")
+    for part in ("rank00000-000.safetensors", "process-0.safetensors", "shard-00000-model-00001-of-00001.safetensors"):
+        folder = tmp_path / part.split(".")[0]
+        folder.mkdir()
+        safetensors.numpy.save_file(STATE, str(folder / part))
+        assert layouts.detect(folder).kind != "huggingface", part
+
+
 def test_an_index_naming_a_file_outside_its_folder_is_refused(tmp_path: Path) -> None:
     import safetensors.numpy
 

@@ -1,6 +1,6 @@
 """A Hugging Face model folder: safetensors shards and ``model.safetensors.index.json``
 (as ``save_pretrained`` and torch's ``HuggingFaceStorageWriter`` write them), or a
-single ``model.safetensors``."""
+single ``model.safetensors`` (or a diffusers or PEFT folder's one safetensors file)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,21 @@ def encode_index(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None
                       indent=2).encode()
 
 
+# A folder's lone safetensors file is read as its model where no index names files, as
+# libraries name it: transformers' model.safetensors, diffusers'
+# diffusion_pytorch_model.safetensors, PEFT's adapter_model.safetensors. Not where it is
+# a file of tensorferry's own layouts (a checkpoint's shard, a DCPWriter rank's, a JAX
+# process's) or a rank's file of torch's distributed writer: without what ties them
+# together, those folders are unfinished or damaged saves, or hold parts of tensors.
+_PARTS = re.compile(r"(shard-\d{5}|rank\d{5}-\d{3}|process-\d+|shard-\d{5}-model-\d{5}-of-\d{5})\.safetensors")
+
+
+def _single_file(directory: str) -> str | None:
+    """The folder's one safetensors file, where it has one and it is a model's."""
+    names = [n for n in os.listdir(directory) if n.endswith(".safetensors")]
+    return names[0] if len(names) == 1 and not _PARTS.fullmatch(names[0]) else None
+
+
 def _index_of(path: str) -> str | None:
     """The index file of a folder (or the index file given), None for a lone model.safetensors."""
     if os.path.isfile(path):
@@ -57,16 +72,15 @@ class HuggingFaceFolder(Layout):
             return path.endswith(INDEX_SUFFIX)
         if not os.path.isdir(path):
             return False
-        names = os.listdir(path)
-        return any(n.endswith(INDEX_SUFFIX) for n in names) or (
-            SINGLE in names and sum(n.endswith(".safetensors") for n in names) == 1)
+        return any(n.endswith(INDEX_SUFFIX) for n in os.listdir(path)) or _single_file(path) is not None
 
     def _index(self) -> tuple[dict[str, str], dict[str, Any]]:
         """The weight map (tensor name: file, each file checked to lie in the folder) and the index's metadata."""
         index_path = _index_of(self.path)
         if index_path is None:
-            with read_header(os.path.join(self.directory, SINGLE)) as reader:
-                return dict.fromkeys(reader.tensors, SINGLE), {}
+            single = _single_file(self.directory) or SINGLE
+            with read_header(os.path.join(self.directory, single)) as reader:
+                return dict.fromkeys(reader.tensors, single), {}
         # In a tensorferry checkpoint the index must match the manifest: an edited one
         # could leave tensors out unnoticed.
         index = parse_json(read_directory_file(self.directory, os.path.basename(index_path)), "index", index_path)
@@ -121,7 +135,7 @@ class HuggingFaceFolder(Layout):
         try:
             _, _, problems, _ = self._survey()
         except CorruptCheckpointError as exc:  # the index, or the single file's header
-            name = os.path.basename(_index_of(self.path) or SINGLE)
+            name = os.path.basename(_index_of(self.path) or _single_file(self.directory) or SINGLE)
             return Verification([name], None, [f"{name}: {exc}"], "")
         weight_map, _ = self._index()
         found = verify_files(self.directory, self._files(weight_map), progress,
