@@ -87,6 +87,23 @@ def test_save_load_nested_state(tmp_path) -> None:
         assert same(t, theirs[f"tensors.{name}"]), name
 
 
+class Wrapping(torch.Tensor):
+    """A tensor subclass over another tensor, holding no bytes of its own (a "wrapper
+    subclass", as torchao's quantized and float8 tensors are)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> "Wrapping":
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = functools.partial(torch.utils._pytree.tree_map, lambda x: x.inner if isinstance(x, Wrapping) else x)
+        return func(*unwrap(args), **unwrap(kwargs or {}))
+
+
 def test_save_keeps_tied_tensors_tied_and_refuses_pickle_only_objects(tmp_path) -> None:
     w = torch.randn(4, 4)
     save({"a": w, "b": w}, tmp_path / "tied.safetensors")
@@ -103,6 +120,7 @@ def test_save_keeps_tied_tensors_tied_and_refuses_pickle_only_objects(tmp_path) 
         warnings.simplefilter("ignore", UserWarning)  # torch: CSR tensors are beta, nested ones a prototype
         no_dense_form["is a sparse_csr tensor"] = torch.eye(2).to_sparse_csr()
         no_dense_form["is a nested tensor"] = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    no_dense_form["is a Wrapping, a tensor subclass that wraps"] = Wrapping(torch.ones(2, 2))  # torchao's kind
     for why, tensor in no_dense_form.items():
         with pytest.raises(TypeError, match=f"m.x {why}"):
             save({"m": {"x": tensor}}, tmp_path / "bad.safetensors")

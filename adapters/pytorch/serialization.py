@@ -48,7 +48,8 @@ def _check_savable(tensor: torch.Tensor, where: str) -> None:
     """Refuses, naming the entry, what has no safetensors form: a DTensor or ShardedTensor
     (one rank's part of a tensor spread over ranks, which saved as it is would have each
     rank write its own shard under the full tensor's name), a dtype safetensors has no
-    name for, a sparse or nested tensor, and a meta tensor (no data)."""
+    name for, a sparse or nested tensor, a meta tensor (no data), and a tensor subclass
+    that wraps others (torchao's), whose bytes are not its own."""
     where = where or "the object"
     for module, name in _SPREAD_OVER_RANKS:  # first: a ShardedTensor answers few attributes
         kind = getattr(sys.modules.get(module), name, None)  # looked up, not imported: none exists unless imported
@@ -65,6 +66,13 @@ def _check_savable(tensor: torch.Tensor, where: str) -> None:
         raise TypeError(f"{where} is a {str(tensor.layout).removeprefix('torch.')} tensor: safetensors holds "
                         "dense tensors; save tensor.to_dense(), or the sparse tensor's own index and value tensors")
     _check_has_data(tensor, where)
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and tensor.device.type != "meta":
+        try:
+            tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # torch's "invalid python storage"
+            raise TypeError(f"{where} is a {type(tensor).__name__}, a tensor subclass that wraps other tensors "
+                            "(as torchao's quantized and float8 tensors do) and holds no bytes of its own: save "
+                            "the tensors it wraps, or a plain tensor made from it (dequantize it first)") from None
 
 
 def _check_has_data(tensor: torch.Tensor, where: str) -> None:
