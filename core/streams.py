@@ -54,8 +54,8 @@ def file_behind(stream: Any, *, for_write: bool = False) -> Iterator[str | None]
     For a save (``for_write``): a path to the file ``stream`` writes, where it is a file
     opened for writing that is still empty (``open(path, "wb")``, a ``NamedTemporaryFile``),
     so that the engine writes it as it would by path (O_DIRECT, fsynced), in place: the
-    file is the caller's, so it is not replaced atomically. Errors of the block that name the path name
-    the stream."""
+    file is the caller's, so it is not replaced atomically. Errors of the block that name
+    the path name the stream."""
     own = _regular_file_at_start(stream, for_write)
     if own is None:
         yield None

@@ -249,9 +249,9 @@ def save(obj: Any, path: str | os.PathLike | BinaryIO, *, metadata: dict[str, st
     (``io.BytesIO``, an fsspec stream) gets the same bytes written from where it stands,
     as ``torch.save`` writes (:meth:`ShardWriter.write_to`); an empty file opened for
     writing (``open(path, "wb")``) is written as that file, by the engine, durable but
-    in place. Tensors that share memory (tied weights) are stored once and load back as one tensor. Its
-    metadata says ``{"format": "pt"}`` (unless ``metadata`` says otherwise), as
-    safetensors' torch module writes and transformers asks.
+    in place. Tensors that share memory (tied weights) are stored once and load back as
+    one tensor. Its metadata says ``{"format": "pt"}`` (unless ``metadata`` says
+    otherwise), as safetensors' torch module writes and transformers asks.
     """
     encoder = _Encoder()
     structure = encoder.encode(obj)
