@@ -70,6 +70,24 @@ def hub_cache_blobs(directory: str | os.PathLike) -> str | None:
     return None
 
 
+def hub_cache_hint(directory: str | os.PathLike) -> str:
+    """For a Hugging Face cache repository (``models--org--name``) given instead of one
+    of its snapshots: which snapshot to give, as a clause to add to the error, or ``""``."""
+    snapshots = os.path.join(directory, "snapshots")
+    if not (os.path.isdir(snapshots) and os.path.isdir(os.path.join(directory, "blobs"))):
+        return ""
+    revisions = sorted(os.listdir(snapshots))
+    try:
+        main = read_small_file(os.path.join(directory, "refs", "main")).decode().strip()
+    except (OSError, CorruptCheckpointError, UnicodeDecodeError):
+        main = None
+    chosen = main if main in revisions else revisions[0] if len(revisions) == 1 else None
+    if chosen is not None:
+        return (f"; it is a Hugging Face cache repository: give its snapshot {os.path.join(snapshots, chosen)} "
+                "(what huggingface_hub.snapshot_download returns)")
+    return f"; it is a Hugging Face cache repository: give one of its snapshots in {snapshots} ({', '.join(revisions)})"
+
+
 def _name_problem(name: Any) -> str | None:
     if not isinstance(name, str):
         return f"is a {type(name).__name__}, not a string"
@@ -333,4 +351,5 @@ def check_index(where: str, index: Mapping[str, Any], name: str, header: Any) ->
 
 __all__ = ["MAX_DIMS", "MAX_NAME_BYTES", "MAX_SMALL_FILE_BYTES", "check_index", "check_name",
            "check_structure", "check_tensor_entry", "walk_structure", "STRUCTURE_KEY", "member_path", "parse_json",
-           "read_small_file", "seal_manifest", "unseal_manifest", "validate_manifest", "hub_cache_blobs"]
+           "read_small_file", "seal_manifest", "unseal_manifest", "validate_manifest", "hub_cache_blobs",
+           "hub_cache_hint"]

@@ -104,6 +104,8 @@ def test_a_hugging_face_cache_snapshot_loads(tmp_path: Path) -> None:
     assert tensorferry.verify_checkpoint(ours) == []
     assert cli("verify", snapshot)["ok"] and cli("inspect", snapshot)["complete"]
     assert same_tensors(transformers.AutoModelForCausalLM.from_pretrained(snapshot).state_dict(), expected)
+    with pytest.raises(tensorferry.CheckpointNotFoundError, match=f"give its snapshot {snapshot}"):
+        tf_torch.load_checkpoint(snapshot.parent.parent)  # the repository, not a snapshot of it
 
     shard = next(p for p in snapshot.iterdir() if p.name.endswith(".safetensors"))
     for elsewhere in (tmp_path / "elsewhere.safetensors", cache / "models--org--ours" / "blobs" / "x"):
