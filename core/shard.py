@@ -342,7 +342,7 @@ class ShardWriter:
         if self._plan is None:
             self.plan()
         entries, _, _, header = self._plan
-        if isinstance(stream, io.BytesIO):
+        if _rewritable(stream):
             start = stream.tell()
             stream.write(bytes(header.size))
             checksums = {e.name: _write_hashing(stream, _Streamer._bytes_of(e)) for e in entries}
@@ -392,6 +392,14 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+def _rewritable(stream: Any) -> bool:
+    """An ``io.BytesIO``, or a subclass that writes and seeks as it does (fsspec's
+    ``memory://`` files): one whose header can be written last. A subclass that does its
+    own writing (passing each write on, say) gets the bytes in order."""
+    kind = type(stream)
+    return isinstance(stream, io.BytesIO) and kind.write is io.BytesIO.write and kind.seek is io.BytesIO.seek
 
 
 def _write_hashing(stream: Any, data: np.ndarray) -> str:

@@ -146,6 +146,19 @@ def test_file_objects_as_torch_save_and_load_take_them(tmp_path, monkeypatch) ->
     stream.write(b"before")
     save(state, stream)
     assert stream.getvalue() == b"before" + on_disk
+
+    class PassingOn(io.BytesIO):
+        """Passes each write on as it comes (an upload's buffer, say): nothing may be
+        written behind, so its header cannot come last."""
+
+        def write(self, data):
+            self.at.append(self.tell())
+            return super().write(data)
+
+    passing = PassingOn()
+    passing.at = []
+    save(state, passing)
+    assert passing.getvalue() == on_disk and passing.at == sorted(passing.at)
     stream.seek(len(b"before"))
     with open(tmp_path / "by_path.safetensors", "rb") as opened:
         with fsspec.open("memory://tensorferry-test/state.safetensors", "wb") as remote:
