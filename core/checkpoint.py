@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from .buffers import byte_view
 from .dtypes import to_numpy_dtype
 from .engine import Engine, default_engine, local_path
 from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, CorruptCheckpointError,
@@ -508,23 +509,40 @@ def refuse_out_when_mapped(out: Mapping[str, Any] | None) -> None:
 
 
 def names_to_read(where: str, held: Mapping[str, Any], names: Iterable[str] | None,
-                  out: Mapping[str, Any]) -> list[str]:
+                  out: Mapping[str, Any]) -> tuple[list[str], dict[str, Any]]:
     """The tensors a load reads, in order and each once: ``names`` (by default those of
-    ``out``, or else every one ``held``), then those of ``out``; ``KeyError`` naming any
-    that ``where`` does not hold."""
+    ``out``, or else every one ``held``), then those of ``out``; and ``out`` without the
+    entries tied to others: a destination ``where`` does not hold that is the very memory
+    of one it does (``model.state_dict()``'s ``lm_head.weight`` and its tied embedding,
+    which ``save_pretrained`` stores once) is filled by that one's read. ``KeyError``
+    naming any other that ``where`` does not hold."""
+    out = dict(out)
     wanted = list(dict.fromkeys([*(names if names is not None else out or held), *out]))
     missing = [n for n in wanted if n not in held]
+    if missing and out:
+        read_into = {_memory_of(out[n]) for n in out if n in held}
+        tied = {n for n in missing if n in out and _memory_of(out[n]) in read_into}
+        missing = [n for n in missing if n not in tied]
+        wanted = [n for n in wanted if n not in tied]
+        out = {n: d for n, d in out.items() if n not in tied}
     if missing:
         raise KeyError(missing_names(where, "tensor(s)", missing, held))
-    return wanted
+    return wanted, out
+
+
+def _memory_of(destination: Any) -> tuple[str, int, int]:
+    """Where a destination's bytes are (a host array's, or a device tensor's): its device,
+    address and size."""
+    data_ptr = getattr(destination, "data_ptr", None)
+    address = data_ptr() if callable(data_ptr) else byte_view(destination, writable=False).ctypes.data
+    return str(getattr(destination, "device", "cpu")), address, int(destination.nbytes)
 
 
 def _load_as_listed(directory: str, manifest: Mapping[str, Any], names: Iterable[str] | None,
                     out: Mapping[str, Any] | None, engine: Engine | None, verify: bool,
                     mmap: bool = False) -> dict[str, np.ndarray]:
     tensors = manifest["tensors"]
-    out = dict(out or {})
-    wanted = names_to_read(directory, tensors, names, out)
+    wanted, out = names_to_read(directory, tensors, names, out or {})
     for name, dest in out.items():
         _check_destination(directory, name, tensors[name], dest)
     by_file: dict[str, list[str]] = {}

@@ -45,6 +45,24 @@ def cli(*args: object, expect: int = 0) -> dict:
     return json.loads(result.stdout)
 
 
+def test_tied_weights_load_into_a_models_own_state_dict(tmp_path: Path) -> None:
+    """``load_checkpoint(folder, out=model.state_dict())`` for a model with tied weights
+    (GPT-2, Llama 3.2 1B, Gemma): save_pretrained stores the embedding once and leaves
+    lm_head.weight out, which was a KeyError; it is the embedding's own memory, filled by
+    that read. A destination that is nobody's memory and absent is still an error."""
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=96, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    saved = transformers.GPT2LMHeadModel(config)
+    saved.save_pretrained(tmp_path / "gpt2")
+    fresh = transformers.GPT2LMHeadModel(config)
+    assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()
+    tf_torch.load_checkpoint(tmp_path / "gpt2", out=fresh.state_dict())
+    assert same_tensors(fresh.state_dict(), saved.state_dict())
+    with pytest.raises(KeyError, match="holds no tensor.*'lm_head.weight'"):
+        tf_torch.load_checkpoint(tmp_path / "gpt2", out={"lm_head.weight": torch.zeros_like(saved.lm_head.weight)})
+
+
 def test_a_peft_adapter_folder_loads(tmp_path: Path) -> None:
     """PEFT's save_pretrained writes adapter_model.safetensors and adapter_config.json: the
     folder loads as the adapter's weights, as PEFT itself reads them back."""

@@ -443,8 +443,7 @@ def _load_directory_to_device(directory: str | os.PathLike, names: Iterable[str]
     directory = os.fspath(directory)
     manifest = read_manifest(directory)
     tensors = manifest["tensors"]
-    out = dict(out or {})
-    wanted = names_to_read(directory, tensors, names, out)
+    wanted, out = names_to_read(directory, tensors, names, out or {})
     structure = manifest["metadata"].get(STRUCTURE_KEY)
     if structure is not None:
         check_structure(structure, directory, tensors)

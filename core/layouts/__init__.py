@@ -111,8 +111,7 @@ class TensorSource:
         ``out`` where given (of the tensor's byte size); with ``mmap``, as copy-on-write
         mappings of the files where the layout keeps tensors whole
         (:meth:`ShardReader.map_many`)."""
-        out = dict(out or {})
-        wanted = names_to_read("this layout", self.tensors, names, out)
+        wanted, out = names_to_read("this layout", self.tensors, names, out or {})
         if mmap:
             refuse_out_when_mapped(out)
             return self._map(wanted)
