@@ -59,6 +59,10 @@ def test_tied_weights_load_into_a_models_own_state_dict(tmp_path: Path) -> None:
     assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()
     tf_torch.load_checkpoint(tmp_path / "gpt2", out=fresh.state_dict())
     assert same_tensors(fresh.state_dict(), saved.state_dict())
+    tf_torch.save_checkpoint(tmp_path / "ours", saved_weights(saved))  # a tensorferry checkpoint, the same way
+    fresh = transformers.GPT2LMHeadModel(config)
+    tf_torch.load_checkpoint(tmp_path / "ours", out=fresh.state_dict())
+    assert same_tensors(fresh.state_dict(), saved.state_dict())
     with pytest.raises(KeyError, match="holds no tensor.*'lm_head.weight'"):
         tf_torch.load_checkpoint(tmp_path / "gpt2", out={"lm_head.weight": torch.zeros_like(saved.lm_head.weight)})
 
