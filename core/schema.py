@@ -76,7 +76,12 @@ def hub_cache_hint(directory: str | os.PathLike) -> str:
     snapshots = os.path.join(directory, "snapshots")
     if not (os.path.isdir(snapshots) and os.path.isdir(os.path.join(directory, "blobs"))):
         return ""
-    revisions = sorted(os.listdir(snapshots))
+    try:
+        revisions = sorted(os.listdir(snapshots))
+    except OSError:  # a hint must not hide the error it is added to
+        return ""
+    if not revisions:
+        return ""
     try:
         main = read_small_file(os.path.join(directory, "refs", "main")).decode().strip()
     except (OSError, CorruptCheckpointError, UnicodeDecodeError):
