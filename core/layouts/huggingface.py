@@ -65,6 +65,8 @@ class HuggingFaceFolder(Layout):
     def __init__(self, path: str) -> None:
         super().__init__(path)
         self.directory = (os.path.dirname(path) or ".") if os.path.isfile(path) else path
+        # The folder's one model file where no index names files (given an index, unused).
+        self.single = (None if os.path.isfile(path) else _single_file(path)) or SINGLE
 
     @classmethod
     def recognise(cls, path: str) -> bool:
@@ -78,9 +80,8 @@ class HuggingFaceFolder(Layout):
         """The weight map (tensor name: file, each file checked to lie in the folder) and the index's metadata."""
         index_path = _index_of(self.path)
         if index_path is None:
-            single = _single_file(self.directory) or SINGLE
-            with read_header(os.path.join(self.directory, single)) as reader:
-                return dict.fromkeys(reader.tensors, single), {}
+            with read_header(os.path.join(self.directory, self.single)) as reader:
+                return dict.fromkeys(reader.tensors, self.single), {}
         # In a tensorferry checkpoint the index must match the manifest: an edited one
         # could leave tensors out unnoticed.
         index = parse_json(read_directory_file(self.directory, os.path.basename(index_path)), "index", index_path)
@@ -135,7 +136,7 @@ class HuggingFaceFolder(Layout):
         try:
             _, _, problems, _ = self._survey()
         except CorruptCheckpointError as exc:  # the index, or the single file's header
-            name = os.path.basename(_index_of(self.path) or _single_file(self.directory) or SINGLE)
+            name = os.path.basename(_index_of(self.path) or self.single)
             return Verification([name], None, [f"{name}: {exc}"], "")
         weight_map, _ = self._index()
         found = verify_files(self.directory, self._files(weight_map), progress,
