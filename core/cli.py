@@ -419,6 +419,8 @@ def cmd_clean(args: argparse.Namespace) -> int:
 # Tensors are read ahead in batches of about this many bytes: files read in parallel and
 # few calls into a source (one dcp.load per batch), memory bounded all the same.
 CONVERT_BATCH_BYTES = 16 << 20
+SKIPPED_KINDS = ("DCP's pickled objects, scalars kept as values, dtypes safetensors has no name for, "
+                 "items of Orbax's other handlers")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -444,6 +446,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with layout.open(verify=not args.no_verify) as source:
         names = _selected(source, args.select, src)
+        if not names:  # an empty file, reported as written, would pass for a conversion
+            raise CLIError(f"{src} holds no tensor to convert" + (
+                f" ({plural(source.skipped, 'item')} that tensorferry does not read as a tensor: {SKIPPED_KINDS})"
+                if source.skipped else ""))
         nbytes = sum(source.tensors[n].nbytes for n in names.values())
         with progress_bar(args, nbytes) as bar:
             if args.to == "safetensors":
@@ -452,7 +458,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 _to_tensorferry(source, names, dst, bar, args.shard_size, args.overwrite)
     if source.skipped:
         note(args, f"left out {plural(source.skipped, 'item')} that tensorferry does not read as a tensor "
-                   "(DCP's pickled objects, scalars, items of other Orbax handlers)")
+                   f"({SKIPPED_KINDS})")
     seconds = time.perf_counter() - start
     count = len(names)
     data = {"source": src, "destination": dst, "to": args.to, "tensors": count, "bytes": nbytes,
@@ -691,7 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
     known = ("a tensorferry checkpoint, a safetensors file, a Hugging Face model folder (shards and\n"
              "model.safetensors.index.json, or torch's distributed HuggingFaceStorageWriter's shards), a torch\n"
              "DCP directory (torch's writer or tensorferry's) or an Orbax checkpoint (items of tensorferry's\n"
-             "handler; others with orbax-checkpoint installed)")
+             "handler; those of Orbax's pytree handlers with orbax-checkpoint installed)")
     p = add("inspect", "what a checkpoint holds and whether it is complete",
             f"Lists the tensors (shape, dtype, size), files, ranks and metadata of\n{known},\n"
             "and says whether it is complete. Exit status 1 if it is not.")

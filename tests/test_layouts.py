@@ -145,7 +145,8 @@ def test_a_new_layout_is_one_class(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def orbax_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A step of an Orbax CheckpointManager with two items: one of tensorferry's handler
-    (a jax array sharded over two devices, a numpy array, a scalar) and one of Orbax's own."""
+    (a jax array sharded over two devices, a numpy array, a scalar) and one of Orbax's own
+    (a numpy array, a bf16 jax array sharded over two devices, a number, an int4 array)."""
     root = tmp_path_factory.mktemp("orbax")
     script = f"""
 import os
@@ -160,8 +161,10 @@ state = {{"params": {{"w": w, "b": np.arange(3, dtype=np.int32)}}, "step": 5}}
 with ocp.CheckpointManager({str(root)!r}, item_names=("state", "extra"),
                            item_handlers={{"state": FerryCheckpointHandler(),
                                            "extra": ocp.StandardCheckpointHandler()}}) as manager:
-    manager.save(3, args=ocp.args.Composite(state=FerrySave(state),
-                                            extra=ocp.args.StandardSave({{"x": np.ones(2, np.float32)}})))
+    h = jax.device_put(np.arange(6, dtype=np.float32).reshape(2, 3).astype(jax.numpy.bfloat16),
+                       NamedSharding(mesh, P("x")))
+    extra = {{"x": np.ones(2, np.float32), "h": h, "n": 7, "i4": jax.numpy.arange(4, dtype=jax.numpy.int4)}}
+    manager.save(3, args=ocp.args.Composite(state=FerrySave(state), extra=ocp.args.StandardSave(extra)))
     manager.wait_until_finished()
 """
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=300)
@@ -175,17 +178,27 @@ def test_orbax_step_with_tensorferry_items(orbax_step: Path, tmp_path: Path) -> 
     tensors = {t["name"]: t for t in info["tensors"]}
     assert (tensors["state/['params']['w']"]["dtype"], tensors["state/['params']['w']"]["shape"]) == ("F32", [8, 4])
     assert tensors["state/['params']['b']"]["nbytes"] == 12 and tensors["state/['step']"]["dtype"] == "object"
-    assert any(name.startswith("extra/") for name in tensors)
+    # Orbax's own item, listed through orbax-checkpoint: numbers are 0-d arrays there.
+    assert {n: (t["dtype"], t["shape"]) for n, t in tensors.items() if n.startswith("extra/")} == {
+        "extra/['x']": ("F32", [2]), "extra/['h']": ("BF16", [2, 3]), "extra/['n']": ("I64", []),
+        "extra/['i4']": ("object", [4])}
     item = cli("inspect", orbax_step / "state")  # the item directory alone
     assert item["format"] == "orbax" and item["complete"] and len(item["tensors"]) == 3
     verified = cli("verify", orbax_step)
     assert verified["ok"] and "1 other item(s) not checked" in verified["checked"]
 
+    # Both items convert: Orbax's own restored through orbax-checkpoint, whole.
     cli("convert", orbax_step, tmp_path / "state.safetensors", "--to", "safetensors")
-    from safetensors.numpy import load_file
-    loaded = load_file(str(tmp_path / "state.safetensors"))
-    assert set(loaded) == {"state/['params']['w']", "state/['params']['b']"}
+    from safetensors.torch import load_file
+    loaded = {n: t.float().numpy() for n, t in load_file(str(tmp_path / "state.safetensors")).items()}
+    assert set(loaded) == {"state/['params']['w']", "state/['params']['b']", "extra/['x']", "extra/['h']",
+                           "extra/['n']"}
     assert same(loaded["state/['params']['w']"], np.arange(32, dtype=np.float32).reshape(8, 4))
+    assert same(loaded["extra/['h']"], np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert same(loaded["extra/['x']"], np.ones(2, np.float32)) and loaded["extra/['n']"] == 7
+    arrays = tensorferry.load_checkpoint(orbax_step, names=["extra/['h']", "state/['params']['b']"])
+    assert arrays["extra/['h']"].dtype == ml_dtypes.bfloat16
+    assert same(arrays["state/['params']['b']"], np.arange(3, dtype=np.int32))
 
     shard = next((orbax_step / "state").glob("process-0.safetensors"))
     damaged = tmp_path / "damaged"
@@ -198,6 +211,27 @@ def test_orbax_step_with_tensorferry_items(orbax_step: Path, tmp_path: Path) -> 
         f.write(bytes([byte[0] ^ 1]))
     result = cli("verify", damaged, expect=1)
     assert result["bad_files"] == [f"state/{shard.name}"]
+
+    # Orbax's item without its data: Orbax's own error, raised as ours and naming the item.
+    for data in (damaged / "extra").glob("**/d/*"):
+        data.unlink()
+    with pytest.raises(CorruptCheckpointError, match="extra: Orbax could not read it"):
+        tensorferry.load_checkpoint(damaged, names=["extra/['x']"])
+
+
+def test_convert_of_a_checkpoint_without_tensors_is_an_error(tmp_path: Path) -> None:
+    """Not an empty file reported as written: DCP's pickled objects are all it holds."""
+    pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"step": 3, "name": "run"}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")))
+    result = subprocess.run([sys.executable, "-m", "tensorferry.cli", "convert", str(tmp_path / "dcp"),
+                             str(tmp_path / "out.safetensors"), "--to", "safetensors"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "holds no tensor to convert (2 items" in result.stderr
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_torch_dcp_from_torchs_writer_reads_without_a_process_group(tmp_path: Path) -> None:

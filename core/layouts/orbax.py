@@ -1,18 +1,22 @@
 """An Orbax checkpoint step (or one item of it). Items written by tensorferry's
 ``FerryCheckpointHandler`` (``process-N.safetensors`` plus the index
-``process-N.json``) are listed, verified and read here without JAX; other items
-are listed through orbax-checkpoint, when it is installed, and not read."""
+``process-N.json``) are listed, verified and read here without JAX; the items of
+Orbax's own pytree handlers (``StandardCheckpointHandler``, ``PyTreeCheckpointHandler``)
+are listed and read through orbax-checkpoint, when it is installed (so that
+``tensorferry convert`` takes a JAX model to safetensors), and not verified: Orbax
+keeps no checksums."""
 
 from __future__ import annotations
 
 import glob
-import math
 import os
 from typing import Any, Callable
 
 import numpy as np
 
+from ..buffers import byte_view
 from ..checkpoint import open_shard, read_manifest_file, verify_shard
+from ..dtypes import to_safetensors_dtype
 from ..errors import CorruptCheckpointError, TensorferryError
 from . import (OBJECT, Chunk, ChunkSource, Layout, TensorEntry, TensorSource, Verification, file_row, size_problems,
                tensor_entry)
@@ -74,35 +78,35 @@ class OrbaxStep(Layout):
                 for name, rec in leaves.items()]
 
     def _orbax_entries(self, item: str) -> list[TensorEntry]:
-        try:
-            import jax
-            import orbax.checkpoint as ocp
-        except ImportError:
-            raise TensorferryError(f"{self.path} looks like an Orbax checkpoint: unsupported: install "
-                                   "orbax-checkpoint (pip install 'tensorferry[jax]') to inspect it") from None
-        metadata = ocp.PyTreeCheckpointer().metadata(item)
-        # Newer Orbax wraps the tree in a StepMetadata; older returns the tree itself.
-        tree = metadata.item_metadata if hasattr(metadata, "item_metadata") else metadata
+        """The leaves of an item of Orbax's own handlers, as its metadata lists them:
+        arrays and numbers as tensors of their dtype (Orbax stores numbers as 0-d arrays);
+        leaves of dtypes safetensors has no name for (int4, say) and others as objects."""
         entries = []
-        for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            shape = tuple(getattr(leaf, "shape", None) or ())
-            dtype = getattr(leaf, "dtype", None)
-            entries.append(TensorEntry(self._prefix(item) + jax.tree_util.keystr(keys), str(dtype), shape,
-                                       None if dtype is None else math.prod(shape) * np.dtype(dtype).itemsize))
+        for name, leaf in _orbax_leaves(self._prefix(item), _orbax_tree(self.path, item)):
+            dtype, shape = getattr(leaf, "dtype", None), getattr(leaf, "shape", None)
+            try:
+                entries.append(tensor_entry(name, to_safetensors_dtype(np.dtype(dtype)), shape or ()))
+            except TypeError:  # no dtype, or one without a safetensors name
+                entries.append(TensorEntry(name, OBJECT, None if shape is None else tuple(shape), None,
+                                           more={"orbax_dtype": str(dtype)}))
         return entries
 
-    def _survey(self) -> tuple[list[TensorEntry], list[str], dict[str, tuple[str, dict[str, Any]]], set[str]]:
+    def _survey(self) -> tuple[list[TensorEntry], list[str], dict[str, tuple[str, dict[str, Any]]],
+                               dict[str, tuple[str, str] | None]]:
         """Every leaf, the problems, each tensorferry shard file (relative to the step)
-        with its item directory and index, and the names of the leaves tensorferry reads."""
-        entries, problems, shards, readable = [], [], {}, set()
+        with its item directory and index, and the tensors that can be read: for those
+        of Orbax's own items, the item's directory and prefix (None: the core reads it)."""
+        entries, problems, shards, readable = [], [], {}, {}
         for item in self._items():
             if not _is_ferry_item(item):
-                entries += self._orbax_entries(item)
+                own = self._orbax_entries(item)
+                entries += own
+                readable.update((e.name, (item, self._prefix(item))) for e in own if e.is_tensor)
                 continue
             indexes = self._indexes(item)
             ferried = self._ferry_entries(item, indexes)
             entries += ferried
-            readable.update(e.name for e in ferried if e.is_tensor)
+            readable.update((e.name, None) for e in ferried if e.is_tensor)
             for file, index in indexes.items():
                 shards[self._prefix(item) + file] = (item, index)
                 row = file_row(self.path, self._prefix(item) + file, index["files"][file]["size"])
@@ -141,5 +145,87 @@ class OrbaxStep(Layout):
         if problems:
             raise CorruptCheckpointError(f"{self.path}: " + "; ".join(problems))
         tensors = {e.name: e for e in entries if e.name in readable}
-        return ChunkSource(tensors, lambda file: self._open_shard(shards, file, engine=engine, verify=verify),
-                           skipped=len(entries) - len(tensors), where=self.path)
+        return _StepSource(tensors, lambda file: self._open_shard(shards, file, engine=engine, verify=verify),
+                           skipped=len(entries) - len(tensors), where=self.path,
+                           orbax_items={name: item for name, item in readable.items() if item is not None})
+
+
+def _with_orbax_handler(step: str, item: str, call: Callable[[Any, Any], Any]) -> Any:
+    """``call(handler, path)`` with Orbax's ``PyTreeCheckpointHandler`` and the item's
+    path as Orbax takes it; Orbax's and tensorstore's errors, whatever their class,
+    become :class:`CorruptCheckpointError` naming the item."""
+    try:
+        import orbax.checkpoint as ocp
+        from etils import epath
+    except ImportError:
+        raise TensorferryError(f"{step} looks like an Orbax checkpoint: unsupported: install "
+                               "orbax-checkpoint (pip install 'tensorferry[jax]') to inspect it") from None
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        return call(handler, epath.Path(os.path.abspath(item)))  # Orbax refuses relative paths
+    except (MemoryError, TensorferryError):
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{item}: Orbax could not read it ({type(exc).__name__}: {exc})") from exc
+    finally:
+        handler.close()
+
+
+def _orbax_tree(step: str, item: str) -> Any:
+    """The metadata tree of an item of Orbax's own pytree handlers."""
+    metadata = _with_orbax_handler(step, item, lambda handler, path: handler.metadata(path))
+    # Orbax 0.11 and later wrap the tree in a TreeMetadata; earlier ones return the tree itself.
+    return metadata.tree if hasattr(type(metadata), "tree") else metadata
+
+
+def _orbax_leaves(prefix: str, tree: Any) -> list[tuple[str, Any]]:
+    """The leaves of an Orbax tree (metadata or arrays), each by its name in the step."""
+    import jax
+
+    return [(prefix + jax.tree_util.keystr(keys), leaf) for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _restore_orbax_item(item: str, prefix: str) -> dict[str, np.ndarray]:
+    """Every leaf of an item of Orbax's own pytree handlers, restored by Orbax as numpy
+    arrays (whole, whatever mesh they were saved from), by name in the step."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), _orbax_tree(item, item))
+    restored = _with_orbax_handler(item, item, lambda handler, path: handler.restore(
+        path, args=ocp.args.PyTreeRestore(restore_args=restore_args)))
+    return {name: np.asarray(leaf, order="C") for name, leaf in _orbax_leaves(prefix, restored)}
+
+
+class _StepSource(ChunkSource):
+    """A step's tensors: those of tensorferry's items read by the core, those of Orbax's
+    own items (``orbax_items``: name -> item directory and its prefix) restored through
+    orbax-checkpoint a whole item at a time, each array held until it is handed out."""
+
+    def __init__(self, tensors: dict[str, TensorEntry], open_reader: Callable[[str], Any], *, skipped: int,
+                 where: str, orbax_items: dict[str, tuple[str, str]]) -> None:
+        super().__init__(tensors, open_reader, skipped=skipped, where=where)
+        self._orbax_items = orbax_items
+        self._restored: dict[str, np.ndarray] = {}
+
+    def _read(self, names: list[str], out: dict[str, Any]) -> dict[str, np.ndarray]:
+        results = super()._read([n for n in names if n not in self._orbax_items], out)
+        for name in names:
+            if name not in self._orbax_items:
+                continue
+            if name not in self._restored:
+                restored = _restore_orbax_item(*self._orbax_items[name])
+                self._restored.update((n, a) for n, a in restored.items() if n in self._orbax_items)
+            array, entry = self._restored.pop(name), self.tensors[name]
+            if to_safetensors_dtype(array.dtype) != entry.dtype or array.shape != entry.shape:
+                raise CorruptCheckpointError(f"{self._where}: Orbax restored {name} as {array.dtype}"
+                                             f"{list(array.shape)}, its metadata says {entry.dtype}{list(entry.shape)}")
+            if name in out:
+                byte_view(out[name], writable=True)[...] = byte_view(array)
+                array = out[name]
+            results[name] = array
+        return {n: results[n] for n in names}
+
+    def close(self) -> None:
+        self._restored.clear()
+        super().close()
