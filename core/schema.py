@@ -93,6 +93,27 @@ def hub_cache_hint(directory: str | os.PathLike) -> str:
     return f"; it is a Hugging Face cache repository: give one of its snapshots in {snapshots} ({', '.join(revisions)})"
 
 
+ORBAX_STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes into each step directory
+
+
+def orbax_run_hint(directory: str | os.PathLike) -> str:
+    """For the directory of an Orbax ``CheckpointManager`` (its steps as subdirectories)
+    given instead of one of its steps: which step to give (the latest), as a clause to
+    add to the error, or ``""``."""
+    try:
+        steps = [e.name for e in os.scandir(directory)
+                 if e.is_dir() and os.path.isfile(os.path.join(e.path, ORBAX_STEP_MARKER))]
+    except OSError:  # a hint must not hide the error it is added to
+        return ""
+    if not steps:
+        return ""
+    # Step directories are the step number, after a prefix where one was configured (step_prefix).
+    latest = max(steps, key=lambda name: (int(name.rsplit("_", 1)[-1]) if name.rsplit("_", 1)[-1].isdigit() else -1,
+                                          name))
+    return (f"; it is the directory of an Orbax CheckpointManager with {len(steps)} step(s): give one, "
+            f"the latest being {os.path.join(os.fspath(directory), latest)}")
+
+
 def _name_problem(name: Any) -> str | None:
     if not isinstance(name, str):
         return f"is a {type(name).__name__}, not a string"
@@ -357,4 +378,4 @@ def check_index(where: str, index: Mapping[str, Any], name: str, header: Any) ->
 __all__ = ["MAX_DIMS", "MAX_NAME_BYTES", "MAX_SMALL_FILE_BYTES", "check_index", "check_name",
            "check_structure", "check_tensor_entry", "walk_structure", "STRUCTURE_KEY", "member_path", "parse_json",
            "read_small_file", "seal_manifest", "unseal_manifest", "validate_manifest", "hub_cache_blobs",
-           "hub_cache_hint"]
+           "hub_cache_hint", "orbax_run_hint", "ORBAX_STEP_MARKER"]

@@ -35,7 +35,7 @@ from .buffers import PinnedPool, byte_view, round_up
 from .dtypes import to_numpy_dtype, to_safetensors_dtype
 from .engine import Engine, File, IOFuture, default_engine, local_path
 from .errors import CorruptCheckpointError, DurabilityWarning, TensorferryIOError
-from .schema import check_tensor_entry, hub_cache_hint, parse_json
+from .schema import check_tensor_entry, hub_cache_hint, orbax_run_hint, parse_json
 from .streams import STREAM_PIECE, fill_from, read_exactly, remaining_bytes, stream_name
 from .temporaries import NEW_TEMPORARY_TRIES, discard_later, hold_new, release, remove_stale_temporaries, set_aside
 
@@ -629,10 +629,11 @@ def foreign_files_hint(directory: str) -> str:
     """For a directory that holds no checkpoint: what its files of another known format
     are (``pytorch_model.bin``, a zip of torch.save, say), or which of its snapshots to
     give where it is a Hugging Face cache repository, as a clause to add to the error, or
-    ``""``. Reads the first bytes of at most 64 files."""
-    hub = hub_cache_hint(directory)
-    if hub:
-        return hub
+    ``""``; or which step to give for an Orbax run's directory. Reads the first bytes of
+    at most 64 files."""
+    run = hub_cache_hint(directory) or orbax_run_hint(directory)
+    if run:
+        return run
     found = []
     try:
         entries = sorted((e for e in os.scandir(directory) if e.is_file()), key=lambda e: e.name)[:64]

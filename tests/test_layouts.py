@@ -212,11 +212,26 @@ def test_orbax_step_with_tensorferry_items(orbax_step: Path, tmp_path: Path) -> 
     result = cli("verify", damaged, expect=1)
     assert result["bad_files"] == [f"state/{shard.name}"]
 
+    # The CheckpointManager's directory given instead of a step: the step to give, named.
+    for read in (layouts.detect, tensorferry.load_checkpoint):
+        with pytest.raises((layouts.UnknownLayoutError, CheckpointNotFoundError),
+                           match=f"Orbax CheckpointManager with 1 step.*the latest being {orbax_step}\\b"):
+            read(orbax_step.parent)
+
     # Orbax's item without its data: Orbax's own error, raised as ours and naming the item.
     for data in (damaged / "extra").glob("**/d/*"):
         data.unlink()
     with pytest.raises(CorruptCheckpointError, match="extra: Orbax could not read it"):
         tensorferry.load_checkpoint(damaged, names=["extra/['x']"])
+
+
+def test_the_latest_step_of_an_orbax_run_is_named_by_number(tmp_path: Path) -> None:
+    for step in ("checkpoint_9", "checkpoint_10", "checkpoint_2", "notes"):
+        (tmp_path / step).mkdir()
+        if step != "notes":
+            (tmp_path / step / "_CHECKPOINT_METADATA").write_text("{}")
+    with pytest.raises(layouts.UnknownLayoutError, match=f"with 3 step.*latest being {tmp_path}/checkpoint_10$"):
+        layouts.detect(tmp_path)
 
 
 def test_convert_of_a_checkpoint_without_tensors_is_an_error(tmp_path: Path) -> None:

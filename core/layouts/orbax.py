@@ -18,10 +18,11 @@ from ..buffers import byte_view
 from ..checkpoint import open_shard, read_manifest_file, verify_shard
 from ..dtypes import to_safetensors_dtype
 from ..errors import CorruptCheckpointError, TensorferryError
+from ..schema import ORBAX_STEP_MARKER
 from . import (OBJECT, Chunk, ChunkSource, Layout, TensorEntry, TensorSource, Verification, file_row, size_problems,
                tensor_entry)
 
-MARKERS = ("_CHECKPOINT_METADATA", "_METADATA", "orbax.checkpoint", "manifest.ocdbt", "_sharding")
+ITEM_MARKERS = ("_METADATA", "orbax.checkpoint", "manifest.ocdbt", "_sharding")  # in an item's directory
 INDEX_FORMAT = "tensorferry.jax"  # what FerryCheckpointHandler's indexes say they are
 INDEX_PATTERN = "process-*.json"
 
@@ -38,9 +39,12 @@ class OrbaxStep(Layout):
     def recognise(cls, path: str) -> bool:
         if not os.path.isdir(path):
             return False
+        # A step holds its items as subdirectories, or is one item; a CheckpointManager's
+        # directory, whose subdirectories are steps, is not a step (see orbax_run_hint).
         subdirs = [os.path.join(path, n) for n in os.listdir(path) if os.path.isdir(os.path.join(path, n))]
-        return any(os.path.exists(os.path.join(d, m)) for d in [path, *subdirs] for m in MARKERS) or \
-            any(_is_ferry_item(d) for d in [path, *subdirs])
+        return os.path.exists(os.path.join(path, ORBAX_STEP_MARKER)) or any(
+            _is_ferry_item(d) or any(os.path.exists(os.path.join(d, m)) for m in ITEM_MARKERS)
+            for d in [path, *subdirs])
 
     def _items(self) -> list[str]:
         """The item directories: the path itself if it is one, else its subdirectories that are."""
