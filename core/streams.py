@@ -75,7 +75,14 @@ def _regular_file_at_start(stream: Any, for_write: bool = False) -> str | None:
         at_start = stream.tell() == 0
     except (OSError, ValueError):
         return None
-    return f"/proc/self/fd/{fd}" if at_start else None
+    link = f"/proc/self/fd/{fd}"
+    # The engine opens the file again through the link, which the file's mode bits now
+    # decide (a file made read-only after it was opened for writing, say): where that
+    # open would fail, or /proc is not there, the stream is used as it is.
+    effective = os.access in os.supports_effective_ids
+    if not at_start or not os.access(link, os.W_OK if for_write else os.R_OK, effective_ids=effective):
+        return None
+    return link
 
 
 def _regular_file(stream: Any) -> int | None:

@@ -259,6 +259,50 @@ def test_a_file_just_opened_for_writing_is_written_as_the_file(tmp_path, small_t
         save(state, f)  # a file opened for reading alone
 
 
+_AS_ANOTHER_USER = """
+import io, os, sys, torch, xxhash
+from tensorferry.adapters.pytorch import load, save
+state = {"w": torch.arange(5000, dtype=torch.float32)}
+warm = io.BytesIO()  # torch imports modules lazily: import them while the files are readable
+save(state, warm)
+warm.seek(0)
+load(warm)
+os.setgid(65534)
+os.setuid(65534)
+written, read = sys.argv[1], sys.argv[2]
+with open(written, "wb") as f:
+    os.chmod(written, 0o400)  # made read-only once opened: the open file still writes
+    save(state, f)
+with open(read, "rb") as f:
+    os.chmod(read, 0o000)
+    assert torch.equal(load(f)["w"], state["w"])
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to run as another user whose opens the mode bits refuse")
+def test_an_open_file_the_mode_bits_no_longer_allow_to_open_goes_the_streams_way() -> None:
+    """The engine opens a file object's file again, through /proc/self/fd: where the
+    file's mode now refuses that open (chmod after opening), the stream is used as it is,
+    as torch.save and torch.load would; the open failed with EACCES."""
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    work = pathlib.Path(tempfile.mkdtemp(dir="/tmp"))  # the tests' own temporary folders are closed to others
+    try:
+        work.chmod(0o777)
+        read = work / "read.safetensors"
+        save({"w": torch.arange(5000, dtype=torch.float32)}, read)
+        os.chown(read, 65534, 65534)  # the other user's, so that it may change its mode
+        result = subprocess.run([sys.executable, "-c", _AS_ANOTHER_USER, str(work / "written.safetensors"), str(read)],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert torch.equal(load(work / "written.safetensors")["w"], torch.arange(5000, dtype=torch.float32))
+    finally:
+        shutil.rmtree(work)
+
+
 def test_a_bytesio_over_bytes_is_not_copied_to_be_loaded() -> None:
     """``load(io.BytesIO(response_bytes))``: the BytesIO shares the bytes until someone
     asks for its buffer; asking it its length that way (getbuffer()) copied them whole
