@@ -602,8 +602,9 @@ class _Streamer:
 
 # The first bytes of files users hand to a safetensors reader by mistake, and what to do instead.
 _FOREIGN_FORMATS = [
-    (b"PK\x03\x04", "a zip archive, as torch.save (or numpy.savez) writes: tensorferry unpickles nothing; "
-                      "load it with torch.load(path, weights_only=True) and save what it returns"),
+    (b"PK\x03\x04", "a zip archive, as torch.save and numpy.savez write: tensorferry unpickles nothing; "
+                      "load it with torch.load(path, weights_only=True) (numpy.load for .npz) and save what it "
+                      "returns"),
     (b"\x93NUMPY", "a numpy .npy file: load it with numpy.load"),
     (b"GGUF", "a GGUF file (llama.cpp's format)"),
     (b"\x89HDF\r\n\x1a\n", "an HDF5 file (Keras .h5 weights, say)"),

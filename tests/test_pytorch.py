@@ -1423,7 +1423,7 @@ def test_files_of_other_formats_are_named_for_what_they_are(tmp_path) -> None:
     (tmp_path / "a.safetensors.gz").write_bytes(gzip.compress((tmp_path / "plain.safetensors").read_bytes()))
     (tmp_path / "a.safetensors.xz").write_bytes(lzma.compress((tmp_path / "plain.safetensors").read_bytes()))
     expected = {"zip.pt": "zip archive, as torch.save", "legacy.pt": "a pickle", "a.npy": "numpy .npy",
-                "a.npz": "zip archive", "a.pkl": "a pickle", "a.gguf": "GGUF", "a.h5": "HDF5",
+                "a.npz": "zip archive.*numpy.load for .npz", "a.pkl": "a pickle", "a.gguf": "GGUF", "a.h5": "HDF5",
                 "a.safetensors.gz": "gzip-compressed: decompress it", "a.safetensors.xz": "xz-compressed"}
     for name, what in expected.items():
         for mmap in (False, True):
