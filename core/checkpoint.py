@@ -327,7 +327,7 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     except FileNotFoundError:
         if os.path.isdir(directory):
             raise CheckpointNotFoundError(f"{directory} has no {MANIFEST}: not a complete checkpoint"
-                                          f"{_hint_checkpoints_inside(directory)}{foreign_files_hint(directory)}",
+                                          f"{_hint_checkpoints_inside(directory) or foreign_files_hint(directory)}",
                                           directory) from None
         raise CheckpointNotFoundError(f"no checkpoint at {directory}", directory) from None
 

@@ -649,9 +649,23 @@ def foreign_files_hint(directory: str) -> str:
         if foreign is not None:
             found.append((entry.name, foreign))
     if not found:
-        return ""
+        return _folders_of_safetensors_hint(directory)
     names = ", ".join(name for name, _ in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
     return f"; it holds {names}, not safetensors files: {found[0][0]} is {found[0][1]}"
+
+
+def _folders_of_safetensors_hint(directory: str) -> str:
+    """For a directory whose subdirectories hold the tensors (a diffusers pipeline's
+    ``unet``, ``vae``, ...; a run's checkpoints): which, as a clause, or ``""``."""
+    try:
+        folders = sorted(e.name for e in os.scandir(directory) if e.is_dir() and any(
+            f.name.endswith(".safetensors") for f in os.scandir(e.path)))
+    except OSError:
+        return ""
+    if not folders:
+        return ""
+    shown = ", ".join(folders[:4]) + (f" and {len(folders) - 4} more" if len(folders) > 4 else "")
+    return f"; its folders {shown} hold safetensors files: give one of them"
 
 
 def fsync_dir(path: str) -> None:

@@ -93,6 +93,17 @@ def test_a_folder_of_one_model_file_reads_as_that_file(tmp_path: Path) -> None:
         folder.mkdir()
         safetensors.numpy.save_file(STATE, str(folder / part))
         assert layouts.detect(folder).kind != "huggingface", part
+    # A diffusers pipeline's folder given instead of one of its components: they are named.
+    pipeline = tmp_path / "pipeline"
+    for component in ("unet", "vae", "scheduler"):
+        (pipeline / component).mkdir(parents=True)
+        if component != "scheduler":
+            safetensors.numpy.save_file(STATE, str(pipeline / component / "diffusion_pytorch_model.safetensors"))
+    (pipeline / "model_index.json").write_text("{}")
+    for read in (tensorferry.load_checkpoint, layouts.detect):
+        with pytest.raises((CheckpointNotFoundError, layouts.UnknownLayoutError),
+                           match="its folders unet, vae hold safetensors files: give one of them"):
+            read(pipeline)
 
 
 def test_an_index_naming_a_file_outside_its_folder_is_refused(tmp_path: Path) -> None:
