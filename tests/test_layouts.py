@@ -236,6 +236,20 @@ def test_orbax_step_with_tensorferry_items(orbax_step: Path, tmp_path: Path) -> 
         tensorferry.load_checkpoint(damaged, names=["extra/['x']"])
 
 
+def test_an_orbax_pytree_with_strings_and_numbers(tmp_path: Path) -> None:
+    """PyTreeCheckpointer's own save (the item is the step): arrays and numbers are read,
+    a string is listed as an object and left out, not passed to Orbax as an array."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    import jax.numpy as jnp
+
+    ocp.PyTreeCheckpointer().save(tmp_path / "step", {"w": jnp.arange(3.0), "name": "run-7", "lr": 2.5})
+    info = cli("inspect", tmp_path / "step")
+    assert {t["name"]: t["dtype"] for t in info["tensors"]} == {"['w']": "F32", "['name']": "object", "['lr']": "F64"}
+    arrays = tensorferry.load_checkpoint(tmp_path / "step")
+    assert set(arrays) == {"['w']", "['lr']"} and same(arrays["['w']"], np.arange(3.0, dtype=np.float32))
+    assert arrays["['lr']"].shape == () and arrays["['lr']"] == 2.5
+
+
 def test_the_latest_step_of_an_orbax_run_is_named_by_number(tmp_path: Path) -> None:
     for step in ("checkpoint_9", "checkpoint_10", "checkpoint_2", "notes"):
         (tmp_path / step).mkdir()

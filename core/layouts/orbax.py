@@ -89,6 +89,8 @@ class OrbaxStep(Layout):
         for name, leaf in _orbax_leaves(self._prefix(item), _orbax_tree(self.path, item)):
             dtype, shape = getattr(leaf, "dtype", None), getattr(leaf, "shape", None)
             try:
+                if dtype is None:  # np.dtype(None) would be float64
+                    raise TypeError(f"{name} has no dtype")
                 entries.append(tensor_entry(name, to_safetensors_dtype(np.dtype(dtype)), shape or ()))
             except TypeError:  # no dtype, or one without a safetensors name
                 entries.append(TensorEntry(name, OBJECT, None if shape is None else tuple(shape), None,
@@ -195,10 +197,14 @@ def _restore_orbax_item(item: str, prefix: str) -> dict[str, np.ndarray]:
     import jax
     import orbax.checkpoint as ocp
 
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), _orbax_tree(item, item))
+    # Arrays and numbers as numpy arrays; the rest (strings, say) as Orbax restores them.
+    restore_args = jax.tree.map(lambda leaf: ocp.RestoreArgs(restore_type=np.ndarray)
+                                if getattr(leaf, "dtype", None) is not None else ocp.RestoreArgs(),
+                                _orbax_tree(item, item))
     restored = _with_orbax_handler(item, item, lambda handler, path: handler.restore(
         path, args=ocp.args.PyTreeRestore(restore_args=restore_args)))
-    return {name: np.asarray(leaf, order="C") for name, leaf in _orbax_leaves(prefix, restored)}
+    return {name: np.asarray(leaf, order="C") for name, leaf in _orbax_leaves(prefix, restored)
+            if isinstance(leaf, (np.ndarray, np.generic))}
 
 
 class _StepSource(ChunkSource):
