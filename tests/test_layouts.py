@@ -196,7 +196,7 @@ def test_orbax_step_with_tensorferry_items(orbax_step: Path, tmp_path: Path) -> 
     item = cli("inspect", orbax_step / "state")  # the item directory alone
     assert item["format"] == "orbax" and item["complete"] and len(item["tensors"]) == 3
     verified = cli("verify", orbax_step)
-    assert verified["ok"] and "1 other item(s) not checked" in verified["checked"]
+    assert verified["ok"] and "1 item(s) of Orbax's own handlers read whole through Orbax" in verified["checked"]
 
     # Both items convert: Orbax's own restored through orbax-checkpoint, whole.
     cli("convert", orbax_step, tmp_path / "state.safetensors", "--to", "safetensors")
@@ -234,6 +234,8 @@ def test_orbax_step_with_tensorferry_items(orbax_step: Path, tmp_path: Path) -> 
         data.unlink()
     with pytest.raises(CorruptCheckpointError, match="extra: Orbax could not read it"):
         tensorferry.load_checkpoint(damaged, names=["extra/['x']"])
+    result = cli("verify", damaged, expect=1)
+    assert any(problem.startswith(f"{damaged}/extra: Orbax could not read it") for problem in result["problems"])
 
 
 def test_an_orbax_pytree_with_strings_and_numbers(tmp_path: Path) -> None:
