@@ -36,7 +36,7 @@ from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, CorruptC
 from .schema import (MANIFEST_VERSION, check_index, member_path, parse_json, read_small_file, seal_manifest,
                      unseal_manifest, validate_manifest)
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
-                    foreign_files_hint, fsync_after_commit, fsync_dir, gc_paused)
+                    first_names, foreign_files_hint, fsync_after_commit, fsync_dir, gc_paused, subfolders_holding)
 from .temporaries import (NEW_TEMPORARY_TRIES, TMP_MARKER, aside_name, discard_later, held_here, hold_new,
                           release, remove_stale_temporaries)
 
@@ -335,15 +335,11 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
 def _hint_checkpoints_inside(directory: str) -> str:
     """For a directory of checkpoints given as one (a run's root instead of a step of it):
     the checkpoints it holds, by name. Only looks one level down, for a manifest."""
-    try:
-        inside = sorted(e.name for e in os.scandir(directory)
-                        if e.is_dir() and os.path.exists(os.path.join(e.path, MANIFEST)))
-    except OSError:
-        return ""
+    inside = subfolders_holding(directory, lambda path: os.path.exists(os.path.join(path, MANIFEST)))
     if not inside:
         return ""
-    shown = ", ".join(inside[:3]) + (f" and {len(inside) - 3} more" if len(inside) > 3 else "")
-    return f"; it holds checkpoints ({shown}): give one of them, or tensorferry.latest_checkpoint({directory!r})"
+    return (f"; it holds checkpoints ({first_names(inside)}): give one of them, "
+            f"or tensorferry.latest_checkpoint({directory!r})")
 
 
 def read_manifest_file(path: str | os.PathLike) -> dict[str, Any]:

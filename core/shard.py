@@ -650,22 +650,30 @@ def foreign_files_hint(directory: str) -> str:
             found.append((entry.name, foreign))
     if not found:
         return _folders_of_safetensors_hint(directory)
-    names = ", ".join(name for name, _ in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    names = first_names([name for name, _ in found])
     return f"; it holds {names}, not safetensors files: {found[0][0]} is {found[0][1]}"
+
+
+def first_names(names: Sequence[str], most: int = 3) -> str:
+    """``names`` for a message: the first ``most``, then how many more."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def subfolders_holding(directory: str, holds: Callable[[str], bool]) -> list[str]:
+    """The names of ``directory``'s subdirectories whose path ``holds`` accepts, sorted;
+    none where it cannot be listed (a hint must not hide the error it is added to)."""
+    try:
+        return sorted(e.name for e in os.scandir(directory) if e.is_dir() and holds(e.path))
+    except OSError:
+        return []
 
 
 def _folders_of_safetensors_hint(directory: str) -> str:
     """For a directory whose subdirectories hold the tensors (a diffusers pipeline's
     ``unet``, ``vae``, ...; a run's checkpoints): which, as a clause, or ``""``."""
-    try:
-        folders = sorted(e.name for e in os.scandir(directory) if e.is_dir() and any(
-            f.name.endswith(".safetensors") for f in os.scandir(e.path)))
-    except OSError:
-        return ""
-    if not folders:
-        return ""
-    shown = ", ".join(folders[:4]) + (f" and {len(folders) - 4} more" if len(folders) > 4 else "")
-    return f"; its folders {shown} hold safetensors files: give one of them"
+    folders = subfolders_holding(directory, lambda path: any(f.name.endswith(".safetensors")
+                                                             for f in os.scandir(path)))
+    return f"; its folders {first_names(folders, 4)} hold safetensors files: give one of them" if folders else ""
 
 
 def fsync_dir(path: str) -> None:
