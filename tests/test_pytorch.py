@@ -404,12 +404,47 @@ def test_load_plain_safetensors_and_map_location(tmp_path) -> None:
             assert loaded["x"].device.type == "cpu" and torch.equal(loaded["x"], torch.arange(6.0))
     with pytest.raises(TypeError, match="map_location must be a device, a device name, a dict"):
         load(tmp_path / "peer.safetensors", map_location=3)
-    with pytest.raises(ValueError, match="not on \\['meta'\\]; for names, shapes and dtypes .*mmap=True, verify=False"):
-        load(tmp_path / "peer.safetensors", map_location="meta")
     if not torch.cuda.is_available():  # torch's own failure inside was "Torch not compiled with CUDA enabled"
         for to_a_gpu in ("cuda", "cuda:1", {"cpu": "cuda:0"}):
             with pytest.raises(RuntimeError, match="torch.cuda.is_available\\(\\) is False.*map_location='cpu'"):
                 load(tmp_path / "ours.safetensors", map_location=to_a_gpu)
+
+
+def test_a_load_to_the_meta_device_reads_no_tensor(tmp_path) -> None:
+    """``map_location="meta"``, as torch.load takes it (shapes and dtypes for a model built
+    on the meta device, say): tensors on the meta device, the saved structure kept, nothing
+    of them read (a damaged tensor goes unnoticed there); numpy arrays in the structure are
+    read. It was refused."""
+    import io
+
+    from tensorferry.shard import ShardReader
+
+    state = {"model": {"w": torch.randn(64, 32).to(torch.bfloat16), "b": torch.nn.Parameter(torch.zeros(32))},
+             "step": 9, "rng": np.arange(4)}
+    path = tmp_path / "state.safetensors"
+    save(state, path)
+    save_checkpoint(tmp_path / "ckpt", state, max_shard_bytes=2048)
+    tensorferry.save_checkpoint(tmp_path / "plain", {"w": np.ones((3, 5), np.float32)})
+    with ShardReader(str(path)) as reader:  # a byte of the largest tensor flipped
+        largest = max(reader.tensors, key=lambda name: reader.tensors[name].nbytes)
+        at = len(reader.header_bytes) + reader.tensors[largest].begin + 5
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(tensorferry.CorruptCheckpointError, match="checksum"):
+        load(path)
+    for loaded in (load(path, map_location="meta"),
+                   load_checkpoint(tmp_path / "ckpt", map_location=torch.device("meta"))):
+        w, b = loaded["model"]["w"], loaded["model"]["b"]
+        assert (w.device.type, w.dtype, w.shape) == ("meta", torch.bfloat16, (64, 32))
+        assert isinstance(b, torch.nn.Parameter) and b.is_meta and b.shape == (32,)
+        assert loaded["step"] == 9 and np.array_equal(loaded["rng"], np.arange(4))
+    flat = load_checkpoint(tmp_path / "plain", map_location="meta", names=["w"])
+    assert flat["w"].is_meta and flat["w"].shape == (3, 5)
+    stream = io.BytesIO((tmp_path / "ckpt" / "shard-00000.safetensors").read_bytes())  # read, then dropped
+    assert all(t.is_meta for t in load(stream, map_location="meta").values())
+    with pytest.raises(ValueError, match="map_location='meta' reads none"):
+        load_checkpoint(tmp_path / "plain", map_location="meta", out={"w": torch.empty(3, 5)})
 
 
 ALL_DTYPES = DTYPES + [torch.uint16, torch.uint32, torch.uint64]

@@ -22,7 +22,7 @@ from ...checkpoint import (DEFAULT_SHARD_BYTES, MAX_CONCURRENT_SHARDS, listed_by
                            names_to_read, open_shard, read_manifest)
 from ...checkpoint import load_checkpoint as _load_directory
 from ...checkpoint import save_checkpoint as _save_directory
-from ...dtypes import to_safetensors_dtype
+from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
 from ...layouts.huggingface import INDEX_SUFFIX
@@ -30,7 +30,7 @@ from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse
 from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, StreamReader, gc_paused, write_order
 from ...streams import file_behind, is_stream, require, stream_name
 from .staging import DeviceToHost, read_to_device
-from .tensors import from_array, host_array, safetensors_dtype
+from .tensors import FROM_SAFETENSORS, from_array, host_array, safetensors_dtype
 
 TORCH_FORMAT = {"format": "pt"}  # what safetensors.torch writes, and transformers 4.x requires
 _SCALARS = (bool, int, float, str, type(None))
@@ -231,12 +231,26 @@ def resolve_map_location(map_location: MapLocation) -> str | torch.device | None
 
 
 def _to_tensors(arrays: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
-    """Arrays the core read as CPU tensors (bf16 and fp8 included), moved to ``map_location``."""
+    """Arrays the core read as CPU tensors (bf16 and fp8 included), moved to ``map_location``;
+    to the meta device, tensors of their shape and dtype that hold nothing."""
+    if _on_meta(map_location):
+        return {name: torch.empty(tuple(a.shape), device="meta", dtype=a.dtype if isinstance(a, torch.Tensor)
+                                  else FROM_SAFETENSORS[to_safetensors_dtype(a.dtype)]) for name, a in arrays.items()}
     tensors = {name: a if isinstance(a, torch.Tensor) else from_array(a, to_safetensors_dtype(a.dtype))
                for name, a in arrays.items()}  # tensors already: those read in place
     if map_location is not None and torch.device(map_location).type != "cpu":
         tensors = {name: t.to(map_location) for name, t in tensors.items()}
     return tensors
+
+
+def _on_meta(map_location: Any) -> bool:
+    return map_location is not None and torch.device(map_location).type == "meta"
+
+
+def _unread(infos: Iterable[tuple[str, str, tuple[int, ...]]]) -> dict[str, np.ndarray]:
+    """Stand-ins for the tensors ``(name, dtype, shape)`` of a load to the meta device,
+    which reads them not: arrays of that dtype and shape over one element (broadcast)."""
+    return {name: np.broadcast_to(np.zeros((), to_numpy_dtype(dtype)), shape) for name, dtype, shape in infos}
 
 
 @gc_paused()
@@ -310,9 +324,14 @@ def load(path: str | os.PathLike | BinaryIO, map_location: MapLocation = None, *
 
     A file object is read once into new memory from where it stands through the file's
     last tensor, and the tensors are views of that memory; one opened on a file, at its
-    start, is read as that file."""
+    start, is read as that file.
+
+    To ``map_location="meta"``, as ``torch.load`` does, tensors come back on the meta
+    device with their shapes and dtypes and nothing of them is read (a file object's
+    bytes are read all the same); numpy arrays in the structure are read as ever."""
     map_location = resolve_map_location(map_location)
-    device = _cuda_device(map_location, mmap)
+    meta = _on_meta(map_location)
+    device = None if meta else _cuda_device(map_location, mmap)
     if is_stream(path):
         with file_behind(path) as own:
             if own is not None:
@@ -329,7 +348,11 @@ def load(path: str | os.PathLike | BinaryIO, map_location: MapLocation = None, *
         structure = None if structure_text is None else parse_json(structure_text, "saved structure", where)
         if structure is not None:
             check_structure(structure, where, reader.tensors)
-        if mmap or isinstance(reader, StreamReader):  # a stream's tensors: views of the memory it was read into
+        if meta and not isinstance(reader, StreamReader):
+            on_host = _host_names(structure)
+            arrays = _unread((n, t.dtype, t.shape) for n, t in reader.tensors.items() if n not in on_host)
+            arrays.update(reader.read_many([n for n in reader.tensors if n in on_host]))
+        elif mmap or isinstance(reader, StreamReader):  # a stream's tensors: views of the memory it was read into
             arrays = reader.map_many()
         elif device is None:
             arrays = reader.read_many(populate=False)  # one file, one thread: see read_many
@@ -353,11 +376,7 @@ def _cuda_device(map_location: Any, mmap: bool, out: Mapping[str, torch.Tensor] 
     if not devices:
         return None
     if len(devices) > 1 or next(iter(devices)).type != "cuda":
-        hint = ""
-        if "meta" in map(str, devices):
-            hint = ("; for names, shapes and dtypes without reading the data, load with mmap=True, verify=False "
-                    "(nothing is read until touched) or run 'tensorferry inspect PATH'")
-        raise ValueError(f"a load lands on the host or on one CUDA device, not on {sorted(map(str, devices))}{hint}")
+        raise ValueError(f"a load lands on the host or on one CUDA device, not on {sorted(map(str, devices))}")
     device = next(iter(devices))
     if mmap:
         raise ValueError(f"mmap=True maps files into host memory; to load to {device} leave it off")
@@ -419,10 +438,16 @@ def load_checkpoint(directory: str | os.PathLike, map_location: MapLocation = No
     :func:`load`, for tensorferry checkpoints and folders of safetensors files.
     """
     map_location = resolve_map_location(map_location)
-    device = _cuda_device(map_location, mmap, out)
+    if _on_meta(map_location):
+        if out:
+            raise ValueError("out= reads the tensors into those given; map_location='meta' reads none")
+        manifest, arrays = _directory_unread(directory, names, engine, verify)
+        device = None
+    else:
+        device = _cuda_device(map_location, mmap, out)
     if device is not None and listed_by_manifest(directory):
         manifest, arrays = _load_directory_to_device(directory, names, out, device, engine, verify)
-    else:
+    elif not _on_meta(map_location):
         destinations = {name: host_array(t, writable=True) for name, t in (out or {}).items()}
         manifest, arrays = load_with_manifest(directory, names, out=destinations, engine=engine, verify=verify,
                                               mmap=mmap)
@@ -432,6 +457,23 @@ def load_checkpoint(directory: str | os.PathLike, map_location: MapLocation = No
         return _to_tensors(arrays, map_location)
     check_structure(structure, os.fspath(directory), arrays)
     return _decode(structure, arrays, os.fspath(directory), map_location)
+
+
+def _directory_unread(directory: str | os.PathLike, names: Iterable[str] | None, engine: Engine | None,
+                      verify: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """:func:`load_checkpoint`'s arrays for the meta device, with the manifest they were
+    listed by (None for another layout): stand-ins (:func:`_unread`) for the tensors,
+    which are not read, and the structure's numpy arrays, read."""
+    from ...layouts import detect  # the layouts build on the core this module imports
+
+    manifest = read_manifest(directory) if listed_by_manifest(directory) else None
+    structure = manifest["metadata"].get(STRUCTURE_KEY) if manifest is not None and names is None else None
+    on_host = _host_names(structure)
+    with detect(directory).open(engine=engine, verify=verify) as source:
+        wanted, _ = names_to_read(os.fspath(directory), source.tensors, names, {})
+        arrays = _unread((n, source.tensors[n].dtype, source.tensors[n].shape) for n in wanted if n not in on_host)
+        arrays.update(source.read([n for n in wanted if n in on_host]))
+    return manifest, {n: arrays[n] for n in wanted}
 
 
 def _load_directory_to_device(directory: str | os.PathLike, names: Iterable[str] | None,
