@@ -93,6 +93,17 @@ def test_a_folder_of_one_model_file_reads_as_that_file(tmp_path: Path) -> None:
         folder.mkdir()
         safetensors.numpy.save_file(STATE, str(folder / part))
         assert layouts.detect(folder).kind != "huggingface", part
+    # Variants beside the file (diffusers' and transformers' fp16 copies): the file is the model.
+    variants = tmp_path / "variants"
+    variants.mkdir()
+    safetensors.numpy.save_file(STATE, str(variants / "diffusion_pytorch_model.safetensors"))
+    for variant in ("fp16", "bf16"):
+        safetensors.numpy.save_file({"w": STATE["w"].astype(np.float16)},
+                                    str(variants / f"diffusion_pytorch_model.{variant}.safetensors"))
+    assert layouts.detect(variants).kind == "huggingface"
+    assert all(same(tensorferry.load_checkpoint(variants)[n], a) for n, a in STATE.items())
+    safetensors.numpy.save_file(STATE, str(variants / "other.safetensors"))  # two models: neither is taken
+    assert layouts.detect(variants).kind != "huggingface"
     # A diffusers pipeline's folder given instead of one of its components: they are named.
     pipeline = tmp_path / "pipeline"
     for component in ("unet", "vae", "scheduler"):

@@ -43,9 +43,16 @@ _PARTS = re.compile(r"(shard-\d{5}|rank\d{5}-\d{3}|process-\d+|shard-\d{5}-model
 
 
 def _single_file(directory: str) -> str | None:
-    """The folder's one safetensors file, where it has one and it is a model's."""
-    names = [n for n in os.listdir(directory) if n.endswith(".safetensors")]
-    return names[0] if len(names) == 1 and not _PARTS.fullmatch(names[0]) else None
+    """The folder's one model file: its one safetensors file, or the one beside which the
+    others are variants of it (``diffusion_pytorch_model.fp16.safetensors`` beside
+    ``diffusion_pytorch_model.safetensors``), which diffusers and transformers load
+    unless asked for a variant; None where there is none, or it is a part of one of our layouts."""
+    stems = {n[:-len(".safetensors")] for n in os.listdir(directory) if n.endswith(".safetensors")}
+    plain = [stem for stem in stems if "." not in stem or stem.rsplit(".", 1)[0] not in stems]
+    if len(plain) != 1 or not all(s == plain[0] or s.rsplit(".", 1)[0] == plain[0] for s in stems):
+        return None
+    name = plain[0] + ".safetensors"
+    return None if _PARTS.fullmatch(name) else name
 
 
 def _index_of(path: str) -> str | None:
