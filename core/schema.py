@@ -93,6 +93,11 @@ def hub_cache_hint(directory: str | os.PathLike) -> str:
     return f"; it is a Hugging Face cache repository: give one of its snapshots in {snapshots} ({', '.join(revisions)})"
 
 
+# The files of tensorferry's own layouts (a checkpoint's shard, a DCPWriter rank's, a JAX
+# process's) and a rank's file of torch's distributed Hugging Face writer: parts of a
+# save, never a model by themselves.
+PART_FILE = re.compile(r"(shard-\d{5}|rank\d{5}-\d{3}|process-\d+|shard-\d{5}-model-\d{5}-of-\d{5})\.safetensors")
+
 ORBAX_STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes into each step directory
 
 
@@ -378,4 +383,4 @@ def check_index(where: str, index: Mapping[str, Any], name: str, header: Any) ->
 __all__ = ["MAX_DIMS", "MAX_NAME_BYTES", "MAX_SMALL_FILE_BYTES", "check_index", "check_name",
            "check_structure", "check_tensor_entry", "walk_structure", "STRUCTURE_KEY", "member_path", "parse_json",
            "read_small_file", "seal_manifest", "unseal_manifest", "validate_manifest", "hub_cache_blobs",
-           "hub_cache_hint", "orbax_run_hint", "ORBAX_STEP_MARKER"]
+           "hub_cache_hint", "orbax_run_hint", "ORBAX_STEP_MARKER", "PART_FILE"]

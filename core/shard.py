@@ -35,7 +35,7 @@ from .buffers import PinnedPool, byte_view, round_up
 from .dtypes import to_numpy_dtype, to_safetensors_dtype
 from .engine import Engine, File, IOFuture, default_engine, local_path
 from .errors import CorruptCheckpointError, DurabilityWarning, TensorferryIOError
-from .schema import check_tensor_entry, hub_cache_hint, orbax_run_hint, parse_json
+from .schema import PART_FILE, check_tensor_entry, hub_cache_hint, orbax_run_hint, parse_json
 from .streams import STREAM_PIECE, fill_from, read_exactly, remaining_bytes, stream_name
 from .temporaries import NEW_TEMPORARY_TRIES, discard_later, hold_new, release, remove_stale_temporaries, set_aside
 
@@ -649,7 +649,7 @@ def foreign_files_hint(directory: str) -> str:
         if foreign is not None:
             found.append((entry.name, foreign))
     if not found:
-        return _folders_of_safetensors_hint(directory)
+        return _several_files_hint(entries) or _folders_of_safetensors_hint(directory)
     names = first_names([name for name, _ in found])
     return f"; it holds {names}, not safetensors files: {found[0][0]} is {found[0][1]}"
 
@@ -666,6 +666,15 @@ def subfolders_holding(directory: str, holds: Callable[[str], bool]) -> list[str
         return sorted(e.name for e in os.scandir(directory) if e.is_dir() and holds(e.path))
     except OSError:
         return []
+
+
+def _several_files_hint(entries: Sequence[os.DirEntry]) -> str:
+    """For a directory of several safetensors files and no index naming them (two models
+    side by side, say): which, as a clause, or ``""``."""
+    files = [e.name for e in entries if e.name.endswith(".safetensors")]
+    if len(files) < 2 or any(PART_FILE.fullmatch(name) for name in files):  # a damaged save's parts: none to give
+        return ""
+    return f"; it holds {len(files)} safetensors files and no index naming them ({first_names(files)}): give one"
 
 
 def _folders_of_safetensors_hint(directory: str) -> str:

@@ -104,6 +104,9 @@ def test_a_folder_of_one_model_file_reads_as_that_file(tmp_path: Path) -> None:
     assert all(same(tensorferry.load_checkpoint(variants)[n], a) for n, a in STATE.items())
     safetensors.numpy.save_file(STATE, str(variants / "other.safetensors"))  # two models: neither is taken
     assert layouts.detect(variants).kind != "huggingface"
+    with pytest.raises(CheckpointNotFoundError, match="holds 4 safetensors files and no index naming them "
+                                                      "\\(diffusion_pytorch_model.bf16.safetensors, .* and 1 more\\)"):
+        tensorferry.load_checkpoint(variants)
     # A diffusers pipeline's folder given instead of one of its components: they are named.
     pipeline = tmp_path / "pipeline"
     for component in ("unet", "vae", "scheduler"):

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ..checkpoint import read_directory_file
 from ..errors import CorruptCheckpointError
-from ..schema import member_path, parse_json
+from ..schema import PART_FILE, member_path, parse_json
 from ..shard import ShardInfo, ShardReader
 from . import (Chunk, ChunkSource, Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row,
                size_problems, tensor_entry, verify_files)
@@ -36,10 +36,8 @@ def encode_index(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None
 # A folder's lone safetensors file is read as its model where no index names files, as
 # libraries name it: transformers' model.safetensors, diffusers'
 # diffusion_pytorch_model.safetensors, PEFT's adapter_model.safetensors. Not where it is
-# a file of tensorferry's own layouts (a checkpoint's shard, a DCPWriter rank's, a JAX
-# process's) or a rank's file of torch's distributed writer: without what ties them
-# together, those folders are unfinished or damaged saves, or hold parts of tensors.
-_PARTS = re.compile(r"(shard-\d{5}|rank\d{5}-\d{3}|process-\d+|shard-\d{5}-model-\d{5}-of-\d{5})\.safetensors")
+# a part of a layout (schema.PART_FILE): without what ties them together, those folders
+# are unfinished or damaged saves, or hold parts of tensors.
 
 
 def _single_file(directory: str) -> str | None:
@@ -52,7 +50,7 @@ def _single_file(directory: str) -> str | None:
     if len(plain) != 1 or not all(s == plain[0] or s.rsplit(".", 1)[0] == plain[0] for s in stems):
         return None
     name = plain[0] + ".safetensors"
-    return None if _PARTS.fullmatch(name) else name
+    return None if PART_FILE.fullmatch(name) else name
 
 
 def _index_of(path: str) -> str | None:
