@@ -368,6 +368,9 @@ class ShardWriter:
             if os.path.lexists(parent):
                 raise TensorferryIOError(errno.ENOTDIR, f"cannot save {name} into what is not a directory", parent)
             raise TensorferryIOError(errno.ENOENT, f"cannot save {name}: its directory does not exist", parent)
+        if os.path.isdir(self.path):  # the rename would fail only once the whole file was written
+            raise TensorferryIOError(errno.EISDIR, "cannot save a file over a directory (a checkpoint directory "
+                                     "is written by save_checkpoint)", self.path)
         remove_stale_temporaries(parent, name)
         for _ in range(NEW_TEMPORARY_TRIES):
             file = File(self._write_path, "w")

@@ -645,6 +645,12 @@ def test_a_file_saved_into_a_missing_directory_names_it(tmp_path) -> None:
                 w.add("x", np.ones(2))
         assert info.value.errno == code and info.value.filename == str(parent)
         assert ".tmp-" not in str(info.value)
+    # Over a directory: refused before a byte is written (the rename failed after the whole file).
+    (tmp_path / "a_directory").mkdir()
+    with pytest.raises(tensorferry.TensorferryIOError, match="cannot save a file over a directory") as info:
+        with ShardWriter(tmp_path / "a_directory", atomic=True) as w:
+            w.add("x", np.ones(2))
+    assert info.value.errno == errno.EISDIR and sorted(os.listdir(tmp_path)) == ["a_directory", "f.safetensors"]
 
 
 def test_unwritable_directory() -> None:
