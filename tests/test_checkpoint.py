@@ -651,6 +651,8 @@ def test_a_file_saved_into_a_missing_directory_names_it(tmp_path) -> None:
         with ShardWriter(tmp_path / "a_directory", atomic=True) as w:
             w.add("x", np.ones(2))
     assert info.value.errno == errno.EISDIR and sorted(os.listdir(tmp_path)) == ["a_directory", "f.safetensors"]
+    with pytest.raises(tensorferry.TensorferryIOError, match="cannot save to an empty path"):
+        ShardWriter("", atomic=True)
 
 
 def test_unwritable_directory() -> None:
