@@ -84,6 +84,7 @@ class PendingCheckpoint:
         :meth:`commit` or :meth:`abort`; removes what killed saves to the same path left
         (temporaries no live writer holds)."""
         directory = os.path.abspath(local_path(directory))
+        _refuse_working_directory(directory)
         parent, name = os.path.split(directory)
         recoverable = list(recoverable_checkpoints(parent).values())
         remove_stale_temporaries(parent, name, keep=recoverable)
@@ -187,6 +188,20 @@ class PendingCheckpoint:
         # the temporary becomes a leftover that the next save or prune removes.
         release(self._lock)
         self._lock = None
+
+
+def _refuse_working_directory(directory: str) -> None:
+    """A checkpoint replaces what stands at its path (an empty directory; anything with
+    ``overwrite``): not where that is this process's working directory or holds it, which
+    would leave the process in a deleted directory (``save_checkpoint("")``, say)."""
+    try:
+        here = os.path.realpath(os.getcwd())
+    except FileNotFoundError:  # already deleted: nothing left to protect
+        return
+    target = os.path.realpath(directory)
+    if os.path.commonpath([here, target]) == target:
+        raise ValueError(f"{directory} is this process's working directory, or holds it: a checkpoint saved there "
+                         "would replace it; save into a directory of its own")
 
 
 def occupied(path: str) -> bool:

@@ -36,6 +36,8 @@ def local_path(path: PathLike) -> str:
     ``ValueError``. The engine reads and writes files of local or mounted filesystems, and
     ``os.makedirs("s3://bucket/ckpt")`` would quietly make a local folder ``s3:``."""
     text = os.fspath(path)
+    if not text:  # "" would be the working directory, or a file named nothing
+        raise FileNotFoundError(errno.ENOENT, "an empty path names no file or directory", text)
     if is_url(text):
         raise ValueError(f"{text!r} is a URL: tensorferry reads and writes files on local or mounted "
                          "filesystems (mount the bucket, with a FUSE driver say, or copy the files)")

@@ -239,8 +239,6 @@ class ShardWriter:
                  buffer_size: int = DEFAULT_BUFFER_SIZE, *, metadata: Mapping[str, str] | None = None,
                  staging_bytes: int = 256 << 20, atomic: bool = False, keep_on_failure: bool = False) -> None:
         self.path = local_path(path)
-        if not self.path:  # "" would be the working directory's temporary, renamed to nothing
-            raise TensorferryIOError(errno.ENOENT, "cannot save to an empty path", self.path)
         # With ``atomic``, the file is written under a temporary name and renamed over
         # ``path`` only once complete and durable: a reader never sees half a file.
         self._write_path = _temporary_name(self.path) if atomic else self.path

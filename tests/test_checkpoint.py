@@ -651,8 +651,21 @@ def test_a_file_saved_into_a_missing_directory_names_it(tmp_path) -> None:
         with ShardWriter(tmp_path / "a_directory", atomic=True) as w:
             w.add("x", np.ones(2))
     assert info.value.errno == errno.EISDIR and sorted(os.listdir(tmp_path)) == ["a_directory", "f.safetensors"]
-    with pytest.raises(tensorferry.TensorferryIOError, match="cannot save to an empty path"):
+    with pytest.raises(FileNotFoundError, match="an empty path names no file or directory"):
         ShardWriter("", atomic=True)
+
+
+def test_a_checkpoint_never_replaces_the_working_directory(tmp_path, monkeypatch) -> None:
+    """save_checkpoint("") (an unset variable, say) or into the working directory, empty:
+    the empty directory a save replaces was this process's own, left deleted under it."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for where, error in (("", FileNotFoundError), (".", ValueError), (str(work), ValueError),
+                         (str(tmp_path), ValueError)):
+        with pytest.raises(error, match="empty path|working directory, or holds it"):
+            tensorferry.save_checkpoint(where, {"x": np.ones(2)}, overwrite=True)
+    assert os.getcwd() == str(work) and os.listdir(work) == [] and os.listdir(tmp_path) == ["work"]
 
 
 def test_unwritable_directory() -> None:
