@@ -164,11 +164,14 @@ def discard_later(aside: str) -> concurrent.futures.Future:
     foreground. The thread is joined at exit; a process killed first leaves a temporary
     the next save, or ``tensorferry clean``, removes."""
     global _discarding
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result(None)
+    if os.path.islink(aside):  # a link replaced ("latest" naming a checkpoint): the link goes, not what it names
+        _remove(aside)
+        return done
     try:
         lock: int | None = hold(aside)
     except FileNotFoundError:  # gone already
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result(None)
         return done
     except BlockingIOError:
         # Another name of the same file is held: two saves replaced the file at once and

@@ -553,6 +553,14 @@ def test_existing_checkpoint_is_replaced_only_on_request(tmp_path) -> None:
     assert tensorferry.load_checkpoint(tmp_path / "c")["x"][0] == 0
     wait_for_discards()  # the replaced checkpoint is removed in the background
     assert os.listdir(tmp_path) == ["c"]
+    # A link replaced ("latest" naming a step): the link goes, never the checkpoint it named.
+    # The save failed after its commit (the link set aside could not be locked) and left it.
+    os.symlink("c", tmp_path / "latest")
+    tensorferry.save_checkpoint(tmp_path / "latest", {"x": np.full(3, 2.0)}, overwrite=True)
+    wait_for_discards()
+    assert sorted(os.listdir(tmp_path)) == ["c", "latest"] and not os.path.islink(tmp_path / "latest")
+    assert tensorferry.load_checkpoint(tmp_path / "c")["x"][0] == 0
+    assert tensorferry.load_checkpoint(tmp_path / "latest")["x"][0] == 2
 
 
 def test_multi_writer_commit(tmp_path) -> None:
