@@ -667,7 +667,8 @@ _STEP = re.compile(r"(\d+)$")
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[str]:
-    """Complete checkpoints directly under ``root``, oldest first.
+    """Complete checkpoints directly under ``root``, oldest first (symbolic links to
+    checkpoints are not counted).
 
     Ordered by the number that ends the directory name (``step_1000``) when every
     name has one, else by commit time.
@@ -676,7 +677,9 @@ def list_checkpoints(root: str | os.PathLike) -> list[str]:
     if not os.path.isdir(root):
         return []
     found = []
-    candidates = [(e.name, e.path) for e in os.scandir(root) if e.is_dir() and TMP_MARKER not in e.name]
+    # A link ("latest", "best") names a checkpoint and is none: counted, pruning would remove it, or what it names.
+    candidates = [(e.name, e.path) for e in os.scandir(root)
+                  if e.is_dir(follow_symlinks=False) and TMP_MARKER not in e.name]
     for name, path in [*candidates, *recoverable_checkpoints(root).items()]:
         try:
             manifest = read_manifest(path)

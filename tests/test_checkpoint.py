@@ -543,6 +543,19 @@ def test_latest_and_retention(tmp_path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["step_10"]
 
 
+def test_links_to_checkpoints_are_not_checkpoints(tmp_path) -> None:
+    """A "latest" or "best" link beside the steps: listed, it broke the ordering by step
+    number and pruning removed it like a checkpoint."""
+    for step in (1, 2, 3):
+        tensorferry.save_checkpoint(tmp_path / f"step_{step}", {"x": np.full(2, step)})
+    os.symlink("step_3", tmp_path / "latest")
+    os.symlink("step_1", tmp_path / "best")
+    assert tensorferry.list_checkpoints(tmp_path) == [str(tmp_path / f"step_{s}") for s in (1, 2, 3)]
+    assert tensorferry.prune_checkpoints(tmp_path, keep_last=2) == [str(tmp_path / "step_1")]
+    assert sorted(os.listdir(tmp_path)) == ["best", "latest", "step_2", "step_3"]
+    assert os.path.islink(tmp_path / "latest") and tensorferry.load_checkpoint(tmp_path / "latest")["x"][0] == 3
+
+
 def test_existing_checkpoint_is_replaced_only_on_request(tmp_path) -> None:
     tensorferry.save_checkpoint(tmp_path / "c", {"x": np.ones(3)})
     with pytest.raises(FileExistsError):
