@@ -169,9 +169,10 @@ def test_a_new_layout_is_one_class(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def orbax_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A step of an Orbax CheckpointManager with two items: one of tensorferry's handler
+    """A step of an Orbax CheckpointManager with three items: one of tensorferry's handler
     (a jax array sharded over two devices, a numpy array, a scalar) and one of Orbax's own
-    (a numpy array, a bf16 jax array sharded over two devices, a number, an int4 array)."""
+    (a numpy array, a bf16 jax array sharded over two devices, a number, an int4 array),
+    and one of Orbax's ArrayCheckpointHandler (not read)."""
     root = tmp_path_factory.mktemp("orbax")
     script = f"""
 import os
@@ -183,13 +184,15 @@ from tensorferry.adapters.jax import FerryCheckpointHandler, FerrySave
 mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
 w = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(mesh, P("x")))
 state = {{"params": {{"w": w, "b": np.arange(3, dtype=np.int32)}}, "step": 5}}
-with ocp.CheckpointManager({str(root)!r}, item_names=("state", "extra"),
+with ocp.CheckpointManager({str(root)!r}, item_names=("state", "extra", "array"),
                            item_handlers={{"state": FerryCheckpointHandler(),
-                                           "extra": ocp.StandardCheckpointHandler()}}) as manager:
+                                           "extra": ocp.StandardCheckpointHandler(),
+                                           "array": ocp.ArrayCheckpointHandler()}}) as manager:
     h = jax.device_put(np.arange(6, dtype=np.float32).reshape(2, 3).astype(jax.numpy.bfloat16),
                        NamedSharding(mesh, P("x")))
     extra = {{"x": np.ones(2, np.float32), "h": h, "n": 7, "i4": jax.numpy.arange(4, dtype=jax.numpy.int4)}}
-    manager.save(3, args=ocp.args.Composite(state=FerrySave(state), extra=ocp.args.StandardSave(extra)))
+    manager.save(3, args=ocp.args.Composite(state=FerrySave(state), extra=ocp.args.StandardSave(extra),
+                                            array=ocp.args.ArraySave(np.arange(5.0))))
     manager.wait_until_finished()
 """
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=300)
@@ -211,6 +214,8 @@ def test_orbax_step_with_tensorferry_items(orbax_step: Path, tmp_path: Path) -> 
     assert item["format"] == "orbax" and item["complete"] and len(item["tensors"]) == 3
     verified = cli("verify", orbax_step)
     assert verified["ok"] and "1 item(s) of Orbax's own handlers read whole through Orbax" in verified["checked"]
+    assert "1 item(s) of other Orbax handlers not checked" in verified["checked"]
+    assert not any(name.startswith("array/") for name in tensors)
 
     # Both items convert: Orbax's own restored through orbax-checkpoint, whole.
     cli("convert", orbax_step, tmp_path / "state.safetensors", "--to", "safetensors")

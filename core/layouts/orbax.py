@@ -18,7 +18,7 @@ from ..buffers import byte_view
 from ..checkpoint import open_shard, read_manifest_file, verify_shard
 from ..dtypes import to_safetensors_dtype
 from ..errors import CorruptCheckpointError, TensorferryError
-from ..schema import ORBAX_STEP_MARKER
+from ..schema import ORBAX_STEP_MARKER, parse_json, read_small_file
 from . import (OBJECT, Chunk, ChunkSource, Layout, TensorEntry, TensorSource, Verification, file_row, size_problems,
                tensor_entry)
 
@@ -82,9 +82,10 @@ class OrbaxStep(Layout):
                 for name, rec in leaves.items()]
 
     def _orbax_entries(self, item: str) -> list[TensorEntry]:
-        """The leaves of an item of Orbax's own handlers, as its metadata lists them:
-        arrays and numbers as tensors of their dtype (Orbax stores numbers as 0-d arrays);
-        leaves of dtypes safetensors has no name for (int4, say) and others as objects."""
+        """The leaves of an item of Orbax's own pytree handlers, as its metadata lists
+        them: arrays and numbers as tensors of their dtype (Orbax stores numbers as 0-d
+        arrays); leaves of dtypes safetensors has no name for (int4, say) and others as
+        objects."""
         entries = []
         for name, leaf in _orbax_leaves(self._prefix(item), _orbax_tree(self.path, item)):
             dtype, shape = getattr(leaf, "dtype", None), getattr(leaf, "shape", None)
@@ -97,14 +98,22 @@ class OrbaxStep(Layout):
                                            more={"orbax_dtype": str(dtype)}))
         return entries
 
+    def _pytree_items(self) -> list[str]:
+        """The items of Orbax's own handlers that are read (as pytrees); those the step
+        records as written by another handler (``ArrayCheckpointHandler``, say) are not."""
+        return [i for i in self._items() if not _is_ferry_item(i) and _written_as_pytree(i)]
+
     def _survey(self) -> tuple[list[TensorEntry], list[str], dict[str, tuple[str, dict[str, Any]]],
                                dict[str, tuple[str, str] | None]]:
         """Every leaf, the problems, each tensorferry shard file (relative to the step)
         with its item directory and index, and the tensors that can be read: for those
         of Orbax's own items, the item's directory and prefix (None: the core reads it)."""
         entries, problems, shards, readable = [], [], {}, {}
+        pytrees = self._pytree_items()
         for item in self._items():
             if not _is_ferry_item(item):
+                if item not in pytrees:
+                    continue
                 try:
                     own = self._orbax_entries(item)
                 except CorruptCheckpointError as exc:  # Orbax could not read its metadata
@@ -147,8 +156,9 @@ class OrbaxStep(Layout):
                 problems.append(f"{file}: {exc}")
         # Orbax keeps no checksums: its own items are read whole through Orbax, which finds
         # data files missing, short or failing to decompress.
-        others = [i for i in self._items() if not _is_ferry_item(i)]
-        for item in others:
+        pytrees = self._pytree_items()
+        others = [i for i in self._items() if not _is_ferry_item(i) and i not in pytrees]
+        for item in pytrees:
             if any(p.startswith(f"{item}: ") for p in problems):  # its metadata did not read
                 continue
             try:
@@ -160,8 +170,9 @@ class OrbaxStep(Layout):
                 progress(sum(a.nbytes for a in restored.values()))
         checked = "; ".join(
             (["every checksum of the tensorferry items matches"] if shards else []) +
-            ([f"{len(others)} item(s) of Orbax's own handlers read whole through Orbax (it keeps no checksums)"]
-             if others else []))
+            ([f"{len(pytrees)} item(s) of Orbax's own handlers read whole through Orbax (it keeps no checksums)"]
+             if pytrees else []) +
+            ([f"{len(others)} item(s) of other Orbax handlers not checked"] if others else []))
         return Verification(list(shards), total, list(dict.fromkeys(problems)), checked or "nothing to check")
 
     def open(self, *, verify: bool = True, engine: Any = None) -> TensorSource:
@@ -172,6 +183,25 @@ class OrbaxStep(Layout):
         return _StepSource(tensors, lambda file: self._open_shard(shards, file, engine=engine, verify=verify),
                            skipped=len(entries) - len(tensors), where=self.path,
                            orbax_items={name: item for name, item in readable.items() if item is not None})
+
+
+PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
+
+
+def _written_as_pytree(item: str) -> bool:
+    """Whether Orbax's record of the step (``_CHECKPOINT_METADATA``: the item's handler,
+    by class, in the step's directory or the item's own) names a pytree handler; an
+    item without that record is taken for one."""
+    for where, key in ((item, None), (os.path.dirname(os.path.abspath(item)), os.path.basename(item))):
+        try:
+            handlers = parse_json(read_small_file(os.path.join(where, ORBAX_STEP_MARKER)), "step metadata",
+                                  where).get("item_handlers")
+        except (OSError, CorruptCheckpointError, AttributeError):
+            continue
+        handler = handlers if key is None else handlers.get(key) if isinstance(handlers, dict) else None
+        if isinstance(handler, str):
+            return handler.rsplit(".", 1)[-1] in PYTREE_HANDLERS
+    return True
 
 
 def _with_orbax_handler(step: str, item: str, call: Callable[[Any, Any], Any]) -> Any:
