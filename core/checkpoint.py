@@ -12,6 +12,7 @@ aside where no atomic exchange exists (:func:`recoverable_checkpoints`).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import errno
 import gc
@@ -24,7 +25,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -578,12 +579,28 @@ def _load_as_listed(directory: str, manifest: Mapping[str, Any], names: Iterable
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(MAX_CONCURRENT_SHARDS,
                                                                     max(1, len(readers)))) as pool:
             result: dict[str, np.ndarray] = {}
-            for part in pool.map(read, readers):
-                result.update(part)
+            with cancelled_on_interrupt(pool, readers):
+                for part in pool.map(read, readers):
+                    result.update(part)
     finally:
         for r in readers:
             r.close()
     return {n: result[n] for n in dict.fromkeys([*wanted, *out])}
+
+
+@contextlib.contextmanager
+def cancelled_on_interrupt(pool: concurrent.futures.Executor, readers: Iterable[ShardReader]) -> Iterator[None]:
+    """Reads of several files on ``pool``'s threads: where this thread is interrupted
+    (Ctrl-C), or one file fails, the files not started are dropped and the reads not yet
+    issued cancelled, so that the pool, which is waited for, stops soon instead of
+    reading every file to its end."""
+    try:
+        yield
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for reader in readers:
+            reader.cancel()
+        raise
 
 
 def read_other_file(directory: str | os.PathLike, manifest: Mapping[str, Any], name: str) -> bytes:

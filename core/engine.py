@@ -218,6 +218,13 @@ class IOFuture:
         """True once every part has finished, successfully or not."""
         return all(r.done() for r in self._requests)
 
+    def cancel(self) -> None:
+        """Stops what has not started: blocks not yet handed to the kernel are skipped,
+        those in flight finish (the buffers stay held until then). Unless it had
+        finished already, :meth:`result` then raises ``ECANCELED``."""
+        for r in self._requests:
+            r.cancel()
+
     def wait(self, timeout: float | None = None) -> bool:
         """Waits for completion; False if ``timeout`` seconds passed first."""
         for r in self._requests:

@@ -177,6 +177,9 @@ class CuFileRequest:
     def done(self) -> bool:
         return self._outcome is not None or self._future.done()
 
+    def cancel(self) -> None:
+        """Nothing: kvikio's I/O cannot be stopped once started; it finishes."""
+
     def wait(self, timeout: float) -> bool:
         if self._outcome is None:
             if timeout >= 0:

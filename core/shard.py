@@ -1001,6 +1001,8 @@ class ShardReader:
         self.verify = verify
         self.chunk_size = chunk_size
         self._slabs = _Slabs()
+        self._started: list[IOFuture] = []  # read_many's reads, while it waits for them (cancel)
+        self._cancelled = False
         self._file = File(self.path, "r")
         try:
             self._parse_header()
@@ -1173,28 +1175,55 @@ class ShardReader:
                                  f"the tensor {t.nbytes}")
             results[name] = target
             (direct if self._direct_into(view, self.data_start + t.begin) else staged).append((name, view))
-        for group in self._direct_groups(direct):
-            future = self.engine.pread_many([(view, self.data_start + infos[n].begin) for n, view in group],
-                                            self._file)
-            pending.append((future, group))
-        if staged:
-            _StagedReads(self, staged).run()
-        for run in self._chunks([n for n in names if n not in out]):
-            # Faulted in now (with ``populate``), while the runs before it are being read.
-            future, views = self._start_run(run, populate)
-            pending.append((future, list(views.items())))
-            results.update((n, self._typed(n, v)) for n, v in views.items())
-        for future, views in pending:  # verify each block as it lands, while later ones fly
-            try:
+        # Each read is listed in _started as it starts, so that cancel() from another
+        # thread reaches it; one cancelled before it started is not started at all.
+        self._started = started = []
+        try:
+            for group in self._direct_groups(direct):
+                if self._cancelled:
+                    break
+                future = self.engine.pread_many([(view, self.data_start + infos[n].begin) for n, view in group],
+                                                self._file)
+                pending.append((future, group))
+                started.append(future)
+            if staged and not self._cancelled:
+                _StagedReads(self, staged).run()
+            for run in self._chunks([n for n in names if n not in out]):
+                if self._cancelled:
+                    break
+                # Faulted in now (with ``populate``), while the runs before it are being read.
+                future, views = self._start_run(run, populate)
+                pending.append((future, list(views.items())))
+                started.append(future)
+                results.update((n, self._typed(n, v)) for n, v in views.items())
+            if self._cancelled:
+                self.cancel()
+                raise TensorferryIOError(errno.ECANCELED, "read cancelled", self.path)
+            for future, views in pending:  # verify each block as it lands, while later ones fly
                 future.result()
-            except OSError:
-                for f, _ in pending:
-                    f.wait()
-                raise
-            if self.verify:
-                for n, v in views:
-                    self.check_checksum(n, v)
+                if self.verify:
+                    for n, v in views:
+                        self.check_checksum(n, v)
+        except OSError:  # a read failed: the rest stop, and are over before the error goes up
+            self.cancel()
+            for f, _ in pending:
+                f.wait()
+            raise
+        except BaseException:  # interrupted (Ctrl-C), or a checksum failed: what was not issued is not read
+            self.cancel()
+            raise
+        finally:
+            self._started, self._cancelled = [], False
         return {n: a if n in out else item_aligned(a) for n, a in results.items()}
+
+    def cancel(self) -> None:
+        """Stops the reads :meth:`read_many` has started and not yet issued, or is about
+        to start, as when its caller is interrupted; it may be called from another thread
+        (one that reads several files at once, interrupted itself). Reads in flight finish,
+        their buffers held by the engine until then; :meth:`read_many` raises ``ECANCELED``."""
+        self._cancelled = True
+        for future in list(self._started):
+            future.cancel()
 
     def map_many(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """Several tensors (default: all) as arrays over one private, copy-on-write mapping
@@ -1458,6 +1487,7 @@ class StreamReader(ShardReader):
         self.path = stream_name(stream)
         self.header_vouched = False
         self.verify = verify
+        self._started, self._cancelled = [], False  # nothing read through the engine
         available = remaining_bytes(stream)
         prefix = read_exactly(stream, 8)
         if len(prefix) < 8:

@@ -78,6 +78,7 @@ NB_MODULE(_native, m) {
   nb::class_<tf::Request>(m, "Request")
       .def("wait", &tf::Request::wait, "timeout"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("done", &tf::Request::done)
+      .def("cancel", &tf::Request::cancel)
       .def_prop_ro("failed", &tf::Request::failed)
       .def_prop_ro("bytes_done", &tf::Request::bytes_done)
       .def_prop_ro("nbytes", &tf::Request::nbytes)

@@ -501,3 +501,21 @@ print("released" if alive() is None else "alive")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "released"
     assert "leaked" not in result.stderr
+
+
+def test_a_cancelled_request_skips_what_it_has_not_issued(backend: str, tmp_path) -> None:
+    """IOFuture.cancel: blocks not yet handed to the kernel are skipped and result()
+    raises ECANCELED naming the file; what was read before is there; the engine goes on."""
+    data = random_bytes(64 << 20)
+    path = tmp_path / "f.bin"
+    with Engine(backend=backend, block_size=64 << 10, queue_depth=2, threads=1) as e:
+        e.write(data, path)
+        out = np.zeros(len(data), np.uint8)
+        future = e.pread(out, path)
+        future.cancel()
+        with pytest.raises(TensorferryIOError, match="cancelled") as info:
+            future.result()
+        assert info.value.errno == errno.ECANCELED and info.value.filename == str(path)
+        assert not np.array_equal(out, data), "1024 blocks through one worker were all read before the cancel"
+        again = np.zeros(len(data), np.uint8)
+        assert e.pread(again, path).result() == len(data) and np.array_equal(again, data)

@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 import numpy as np
 
 from ..buffers import byte_view
-from ..checkpoint import MAX_CONCURRENT_SHARDS, names_to_read, refuse_out_when_mapped
+from ..checkpoint import MAX_CONCURRENT_SHARDS, cancelled_on_interrupt, names_to_read, refuse_out_when_mapped
 from ..dtypes import to_numpy_dtype
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TensorferryError
 from ..shard import ShardReader, foreign_files_hint
@@ -197,8 +197,9 @@ class ShardSource(TensorSource):
         result: dict[str, np.ndarray] = {}
         workers = min(MAX_CONCURRENT_SHARDS, max(1, len(by_file)))
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            for part in pool.map(read, by_file):
-                result.update(part)
+            with cancelled_on_interrupt(pool, readers.values()):
+                for part in pool.map(read, by_file):
+                    result.update(part)
         return {n: result[n] for n in names}
 
     def read_range(self, name: str, start: int, nbytes: int) -> np.ndarray:
