@@ -1220,7 +1220,8 @@ class ShardReader:
         """Stops the reads :meth:`read_many` has started and not yet issued, or is about
         to start, as when its caller is interrupted; it may be called from another thread
         (one that reads several files at once, interrupted itself). Reads in flight finish,
-        their buffers held by the engine until then; :meth:`read_many` raises ``ECANCELED``."""
+        their buffers held by the engine until then; :meth:`read_many` raises ``ECANCELED``.
+        Called between reads, it cancels the next one (a worker about to start it)."""
         self._cancelled = True
         for future in list(self._started):
             future.cancel()
