@@ -800,6 +800,7 @@ def test_atomic_writer_replaces_only_when_complete(tmp_path) -> None:
     assert w.info.path == str(path)
     with ShardReader(path) as r:
         np.testing.assert_array_equal(r.read("x"), np.arange(4, dtype=np.float32))
+    wait_for_discards()  # the replaced file is removed in the background
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
 
 
