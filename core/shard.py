@@ -1196,8 +1196,7 @@ class ShardReader:
                 pending.append((future, list(views.items())))
                 started.append(future)
                 results.update((n, self._typed(n, v)) for n, v in views.items())
-            if self._cancelled:
-                self.cancel()
+            if self._cancelled:  # the reads started are cancelled below, with those of a failure
                 raise TensorferryIOError(errno.ECANCELED, "read cancelled", self.path)
             for future, views in pending:  # verify each block as it lands, while later ones fly
                 future.result()

@@ -22,7 +22,7 @@ from ...checkpoint import (DEFAULT_SHARD_BYTES, MAX_CONCURRENT_SHARDS, listed_by
                            names_to_read, open_shard, read_manifest)
 from ...checkpoint import load_checkpoint as _load_directory
 from ...checkpoint import save_checkpoint as _save_directory
-from ...dtypes import to_numpy_dtype, to_safetensors_dtype
+from ...dtypes import to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
 from ...layouts.huggingface import INDEX_SUFFIX
@@ -231,11 +231,7 @@ def resolve_map_location(map_location: MapLocation) -> str | torch.device | None
 
 
 def _to_tensors(arrays: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
-    """Arrays the core read as CPU tensors (bf16 and fp8 included), moved to ``map_location``;
-    to the meta device, tensors of their shape and dtype that hold nothing."""
-    if _on_meta(map_location):
-        return {name: torch.empty(tuple(a.shape), device="meta", dtype=a.dtype if isinstance(a, torch.Tensor)
-                                  else FROM_SAFETENSORS[to_safetensors_dtype(a.dtype)]) for name, a in arrays.items()}
+    """Arrays the core read as CPU tensors (bf16 and fp8 included), moved to ``map_location``."""
     tensors = {name: a if isinstance(a, torch.Tensor) else from_array(a, to_safetensors_dtype(a.dtype))
                for name, a in arrays.items()}  # tensors already: those read in place
     if map_location is not None and torch.device(map_location).type != "cpu":
@@ -247,10 +243,10 @@ def _on_meta(map_location: Any) -> bool:
     return map_location is not None and torch.device(map_location).type == "meta"
 
 
-def _unread(infos: Iterable[tuple[str, str, tuple[int, ...]]]) -> dict[str, np.ndarray]:
-    """Stand-ins for the tensors ``(name, dtype, shape)`` of a load to the meta device,
-    which reads them not: arrays of that dtype and shape over one element (broadcast)."""
-    return {name: np.broadcast_to(np.zeros((), to_numpy_dtype(dtype)), shape) for name, dtype, shape in infos}
+def _unread(infos: Iterable[tuple[str, str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """The tensors ``(name, safetensors dtype, shape)`` of a load to the meta device, which
+    reads them not: meta tensors of that dtype and shape."""
+    return {name: torch.empty(shape, dtype=FROM_SAFETENSORS[dtype], device="meta") for name, dtype, shape in infos}
 
 
 @gc_paused()
@@ -438,16 +434,15 @@ def load_checkpoint(directory: str | os.PathLike, map_location: MapLocation = No
     :func:`load`, for tensorferry checkpoints and folders of safetensors files.
     """
     map_location = resolve_map_location(map_location)
-    if _on_meta(map_location):
+    meta = _on_meta(map_location)
+    device = None if meta else _cuda_device(map_location, mmap, out)
+    if meta:
         if out:
             raise ValueError("out= reads the tensors into those given; map_location='meta' reads none")
         manifest, arrays = _directory_unread(directory, names, engine, verify)
-        device = None
-    else:
-        device = _cuda_device(map_location, mmap, out)
-    if device is not None and listed_by_manifest(directory):
+    elif device is not None and listed_by_manifest(directory):
         manifest, arrays = _load_directory_to_device(directory, names, out, device, engine, verify)
-    elif not _on_meta(map_location):
+    else:
         destinations = {name: host_array(t, writable=True) for name, t in (out or {}).items()}
         manifest, arrays = load_with_manifest(directory, names, out=destinations, engine=engine, verify=verify,
                                               mmap=mmap)
