@@ -35,6 +35,10 @@ class OrbaxStep(Layout):
     kind = "orbax"
     title = "Orbax checkpoint"
 
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._trees: dict[str, Any] = {}  # Orbax's metadata tree of each of its own items, read once
+
     @classmethod
     def recognise(cls, path: str) -> bool:
         if not os.path.isdir(path):
@@ -86,8 +90,10 @@ class OrbaxStep(Layout):
         them: arrays and numbers as tensors of their dtype (Orbax stores numbers as 0-d
         arrays); leaves of dtypes safetensors has no name for (int4, say) and others as
         objects."""
+        if item not in self._trees:
+            self._trees[item] = _orbax_tree(self.path, item)
         entries = []
-        for name, leaf in _orbax_leaves(self._prefix(item), _orbax_tree(self.path, item)):
+        for name, leaf in _orbax_leaves(self._prefix(item), self._trees[item]):
             dtype, shape = getattr(leaf, "dtype", None), getattr(leaf, "shape", None)
             try:
                 if dtype is None:  # np.dtype(None) would be float64
@@ -104,10 +110,10 @@ class OrbaxStep(Layout):
         return [i for i in self._items() if not _is_ferry_item(i) and _written_as_pytree(i)]
 
     def _survey(self) -> tuple[list[TensorEntry], list[str], dict[str, tuple[str, dict[str, Any]]],
-                               dict[str, tuple[str, str] | None]]:
+                               dict[str, tuple[str, str, Any] | None]]:
         """Every leaf, the problems, each tensorferry shard file (relative to the step)
         with its item directory and index, and the tensors that can be read: for those
-        of Orbax's own items, the item's directory and prefix (None: the core reads it)."""
+        of Orbax's own items, what :func:`_restore_orbax_item` takes (None: the core reads it)."""
         entries, problems, shards, readable = [], [], {}, {}
         pytrees = self._pytree_items()
         for item in self._items():
@@ -120,7 +126,7 @@ class OrbaxStep(Layout):
                     problems.append(str(exc))
                     continue
                 entries += own
-                readable.update((e.name, (item, self._prefix(item))) for e in own if e.is_tensor)
+                readable.update((e.name, (item, self._prefix(item), self._trees[item])) for e in own if e.is_tensor)
                 continue
             indexes = self._indexes(item)
             ferried = self._ferry_entries(item, indexes)
@@ -159,10 +165,10 @@ class OrbaxStep(Layout):
         pytrees = self._pytree_items()
         others = [i for i in self._items() if not _is_ferry_item(i) and i not in pytrees]
         for item in pytrees:
-            if any(p.startswith(f"{item}: ") for p in problems):  # its metadata did not read
+            if item not in self._trees:  # its metadata did not read: a problem already
                 continue
             try:
-                restored = _restore_orbax_item(item, self._prefix(item))
+                restored = _restore_orbax_item(item, self._prefix(item), self._trees[item])
             except CorruptCheckpointError as exc:
                 problems.append(str(exc))
                 continue
@@ -239,16 +245,16 @@ def _orbax_leaves(prefix: str, tree: Any) -> list[tuple[str, Any]]:
     return [(prefix + jax.tree_util.keystr(keys), leaf) for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def _restore_orbax_item(item: str, prefix: str) -> dict[str, np.ndarray]:
-    """Every leaf of an item of Orbax's own pytree handlers, restored by Orbax as numpy
-    arrays (whole, whatever mesh they were saved from), by name in the step."""
+def _restore_orbax_item(item: str, prefix: str, tree: Any) -> dict[str, np.ndarray]:
+    """Every leaf of an item of Orbax's own pytree handlers (``tree``: its metadata),
+    restored by Orbax as numpy arrays (whole, whatever mesh they were saved from), by
+    name in the step."""
     import jax
     import orbax.checkpoint as ocp
 
     # Arrays and numbers as numpy arrays; the rest (strings, say) as Orbax restores them.
     restore_args = jax.tree.map(lambda leaf: ocp.RestoreArgs(restore_type=np.ndarray)
-                                if getattr(leaf, "dtype", None) is not None else ocp.RestoreArgs(),
-                                _orbax_tree(item, item))
+                                if getattr(leaf, "dtype", None) is not None else ocp.RestoreArgs(), tree)
     restored = _with_orbax_handler(item, item, lambda handler, path: handler.restore(
         path, args=ocp.args.PyTreeRestore(restore_args=restore_args)))
     return {name: np.asarray(leaf, order="C") for name, leaf in _orbax_leaves(prefix, restored)
@@ -257,11 +263,11 @@ def _restore_orbax_item(item: str, prefix: str) -> dict[str, np.ndarray]:
 
 class _StepSource(ChunkSource):
     """A step's tensors: those of tensorferry's items read by the core, those of Orbax's
-    own items (``orbax_items``: name -> item directory and its prefix) restored through
+    own items (``orbax_items``: name -> item directory, prefix and metadata) restored through
     orbax-checkpoint a whole item at a time, each array held until it is handed out."""
 
     def __init__(self, tensors: dict[str, TensorEntry], open_reader: Callable[[str], Any], *, skipped: int,
-                 where: str, orbax_items: dict[str, tuple[str, str]]) -> None:
+                 where: str, orbax_items: dict[str, tuple[str, str, Any]]) -> None:
         super().__init__(tensors, open_reader, skipped=skipped, where=where)
         self._orbax_items = orbax_items
         self._restored: dict[str, np.ndarray] = {}
