@@ -18,7 +18,6 @@ import errno
 import gc
 import json
 import os
-import re
 import secrets
 import shutil
 import threading
@@ -34,8 +33,8 @@ from .dtypes import to_numpy_dtype
 from .engine import Engine, default_engine, local_path
 from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, CorruptCheckpointError,
                      TensorferryIOError, missing_names)
-from .schema import (MANIFEST_VERSION, check_index, member_path, parse_json, read_small_file, seal_manifest,
-                     unseal_manifest, validate_manifest)
+from .schema import (MANIFEST_VERSION, STEP_NUMBER, check_index, member_path, parse_json, read_small_file,
+                     seal_manifest, unseal_manifest, validate_manifest)
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
                     first_names, foreign_files_hint, fsync_after_commit, fsync_dir, gc_paused, subfolders_holding)
 from .temporaries import (NEW_TEMPORARY_TRIES, TMP_MARKER, aside_name, discard_later, held_here, hold_new,
@@ -680,9 +679,6 @@ def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, en
     return reader
 
 
-_STEP = re.compile(r"(\d+)$")
-
-
 def list_checkpoints(root: str | os.PathLike) -> list[str]:
     """Complete checkpoints directly under ``root``, oldest first (symbolic links to
     checkpoints are not counted).
@@ -706,7 +702,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[str]:
             warnings.warn(f"skipping {path}: {exc}", CheckpointSkippedWarning, stacklevel=2)
             continue
         found.append((name, path, manifest.get("committed_at", 0.0)))
-    steps = [_STEP.search(name) for name, _, _ in found]
+    steps = [STEP_NUMBER.search(name) for name, _, _ in found]
     if all(steps):
         keyed = [(int(m.group(1)), t, p) for m, (_, p, t) in zip(steps, found)]
     else:

@@ -100,23 +100,9 @@ PART_FILE = re.compile(r"(shard-\d{5}|rank\d{5}-\d{3}|process-\d+|shard-\d{5}-mo
 
 ORBAX_STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes into each step directory
 
-
-def orbax_run_hint(directory: str | os.PathLike) -> str:
-    """For the directory of an Orbax ``CheckpointManager`` (its steps as subdirectories)
-    given instead of one of its steps: which step to give (the latest), as a clause to
-    add to the error, or ``""``."""
-    try:
-        steps = [e.name for e in os.scandir(directory)
-                 if e.is_dir() and os.path.isfile(os.path.join(e.path, ORBAX_STEP_MARKER))]
-    except OSError:  # a hint must not hide the error it is added to
-        return ""
-    if not steps:
-        return ""
-    # Step directories are the step number, after a prefix where one was configured (step_prefix).
-    latest = max(steps, key=lambda name: (int(name.rsplit("_", 1)[-1]) if name.rsplit("_", 1)[-1].isdigit() else -1,
-                                          name))
-    return (f"; it is the directory of an Orbax CheckpointManager with {len(steps)} step(s): give one, "
-            f"the latest being {os.path.join(os.fspath(directory), latest)}")
+# The step a checkpoint's directory is of: the number its name ends with (step_1000, an
+# Orbax step "1000" or "checkpoint_1000").
+STEP_NUMBER = re.compile(r"(\d+)$")
 
 
 def _name_problem(name: Any) -> str | None:
@@ -383,4 +369,4 @@ def check_index(where: str, index: Mapping[str, Any], name: str, header: Any) ->
 __all__ = ["MAX_DIMS", "MAX_NAME_BYTES", "MAX_SMALL_FILE_BYTES", "check_index", "check_name",
            "check_structure", "check_tensor_entry", "walk_structure", "STRUCTURE_KEY", "member_path", "parse_json",
            "read_small_file", "seal_manifest", "unseal_manifest", "validate_manifest", "hub_cache_blobs",
-           "hub_cache_hint", "orbax_run_hint", "ORBAX_STEP_MARKER", "PART_FILE"]
+           "hub_cache_hint", "ORBAX_STEP_MARKER", "PART_FILE", "STEP_NUMBER"]

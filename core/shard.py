@@ -35,7 +35,8 @@ from .buffers import PinnedPool, byte_view, round_up
 from .dtypes import to_numpy_dtype, to_safetensors_dtype
 from .engine import Engine, File, IOFuture, default_engine, local_path
 from .errors import CorruptCheckpointError, DurabilityWarning, TensorferryIOError
-from .schema import PART_FILE, check_tensor_entry, hub_cache_hint, orbax_run_hint, parse_json
+from .schema import (ORBAX_STEP_MARKER, PART_FILE, STEP_NUMBER, check_tensor_entry, hub_cache_hint,
+                     parse_json)
 from .streams import STREAM_PIECE, fill_from, read_exactly, remaining_bytes, stream_name
 from .temporaries import NEW_TEMPORARY_TRIES, discard_later, hold_new, release, remove_stale_temporaries, set_aside
 
@@ -635,7 +636,7 @@ def foreign_files_hint(directory: str) -> str:
     give where it is a Hugging Face cache repository, as a clause to add to the error, or
     ``""``; or which step to give for an Orbax run's directory. Reads the first bytes of
     at most 64 files."""
-    run = hub_cache_hint(directory) or orbax_run_hint(directory)
+    run = hub_cache_hint(directory) or _orbax_run_hint(directory)
     if run:
         return run
     found = []
@@ -678,6 +679,17 @@ def _several_files_hint(entries: Sequence[os.DirEntry]) -> str:
     if len(files) < 2 or any(PART_FILE.fullmatch(name) for name in files):  # a damaged save's parts: none to give
         return ""
     return f"; it holds {len(files)} safetensors files and no index naming them ({first_names(files)}): give one"
+
+
+def _orbax_run_hint(directory: str) -> str:
+    """For the directory of an Orbax ``CheckpointManager`` (its steps as subdirectories)
+    given instead of one of its steps: which step to give (the latest), as a clause, or ``""``."""
+    steps = subfolders_holding(directory, lambda path: os.path.isfile(os.path.join(path, ORBAX_STEP_MARKER)))
+    if not steps:
+        return ""
+    latest = max(steps, key=lambda name: (int(m.group(1)) if (m := STEP_NUMBER.search(name)) else -1, name))
+    return (f"; it is the directory of an Orbax CheckpointManager with {len(steps)} step(s): give one, "
+            f"the latest being {os.path.join(directory, latest)}")
 
 
 def _folders_of_safetensors_hint(directory: str) -> str:

@@ -44,7 +44,7 @@ class OrbaxStep(Layout):
         if not os.path.isdir(path):
             return False
         # A step holds its items as subdirectories, or is one item; a CheckpointManager's
-        # directory, whose subdirectories are steps, is not a step (see orbax_run_hint).
+        # directory, whose subdirectories are steps, is not a step (see shard._orbax_run_hint).
         subdirs = [os.path.join(path, n) for n in os.listdir(path) if os.path.isdir(os.path.join(path, n))]
         return os.path.exists(os.path.join(path, ORBAX_STEP_MARKER)) or any(
             _is_ferry_item(d) or any(os.path.exists(os.path.join(d, m)) for m in ITEM_MARKERS)
