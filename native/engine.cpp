@@ -77,6 +77,16 @@ void Request::fail(int err, uint64_t offset, uint64_t length, const char *what) 
   failed_.store(true, std::memory_order_release);
 }
 
+void Request::cancel() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (remaining_.load(std::memory_order_acquire) == 0 || failed_.load(std::memory_order_relaxed)) return;
+  err_ = ECANCELED;
+  err_offset_ = 0;  // at the start: every block not yet issued is skipped (failed_before)
+  err_length_ = 0;
+  err_what_ = "cancelled";
+  failed_.store(true, std::memory_order_release);
+}
+
 bool Request::failed_before(uint64_t offset) {
   if (!failed()) return false;
   std::lock_guard<std::mutex> lock(mu_);

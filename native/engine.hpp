@@ -3,7 +3,6 @@
 #pragma once
 
 #include <atomic>
-#include <cerrno>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -85,8 +84,9 @@ class Request {
 
   void fail(int err, uint64_t offset, uint64_t length, const char *what);
   // Fails the request as cancelled: its blocks not yet issued are skipped, those in
-  // flight finish (their memory is written all the same until then).
-  void cancel() { fail(ECANCELED, 0, 0, "cancelled"); }
+  // flight finish (their memory is written all the same until then). A request whose
+  // every block is done keeps its outcome, and a failed one its error.
+  void cancel();
   void add_bytes(uint64_t n) { bytes_done_.fetch_add(n, std::memory_order_relaxed); }
   void task_finished();
   void set_task_count(int64_t n);
