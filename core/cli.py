@@ -428,6 +428,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     src, dst = args.src, args.dst
     layout = layouts.detect(src)
     if layout.kind == args.to:
+        # Any file is a candidate safetensors file: one that is not (a torch.save zip named
+        # .pt) gets its own error from opening it, not "already a safetensors file".
+        layout.open(verify=False).close()
         raise CLIError(f"{src} is already a {layout.title}; --to {args.to} converts from any other layout")
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import termios
 import warnings
+import zipfile
 from pathlib import Path
 
 import ml_dtypes
@@ -316,6 +317,11 @@ def test_convert_refusals(checkpoint: Path, tmp_path: Path) -> None:
     assert result.returncode == 2 and "DCP metadata" in result.stderr
     result = run("convert", checkpoint, tmp_path / "y", "--to", "tensorferry")
     assert result.returncode == 2 and "already a tensorferry checkpoint" in result.stderr
+    pickled = tmp_path / "model.pt"  # a zip archive, as torch.save writes
+    with zipfile.ZipFile(pickled, "w") as archive:
+        archive.writestr("model/data.pkl", b"")
+    result = run("convert", pickled, tmp_path / "z.safetensors", "--to", "safetensors")
+    assert result.returncode == 2 and "zip archive" in result.stderr and "already" not in result.stderr
     target = tmp_path / "out.safetensors"
     target.write_bytes(b"old")
     result = run("convert", checkpoint, target, "--to", "safetensors")
