@@ -33,6 +33,7 @@ from .dtypes import to_numpy_dtype
 from .engine import Engine, default_engine, local_path
 from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, CorruptCheckpointError,
                      TensorferryIOError, missing_names)
+from .pools import ThreadPool
 from .schema import (MANIFEST_VERSION, STEP_NUMBER, check_index, member_path, parse_json, read_small_file,
                      seal_manifest, unseal_manifest, validate_manifest)
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
@@ -422,7 +423,7 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
             w.info.manifest_entries  # encoded now, while the other files are still being written
             return w.info
 
-        with concurrent.futures.ThreadPoolExecutor(max_workers=writers) as pool:
+        with ThreadPool(max_workers=writers) as pool:
             infos = list(pool.map(write, range(len(groups))))
         others = []
         if hf_index:
@@ -575,8 +576,7 @@ def _load_as_listed(directory: str, manifest: Mapping[str, Any], names: Iterable
         return reader.read_many(names_here, {n: out[n] for n in names_here if n in out})
 
     try:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(MAX_CONCURRENT_SHARDS,
-                                                                    max(1, len(readers)))) as pool:
+        with ThreadPool(max_workers=min(MAX_CONCURRENT_SHARDS, max(1, len(readers)))) as pool:
             result: dict[str, np.ndarray] = {}
             with cancelled_on_interrupt(pool, readers):
                 for part in pool.map(read, readers):

@@ -35,6 +35,7 @@ from .buffers import PinnedPool, byte_view, round_up
 from .dtypes import to_numpy_dtype, to_safetensors_dtype
 from .engine import Engine, File, IOFuture, default_engine, local_path
 from .errors import CorruptCheckpointError, DurabilityWarning, TensorferryIOError
+from .pools import ThreadPool
 from .schema import (ORBAX_STEP_MARKER, PART_FILE, STEP_NUMBER, check_tensor_entry, hub_cache_hint,
                      parse_json)
 from .streams import STREAM_PIECE, fill_from, read_exactly, remaining_bytes, stream_name
@@ -921,7 +922,7 @@ def aligned_copies(arrays: Sequence[Any]) -> list[np.ndarray]:
     faults of their new memory) run without the GIL, so they take every core."""
     if len(arrays) < 2:
         return [aligned_copy(a) for a in arrays]
-    with concurrent.futures.ThreadPoolExecutor(min(len(arrays), os.cpu_count() or 1, 8)) as pool:
+    with ThreadPool(min(len(arrays), os.cpu_count() or 1, 8)) as pool:
         return list(pool.map(aligned_copy, arrays))
 
 
@@ -1264,7 +1265,7 @@ class ShardReader:
         spans = [(self.data_start + infos[n].begin, self.data_start + infos[n].end) for n in order]
         results = {n: self._typed(n, whole[:0]) for n in infos if not infos[n].nbytes}
         slices = _slices(spans)
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensorferry-map") as helper:
+        with ThreadPool(1, thread_name_prefix="tensorferry-map") as helper:
             populated: list[concurrent.futures.Future] = []
             try:
                 at = 0

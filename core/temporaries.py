@@ -18,6 +18,8 @@ import shutil
 import threading
 from typing import Iterable
 
+from .pools import ThreadPool
+
 TMP_MARKER = ".tmp-"
 
 _held_here: dict[int, str] = {}  # the temporaries this process holds, by descriptor
@@ -152,7 +154,7 @@ def set_aside(path: str) -> str | None:
     return aside
 
 
-_discarding: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_discarding: tuple[int, ThreadPool] | None = None
 _discarding_lock = threading.Lock()
 
 
@@ -179,7 +181,7 @@ def discard_later(aside: str) -> concurrent.futures.Future:
         lock = None
     with _discarding_lock:
         if _discarding is None or _discarding[0] != os.getpid():  # made anew in a forked child
-            _discarding = (os.getpid(), concurrent.futures.ThreadPoolExecutor(1, "tensorferry-discard"))
+            _discarding = (os.getpid(), ThreadPool(1, "tensorferry-discard"))
         executor = _discarding[1]
 
     def remove() -> None:

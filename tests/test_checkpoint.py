@@ -698,6 +698,33 @@ def test_unwritable_directory() -> None:
         assert os.listdir(root) == []
 
 
+SAVE_AT_EXIT_SCRIPT = textwrap.dedent("""
+    import sys, threading, numpy as np, tensorferry
+    root = sys.argv[1]
+    arrays = {f"w{i}": np.full(300_000, 2, np.float32) for i in range(24)}
+    # The main thread ends at once: the save runs while the interpreter exits, as a
+    # background save does when a script ends without waiting for it.
+    threading.Thread(target=tensorferry.save_checkpoint, args=(root + "/step_1", arrays),
+                     kwargs={"max_shard_bytes": 4 << 20, "overwrite": True}).start()
+""")
+
+
+def test_a_save_still_running_at_exit_completes(tmp_path) -> None:
+    """Python finishes running threads at exit, after concurrent.futures stops taking
+    work: a save spreading its files over a pool then failed with "cannot schedule new
+    futures after interpreter shutdown" (and overwrote nothing)."""
+    root = str(tmp_path)
+    tensorferry.save_checkpoint(os.path.join(root, "step_1"), {"w0": np.ones(3, np.float32)})
+    script = tmp_path / "save.py"
+    script.write_text(SAVE_AT_EXIT_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), root], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    loaded = tensorferry.load_checkpoint(os.path.join(root, "step_1"))
+    assert len(loaded) == 24 and all((a == 2).all() for a in loaded.values())
+    assert len(tensorferry.read_manifest(os.path.join(root, "step_1"))["files"]) > 1  # the pool was used
+    assert sorted(os.listdir(root)) == ["save.py", "step_1"]  # the replaced one removed too
+
+
 CRASH_SCRIPT = textwrap.dedent("""
     import sys, numpy as np, tensorferry
     root = sys.argv[1]

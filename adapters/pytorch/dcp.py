@@ -21,7 +21,6 @@ The other way round, DCPReader reads torch's folders through torch's FileSystemR
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import io
@@ -45,6 +44,7 @@ from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_proces
 from ...engine import Engine, local_path
 from ...errors import CorruptCheckpointError
 from ...layouts.dcp import DCP_METADATA, ITEMS_KEY, read_dcp_metadata, unpickle_dcp_metadata, written_by_torch
+from ...pools import ThreadPool
 from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardInfo, ShardReader, gc_paused, write_order
 from .staging import DeviceToHost, leased, stage_state_dict, staging_pool
 from .tensors import FROM_SAFETENSORS, safetensors_dtype, writable_bytes
@@ -211,7 +211,7 @@ class DCPWriter(StorageWriter):
             return results
 
         try:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=len(groups)) as pool:
+            with ThreadPool(max_workers=len(groups)) as pool:
                 per_file = list(pool.map(write_file, range(len(groups))))
         except BaseException:
             for number in range(len(groups)):  # this rank's finished files: the save will not commit

@@ -26,6 +26,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ...checkpoint import DEFAULT_SHARD_BYTES
 from ...engine import Engine, is_url, local_path
+from ...pools import ThreadPool
 from ...temporaries import wait_for_discards
 from .serialization import MapLocation, _storage_key, load, save, save_checkpoint
 
@@ -62,7 +63,7 @@ class TensorferryCheckpointIO(CheckpointIO):
         self.sharded = sharded
         self.max_shard_bytes = max_shard_bytes
         self.asynchronous = asynchronous
-        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._writer: ThreadPool | None = None
         self._pending: list[concurrent.futures.Future] = []
 
     def _later(self, work: Callable[..., None], *args: Any) -> None:
@@ -75,7 +76,7 @@ class TensorferryCheckpointIO(CheckpointIO):
         if failed is not None:  # an earlier write failed: say so now, not at teardown
             raise failed.exception()
         if self._writer is None:
-            self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorferry-ckpt")
+            self._writer = ThreadPool(max_workers=1, thread_name_prefix="tensorferry-ckpt")
         self._pending.append(self._writer.submit(work, *args))
 
     def wait(self) -> None:

@@ -8,7 +8,6 @@ the metadata as JSON. Any safetensors reader can open the files.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -26,6 +25,7 @@ from ...dtypes import to_safetensors_dtype
 from ...engine import Engine
 from ...errors import CorruptCheckpointError
 from ...layouts.huggingface import INDEX_SUFFIX
+from ...pools import ThreadPool
 from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse_json
 from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, StreamReader, gc_paused, write_order
 from ...streams import file_behind, is_stream, require, stream_name
@@ -498,7 +498,7 @@ def _load_directory_to_device(directory: str | os.PathLike, names: Iterable[str]
         with open_shard(directory, manifest, filename, engine=engine, verify=verify, names=here) as reader:
             return read_to_device(reader, here, device, out={n: out[n] for n in here if n in out})
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(MAX_CONCURRENT_SHARDS, max(1, len(by_file)))) as pool:
+    with ThreadPool(max_workers=min(MAX_CONCURRENT_SHARDS, max(1, len(by_file)))) as pool:
         for part in pool.map(read, by_file):
             arrays.update(part)
     return manifest, {n: arrays[n] for n in wanted}

@@ -11,7 +11,6 @@ out once.
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import errno
 import functools
@@ -26,6 +25,7 @@ import tensorflow as tf
 from ... import _native
 from ...data import records_of
 from ...engine import Engine, default_engine, local_path
+from ...pools import ThreadPool
 
 # Items under this size are taken a batch per op call: a call costs more than the copy
 # made when the batch is split (100,000 records of 200 bytes: 12.6 s singly, 7.7 s batched).
@@ -118,7 +118,7 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         # A file's framing is a chain of small reads (each header gives the next offset),
         # one per record when the cache is cold: files are scanned at once (the scan
         # releases the GIL). 8 files of 256 records, cold: 0.20-0.27 s one by one.
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(MAX_SCANS, len(paths))) as pool:
+        with ThreadPool(max_workers=min(MAX_SCANS, len(paths))) as pool:
             ranges = list(pool.map(_native.tfrecord_ranges, paths))
     elif record_bytes is not None:
         ranges = []

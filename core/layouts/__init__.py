@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 import os
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from ..buffers import byte_view
 from ..checkpoint import MAX_CONCURRENT_SHARDS, cancelled_on_interrupt, names_to_read, refuse_out_when_mapped
 from ..dtypes import to_numpy_dtype
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TensorferryError
+from ..pools import ThreadPool
 from ..shard import ShardReader, foreign_files_hint
 
 OBJECT = "object"  # the dtype of an item that is not a tensor (DCP's pickled objects, say)
@@ -196,7 +196,7 @@ class ShardSource(TensorSource):
 
         result: dict[str, np.ndarray] = {}
         workers = min(MAX_CONCURRENT_SHARDS, max(1, len(by_file)))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        with ThreadPool(max_workers=workers) as pool:
             with cancelled_on_interrupt(pool, readers.values()):
                 for part in pool.map(read, by_file):
                     result.update(part)
