@@ -972,13 +972,16 @@ def test_checkpointer_extra_state_with_async_saves(tmp_path) -> None:
 def test_checkpointer_async_save_left_running_at_exit_completes(tmp_path) -> None:
     """A script that ends right after save_async: Python lets torch's checkpoint thread
     finish, but DCPWriter's pool of file writers then refused work ("cannot schedule new
-    futures after interpreter shutdown") and the checkpoint was lost without a word."""
+    futures after interpreter shutdown") and the checkpoint was lost without a word.
+    keep_last was applied only by the next save or wait(), so never here."""
     script = (
         "import sys, torch\n"
         "from tensorferry.adapters.pytorch import FSDPCheckpointer\n"
         "torch.manual_seed(0)\n"
         "model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])\n"
-        "FSDPCheckpointer(sys.argv[1], model, files_per_rank=2).save_async(5)\n"
+        "ckpt = FSDPCheckpointer(sys.argv[1], model, files_per_rank=2, keep_last=1)\n"
+        "ckpt.save(4)\n"
+        "ckpt.save_async(5)\n"
     )
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
@@ -987,6 +990,7 @@ def test_checkpointer_async_save_left_running_at_exit_completes(tmp_path) -> Non
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
     assert FSDPCheckpointer(tmp_path, model).load() == 5
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    assert os.listdir(tmp_path) == ["step_5"]  # keep_last applied as the save completed
 
 
 def test_checkpointer_passes_its_planners_to_dcp(tmp_path) -> None:

@@ -123,9 +123,12 @@ class FSDPCheckpointer:
         outer: Future = Future()
 
         def done(f: Future) -> None:
-            error = f.exception()
-            if error is not None:
-                outer.set_exception(error)
+            # keep_last applies as each save completes, also one a script ended without waiting for.
+            try:
+                f.result()
+                self._retain()
+            except BaseException as exc:
+                outer.set_exception(exc)
             else:
                 outer.set_result(self.step_path(step))
 
@@ -148,7 +151,6 @@ class FSDPCheckpointer:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
-            self._retain()
 
     def _retain(self) -> None:
         if self.keep_last is not None and self._rank() == 0:
