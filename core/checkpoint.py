@@ -382,7 +382,7 @@ def split_by_size(sizes: Mapping[str, int], max_shard_bytes: int, max_shards: in
     return [g for g in groups if g] or [[]]
 
 
-@gc_paused()
+@gc_paused(main_thread_only=True)  # the writes last as long as the drive takes
 def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
                     metadata: Mapping[str, Any] | None = None, *, engine: Engine | None = None,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, buffer_size: int = DEFAULT_BUFFER_SIZE,

@@ -92,7 +92,7 @@ _gc_was_enabled = False
 
 
 @contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
+def gc_paused(*, main_thread_only: bool = False) -> Iterator[None]:
     """Pauses Python's cyclic garbage collector (as a ``with`` block or a decorator,
     ``@gc_paused()``) while thousands of small, acyclic objects are made: the parsed
     headers, manifests and plans of a checkpoint of many tensors. Their allocation
@@ -101,8 +101,17 @@ def gc_paused() -> Iterator[None]:
     and a third of ``dcp.save``'s time beside ``DCPWriter``'s own (docs/architecture.md).
 
     Pauses from several threads overlap: the collector comes back, as it was before the
-    first of them, when the last one ends, error or not."""
+    first of them, when the last one ends, error or not.
+
+    ``main_thread_only`` is for calls that last as long as the drive takes (a save's
+    writes): made from another thread, a background save's, such a pause held back
+    collection for the whole process, the training going on meanwhile included, whose
+    reference cycles (tensors among them) then piled up until the save ended, to be
+    collected at once after it (docs/architecture.md)."""
     global _gc_pausers, _gc_was_enabled
+    if main_thread_only and threading.current_thread() is not threading.main_thread():
+        yield
+        return
     with _gc_pause_lock:
         if _gc_pausers == 0:
             _gc_was_enabled = gc.isenabled()

@@ -97,6 +97,18 @@ def test_gc_paused_puts_the_collector_back_as_it_found_it() -> None:
         assert not gc.isenabled()  # a caller who had disabled it keeps it disabled
     finally:
         gc.enable()
+    seen_in_thread = []
+
+    def background_save() -> None:  # a long pause there would hold back the training's collection
+        with gc_paused(main_thread_only=True):
+            seen_in_thread.append(gc.isenabled())
+
+    thread = threading.Thread(target=background_save)
+    thread.start()
+    thread.join()
+    with gc_paused(main_thread_only=True):
+        seen_in_thread.append(gc.isenabled())
+    assert seen_in_thread == [True, False]
 
 
 def test_layout_is_aligned(tmp_path) -> None:

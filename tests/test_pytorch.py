@@ -914,7 +914,8 @@ def test_checkpointer_single_process(tmp_path) -> None:
     for step in range(1, 5):
         train_step(model, opt, step)
         if step % 2:
-            ckpt.save_async(step)  # its writes, in the background, pause the collector while they run
+            ckpt.save_async(step)
+            assert gc.isenabled()  # its writes, in the background, leave the collector to the training
         else:
             ckpt.save(step)  # which first waits for the one before
             assert gc.isenabled()

@@ -393,7 +393,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             arrays[i] = (arrays[i][0], copy)
         return metadata, _to_host([(key, array) for key, array in arrays])
 
-    @gc_paused()
+    @gc_paused(main_thread_only=True)  # the writes last as long as the drive takes
     def _write(self, directory: str, metadata: dict[str, Any], arrays: list[tuple[str, np.ndarray]]) -> None:
         process = metadata["process"]
         os.makedirs(directory, exist_ok=True)

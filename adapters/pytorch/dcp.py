@@ -183,7 +183,7 @@ class DCPWriter(StorageWriter):
         return [dataclasses.replace(plan, storage_data=_RankFiles(f"rank{rank:05d}"))
                 for rank, plan in enumerate(plans)]
 
-    @gc_paused()
+    @gc_paused(main_thread_only=True)  # the writes last as long as the drive takes
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         where: _RankFiles = plan.storage_data
         pending = PendingCheckpoint(self.path, SAVE_TOKEN)

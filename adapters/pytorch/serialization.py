@@ -249,7 +249,7 @@ def _unread(infos: Iterable[tuple[str, str, tuple[int, ...]]]) -> dict[str, torc
     return {name: torch.empty(shape, dtype=FROM_SAFETENSORS[dtype], device="meta") for name, dtype, shape in infos}
 
 
-@gc_paused()
+@gc_paused(main_thread_only=True)  # the writes last as long as the drive takes
 def save(obj: Any, path: str | os.PathLike | BinaryIO, *, metadata: dict[str, str] | None = None,
          engine: Engine | None = None) -> None:
     """Saves a state dict (or any nesting of dicts, lists, tuples, tensors, numpy arrays and
@@ -401,7 +401,7 @@ def _host_names(structure: Any) -> set[str]:
     return found
 
 
-@gc_paused()
+@gc_paused(main_thread_only=True)  # the writes last as long as the drive takes
 def save_checkpoint(directory: str | os.PathLike, obj: Any, metadata: Mapping[str, Any] | None = None, *,
                     engine: Engine | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                     buffer_size: int = DEFAULT_BUFFER_SIZE, overwrite: bool = False) -> str:
