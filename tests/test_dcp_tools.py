@@ -123,6 +123,21 @@ def test_load_checkpoint_gives_the_tensors_by_name_whoever_wrote_the_folder(tmp_
         assert all(torch.equal(loaded[k], v) for k, v in expected.items())
 
 
+def test_metadata_pickled_by_python_3_13_reads_everywhere(tmp_path: Path) -> None:
+    """torch's FileSystemWriter pickles the checkpoint id, a Path, into .metadata; Python
+    3.13 names its class pathlib._local.PosixPath, which the allowlist refused (every
+    torch-written folder given a Path failed to load there) and no other Python has."""
+    folder = tmp_path / "c"
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+    data = pickle.dumps(pickle.loads((folder / ".metadata").read_bytes()), protocol=2)  # protocol 2: no frames
+    assert b"cpathlib\nPosixPath\n" in data
+    (folder / ".metadata").write_bytes(data.replace(b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n"))
+    into = {"w": torch.zeros(4)}
+    dcp.load(into, storage_reader=DCPReader(folder), no_dist=True)
+    assert torch.equal(into["w"], torch.arange(4.0))
+    assert torch.equal(torch.as_tensor(tensorferry.load_checkpoint(folder)["w"]), torch.arange(4.0))
+
+
 def test_a_checkpoint_of_an_older_dcpwriter_still_loads(ours: Path) -> None:
     """Before issue 20, .metadata held tensorferry's StoredItem and the manifest no item list."""
     with open(ours / ".metadata", "rb") as f:

@@ -16,19 +16,19 @@ import gc
 import os
 import subprocess
 import sys
-import tomllib
 import types
 
 import numpy as np
 import pytest
-import torch
-from conftest import requires_cuda
 
-import tensorferry
-from tensorferry import ConfigError, Engine, GDSUnavailableError, IOConfig, PinnedPool, TensorferryIOError
-from tensorferry import gds
-from tensorferry.adapters.pytorch import DCPReader, DCPWriter, load, load_checkpoint, save, save_checkpoint
-from tensorferry.adapters.pytorch import serialization, staging
+torch = pytest.importorskip("torch")
+from conftest import requires_cuda  # noqa: E402
+
+import tensorferry  # noqa: E402
+from tensorferry import ConfigError, Engine, GDSUnavailableError, IOConfig, PinnedPool, TensorferryIOError  # noqa: E402
+from tensorferry import gds  # noqa: E402
+from tensorferry.adapters.pytorch import (DCPReader, DCPWriter, load, load_checkpoint, save,  # noqa: E402
+                                          save_checkpoint, serialization, staging)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_kvikio = pytest.mark.skipif(gds.load_kvikio() is None, reason="needs kvikio: pip install "
@@ -474,6 +474,7 @@ def test_dcp_async_save_snapshots_through_the_writer(tmp_path) -> None:
 
 
 def test_packaging_names_both_cuda_majors() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)
     extras = project["project"]["optional-dependencies"]

@@ -173,6 +173,7 @@ def orbax_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (a jax array sharded over two devices, a numpy array, a scalar) and one of Orbax's own
     (a numpy array, a bf16 jax array sharded over two devices, a number, an int4 array),
     and one of Orbax's ArrayCheckpointHandler (not read)."""
+    pytest.importorskip("orbax.checkpoint")  # the step is made in a subprocess
     root = tmp_path_factory.mktemp("orbax")
     script = f"""
 import os

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import pickle
 import re
 import warnings
@@ -50,8 +51,12 @@ def safetensors_name(torch_dtype: Any) -> str:
 # of DCPWriters before issue 20.
 _METADATA_CALLABLES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
                        ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                       ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
                        ("tensorferry.adapters.pytorch.dcp", "StoredItem")}
+# Paths, by the module each Python pickles them under: Python 3.13 moved pathlib's
+# classes into pathlib._local, which a checkpoint written there names and which no
+# other Python has (so both names are looked up in pathlib).
+_PATH_MODULES = ("pathlib", "pathlib._local")
+_PATH_CLASSES = ("PosixPath", "PurePosixPath")
 # Its classes are data (Metadata, MetadataIndex, TensorStorageMetadata, ...); other
 # modules of torch.distributed.checkpoint have classes that act when made (writers).
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -69,6 +74,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         if "." not in name:  # a dotted name reaches through a module to anything
             if (module, name) in _METADATA_CALLABLES:
                 return super().find_class(module, name)
+            if module in _PATH_MODULES and name in _PATH_CLASSES:
+                return getattr(pathlib, name)
             if module == "torch":
                 value = getattr(torch, name, None)
                 if value is torch.Size or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
