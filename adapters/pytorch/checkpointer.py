@@ -115,7 +115,11 @@ class FSDPCheckpointer:
         """Starts a sharded save and returns once the state is staged in host memory.
 
         The write runs in the background while training goes on; a later save (or
-        :meth:`wait`) first waits for this one. The future's result is the path.
+        :meth:`wait`) first waits for this one. The future's result is the path. Call
+        :meth:`wait` before ``dist.destroy_process_group()``: the save ends with a
+        collective of the ranks, and a save whose group is destroyed first is lost
+        (its temporary is left for the next save to remove). A program that simply
+        ends lets it finish.
         """
         self.wait()
         inner = dcp.async_save(self._state(), storage_writer=self._writer(step), planner=self.save_planner,
