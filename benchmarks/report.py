@@ -66,6 +66,11 @@ METHOD = """\
   they run (`min_free_ms=60000`, `max_waiting_mib=65536`, where they run as root) and
   put it back after; each result file's `machine` records the settings in force
   (`free_page_reporting_during_run`). Held back, the same load cost 0.23 in every round.
+- **Collector settled.** Before each timed step Python's cyclic collector runs to the
+  end (`gc.collect()`). Full collections walk every object of the process, about 0.25 s
+  in the peers benchmark with every peer imported, and one is set off by the objects
+  that all the steps so far left behind: before 2026-11-27 a step could pay for the
+  steps before it, by chance. A step still pays for the collections it sets off.
 - **fio in the same run.** The ceiling is fio (`--ioengine=io_uring --direct=1 --bs=1m
   --iodepth=32 --end_fsync=1`) writing and reading as many bytes, on the same directory,
   as one contender among the others in every round. Its CPU-s/GB include fio's start-up.

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 
@@ -179,6 +180,21 @@ def test_report_puts_the_newest_gpu_check_into_its_document(tmp_path, capsys) ->
     assert "| tensorferry save (one file) |" in text and "target: >= 0.9 of fio's write" in text
     assert report.main(["--gpu-check", committed[-1]]) == 0
     assert capsys.readouterr().out.startswith("GPU check of ")
+
+
+def test_a_timed_step_starts_with_the_earlier_steps_garbage_collected() -> None:
+    # Left for the collector, it would be walked in whichever step set off the next full
+    # collection: that step would pay for the steps before it.
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.me = cycle
+    alive = weakref.ref(cycle)
+    del cycle
+    seen = []
+    bench.timed("probe", "read", 0, lambda: seen.append(alive()))
+    assert seen == [None]
 
 
 def test_bench_without_a_dir_removes_its_temporary_one() -> None:
