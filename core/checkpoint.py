@@ -39,7 +39,7 @@ from .schema import (MANIFEST_VERSION, STEP_NUMBER, check_index, member_path, pa
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
                     first_names, foreign_files_hint, fsync_after_commit, fsync_dir, gc_paused, subfolders_holding)
 from .temporaries import (NEW_TEMPORARY_TRIES, TMP_MARKER, aside_name, discard_later, held_here, hold_new,
-                          release, remove_stale_temporaries)
+                          release, remove_stale_temporaries, temporary_name)
 
 MANIFEST = "tensorferry.json"
 FORMAT_VERSION = MANIFEST_VERSION
@@ -109,7 +109,7 @@ class PendingCheckpoint:
 
     @property
     def tmp_path(self) -> str:
-        return f"{self.directory}{TMP_MARKER}{self.token}"
+        return temporary_name(self.directory, self.token)
 
     def writer(self, filename: str, engine: Engine | None = None, **kwargs: Any) -> ShardWriter:
         """A :class:`ShardWriter` for a file inside the temporary directory."""
@@ -153,7 +153,7 @@ class PendingCheckpoint:
         else:
             # No atomic exchange here: between the two renames the old checkpoint lives
             # under a name that list_checkpoints and the loaders find (recoverable_checkpoints).
-            old = f"{self.directory}{OLD_MARKER}{self.token}"
+            old = temporary_name(self.directory, f"{OLD_TAIL}{self.token}")
             os.rename(self.directory, old)
             os.rename(self.tmp_path, self.directory)
             self._committed()
@@ -228,7 +228,8 @@ def refuse_existing(directory: str | os.PathLike, hint: str = "pass overwrite=Tr
         raise FileExistsError(f"{directory} exists; {hint}")
 
 
-OLD_MARKER = f"{TMP_MARKER}old-"
+OLD_TAIL = "old-"
+OLD_MARKER = f"{TMP_MARKER}{OLD_TAIL}"
 _RENAME_EXCHANGE = 2
 _libc = None
 
@@ -253,17 +254,20 @@ def exchange(a: str, b: str) -> bool:
 
 def recoverable_checkpoints(root: str | os.PathLike) -> dict[str, str]:
     """Old checkpoints an overwrite moved aside (``<name>.tmp-old-<token>``, complete)
-    whose own name holds nothing, by that name: an overwrite without an atomic exchange
-    was interrupted between its two renames, and this is the checkpoint."""
+    whose own name holds nothing, by that name (one too long to fit in a temporary's, by
+    its first bytes: :func:`temporary_name`): an overwrite without an atomic exchange was
+    interrupted between its two renames, and this is the checkpoint."""
     root = local_path(root)
     found: dict[str, str] = {}
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except (FileNotFoundError, NotADirectoryError):
         return found
+    # What each name there would be called in temporaries' names: a long name's first bytes.
+    taken = {temporary_name(entry.name) for entry in entries}
     for entry in entries:
         name, marker, _ = entry.name.rpartition(OLD_MARKER)
-        if not marker or not name or os.path.lexists(os.path.join(root, name)):
+        if not marker or not name or f"{name}{TMP_MARKER}" in taken:
             continue
         if os.path.isfile(os.path.join(entry.path, MANIFEST)):
             found[name] = entry.path
@@ -282,7 +286,7 @@ def resolve_checkpoint(directory: str | os.PathLike) -> str:
     if os.path.lexists(directory):
         return directory
     parent, name = os.path.split(os.path.abspath(directory))
-    return recoverable_checkpoints(parent).get(name, directory)
+    return recoverable_checkpoints(parent).get(temporary_name(name)[:-len(TMP_MARKER)], directory)
 
 
 def encode_manifest(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None = None, *,

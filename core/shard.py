@@ -39,7 +39,8 @@ from .pools import ThreadPool
 from .schema import (ORBAX_STEP_MARKER, PART_FILE, STEP_NUMBER, check_tensor_entry, hub_cache_hint,
                      parse_json)
 from .streams import STREAM_PIECE, fill_from, read_exactly, remaining_bytes, stream_name
-from .temporaries import NEW_TEMPORARY_TRIES, discard_later, hold_new, release, remove_stale_temporaries, set_aside
+from .temporaries import (NEW_TEMPORARY_TRIES, discard_later, hold_new, release, remove_stale_temporaries, set_aside,
+                          temporary_name)
 
 ALIGNMENT = 4096
 _OWN_MAPPING = 1 << 20  # from this size on, aligned_empty maps memory of its own
@@ -252,7 +253,7 @@ class ShardWriter:
         self.path = local_path(path)
         # With ``atomic``, the file is written under a temporary name and renamed over
         # ``path`` only once complete and durable: a reader never sees half a file.
-        self._write_path = _temporary_name(self.path) if atomic else self.path
+        self._write_path = temporary_name(self.path, secrets.token_hex(4)) if atomic else self.path
         # A failed write removes its file, unless the file is the caller's (an open file
         # written through its /proc/self/fd link, which cannot be unlinked either).
         self._keep_on_failure = keep_on_failure
@@ -389,7 +390,7 @@ class ShardWriter:
             if lock is not None:
                 return file, lock
             file.close()
-            self._write_path = _temporary_name(self.path)
+            self._write_path = temporary_name(self.path, secrets.token_hex(4))
         raise FileExistsError(f"{self._write_path}: taken by another save to {self.path} as it was made")
 
     def abort(self) -> None:
@@ -731,11 +732,6 @@ def fsync_after_commit(committed: str) -> None:
     except OSError as exc:
         warnings.warn(f"{committed} is committed, but {exc}: the rename may not survive a power cut",
                       DurabilityWarning, stacklevel=3)
-
-
-def _temporary_name(path: str) -> str:
-    """Where an atomic write of ``path`` writes before its rename."""
-    return f"{path}.tmp-{secrets.token_hex(4)}"
 
 
 def _remove_quietly(path: str) -> None:

@@ -15,12 +15,17 @@ import fcntl
 import os
 import secrets
 import shutil
+import sys
 import threading
 from typing import Iterable
 
 from .pools import ThreadPool
 
 TMP_MARKER = ".tmp-"
+NAME_MAX = 255  # bytes in a name, on Linux's filesystems
+# Bytes kept, after a target's name and TMP_MARKER, for the longest tail a temporary
+# adds ("replaced-" and a token): a longer name is shortened (temporary_name).
+_TAIL_ROOM = 32
 
 _held_here: dict[int, str] = {}  # the temporaries this process holds, by descriptor
 
@@ -105,13 +110,27 @@ def _remove(path: str) -> None:
             pass
 
 
+def temporary_name(target: str, tail: str = "") -> str:
+    """``<target>.tmp-<tail>``, the name of a temporary of ``target`` (a path or a name).
+    Where ``target``'s name leaves no room for that within NAME_MAX, its first bytes
+    stand for it, the same for every temporary of one target, so that
+    :func:`stale_temporaries` finds them all: ``torch.save`` writes such names, and a save
+    of them failed with ENAMETOOLONG."""
+    parent, name = os.path.split(target)
+    encoded = os.fsencode(name)
+    room = NAME_MAX - len(TMP_MARKER) - _TAIL_ROOM
+    if len(encoded) > room:  # cut at a character: the native open takes no lone surrogates
+        name = encoded[:room].decode(sys.getfilesystemencoding(), "ignore")
+    return os.path.join(parent, f"{name}{TMP_MARKER}{tail}")
+
+
 def stale_temporaries(root: str | os.PathLike, target: str | None = None,
                       keep: Iterable[str] = ()) -> list[str]:
     """Temporaries under ``root`` (of ``target``'s name only, if given) that no live
     writer holds, except those in ``keep``."""
     keep = {os.path.abspath(p) for p in keep}
     root = os.fspath(root)
-    prefix = f"{target}{TMP_MARKER}" if target is not None else None
+    prefix = temporary_name(target) if target is not None else None
     found = []
     try:
         entries = list(os.scandir(root))
@@ -137,7 +156,7 @@ def stale_temporaries(root: str | os.PathLike, target: str | None = None,
 
 def aside_name(path: str, why: str) -> str:
     """A temporary name beside ``path`` for what is about to go (``why``: "replaced", ...)."""
-    return f"{path}{TMP_MARKER}{why}-{secrets.token_hex(4)}"
+    return temporary_name(path, f"{why}-{secrets.token_hex(4)}")
 
 
 def set_aside(path: str) -> str | None:
@@ -211,4 +230,4 @@ def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
 
 __all__ = ["NEW_TEMPORARY_TRIES", "TMP_MARKER", "aside_name", "discard_later", "held_here", "hold", "hold_new",
            "release", "remove_if_stale", "remove_stale_temporaries", "set_aside", "stale_temporaries",
-           "wait_for_discards"]
+           "temporary_name", "wait_for_discards"]

@@ -13,7 +13,7 @@ import pytest
 import tensorferry
 from tensorferry.errors import CorruptCheckpointError, TensorferryError
 from tensorferry.schema import check_name, member_path, parse_json, read_small_file
-from tensorferry.temporaries import wait_for_discards
+from tensorferry.temporaries import temporary_name, wait_for_discards
 
 
 @pytest.fixture
@@ -255,7 +255,7 @@ import numpy as np
 import tensorferry
 from tensorferry import checkpoint
 
-root, step, atomic = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "exchange"
+root, step, atomic, target = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "exchange", sys.argv[4]
 done = 0
 
 def dies_after(fn):
@@ -274,12 +274,16 @@ for name in ("write_durably", "fsync_dir", "exchange", "fsync_after_commit"):
     setattr(checkpoint, name, dies_after(getattr(checkpoint, name)))
 os.rename = dies_after(os.rename)
 shutil.rmtree = dies_after(shutil.rmtree)
-tensorferry.save_checkpoint(os.path.join(root, "step_1"), {"x": np.full(1000, 2.0)}, overwrite=True)
+tensorferry.save_checkpoint(os.path.join(root, target), {"x": np.full(1000, 2.0)}, overwrite=True)
 """
 
+# A name near NAME_MAX (255 bytes): its temporaries are named after its first bytes.
+_LONG_NAME = "step_1-" + "\u00e9" * 120
 
+
+@pytest.mark.parametrize("name", ["step_1", _LONG_NAME])
 @pytest.mark.parametrize("protocol", ["exchange", "two renames"])
-def test_an_overwrite_killed_at_any_step_leaves_a_complete_checkpoint(tmp_path, protocol) -> None:
+def test_an_overwrite_killed_at_any_step_leaves_a_complete_checkpoint(tmp_path, protocol, name) -> None:
     import subprocess
     import sys
     root = str(tmp_path)
@@ -287,21 +291,21 @@ def test_an_overwrite_killed_at_any_step_leaves_a_complete_checkpoint(tmp_path, 
         shutil_rm = [os.path.join(root, n) for n in os.listdir(root)]
         for path in shutil_rm:
             __import__("shutil").rmtree(path)
-        tensorferry.save_checkpoint(os.path.join(root, "step_1"), {"x": np.full(1000, 1.0)})
-        run = subprocess.run([sys.executable, "-c", _KILL_AT_STEP, root, str(step), protocol],
+        tensorferry.save_checkpoint(os.path.join(root, name), {"x": np.full(1000, 1.0)})
+        run = subprocess.run([sys.executable, "-c", _KILL_AT_STEP, root, str(step), protocol, name],
                              capture_output=True, text=True, timeout=120)
         assert run.returncode in (0, 9), run.stderr
         latest = tensorferry.latest_checkpoint(root)
         assert latest is not None, f"killed after step {step}: no checkpoint found"
-        value = tensorferry.load_checkpoint(os.path.join(root, "step_1"))["x"]
+        value = tensorferry.load_checkpoint(os.path.join(root, name))["x"]
         assert value.shape == (1000,) and len(set(value.tolist())) == 1 and value[0] in (1.0, 2.0)
         assert tensorferry.verify_checkpoint(latest) == []
         tensorferry.prune_checkpoints(root, keep_last=1, remove_unfinished=True)
         again = tensorferry.load_checkpoint(tensorferry.latest_checkpoint(root))["x"]
         assert np.array_equal(again, value), f"killed after step {step}: pruning lost the checkpoint"
-        tensorferry.save_checkpoint(os.path.join(root, "step_1"), {"x": np.full(1000, 3.0)}, overwrite=True)
+        tensorferry.save_checkpoint(os.path.join(root, name), {"x": np.full(1000, 3.0)}, overwrite=True)
         wait_for_discards()  # the replaced checkpoint is removed in the background
-        assert os.listdir(root) == ["step_1"], f"killed after step {step}: leftovers {os.listdir(root)}"
+        assert os.listdir(root) == [name], f"killed after step {step}: leftovers {os.listdir(root)}"
         if run.returncode == 0:
             assert step > 3, "the protocol has at least four steps"
             return
@@ -344,6 +348,29 @@ def test_stale_temporaries_go_and_live_ones_stay(tmp_path) -> None:
     finally:
         release(lock)
     assert tensorferry.prune_checkpoints(tmp_path, keep_last=2, remove_unfinished=True) == [str(live)]
+
+
+def test_names_near_name_max_save_overwrite_and_clean_up(tmp_path) -> None:
+    from tensorferry.adapters.pytorch import load, save
+    name = "model-" + "\u00e9" * 120 + ".pt"  # 249 bytes: torch.save writes it
+    assert len(os.fsencode(name)) == 249
+    target = tmp_path / name
+    for value in (1.0, 2.0):  # the second replaces the first: its old name is set aside
+        save({"w": torch.full((3,), value)}, target)
+        wait_for_discards()
+        assert os.listdir(tmp_path) == [name] and torch.equal(load(target)["w"], torch.full((3,), value))
+    stale = temporary_name(str(target), "dead")  # what a killed save left
+    assert len(os.fsencode(os.path.basename(stale))) <= 255
+    open(stale, "wb").close()
+    save({"w": torch.ones(3)}, target)
+    wait_for_discards()
+    assert os.listdir(tmp_path) == [name], "the next save removes what the killed one left"
+    folder = tmp_path / ("step_7-" + "x" * 245)
+    for _ in range(2):
+        tensorferry.save_checkpoint(folder, {"x": np.arange(3)}, overwrite=True)
+        wait_for_discards()
+    assert sorted(os.listdir(tmp_path)) == sorted([name, folder.name])
+    assert np.array_equal(tensorferry.load_checkpoint(folder)["x"], np.arange(3))
 
 
 def test_a_failed_parent_fsync_after_commit_warns(tmp_path, monkeypatch) -> None:
