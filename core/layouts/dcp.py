@@ -92,9 +92,7 @@ def unpickle_dcp_metadata(data: bytes, path: str) -> Any:
     :class:`_MetadataUnpickler`; :class:`CorruptCheckpointError` if it cannot be read."""
     import io
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return _MetadataUnpickler(io.BytesIO(data)).load()
+        return _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as exc:  # any error unpickling means the file is unreadable
         raise CorruptCheckpointError(f"{path}: the DCP metadata cannot be read ({type(exc).__name__}: {exc})") from None
 
