@@ -60,6 +60,13 @@ def byte_view(buffer: Any, *, writable: bool) -> np.ndarray:
                 f"{type(buffer).__name__} lives in device memory (DLPack device {device}); "
                 "host I/O needs host memory: copy it to the host or use the GDS path")
         array = np.from_dlpack(buffer)
+        if writable and not array.flags.writeable and callable(getattr(buffer, "numpy", None)):
+            # torch before 2.8 exports an unversioned DLPack capsule, which numpy imports
+            # read-only; its numpy() is the same memory, writable.
+            try:
+                array = (buffer.detach() if hasattr(buffer, "detach") else buffer).numpy()
+            except (TypeError, RuntimeError):
+                pass  # no numpy dtype for it (bf16): read-only stays the answer
     else:
         try:
             array = np.frombuffer(memoryview(buffer), dtype=np.uint8)

@@ -161,3 +161,40 @@ def test_import_needs_numpy_only() -> None:
               "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+class _ReadOnlyDLPackExport:
+    """Writable memory whose DLPack export numpy imports read-only, as torch before 2.8
+    exports CPU tensors (an unversioned capsule; seen with torch 2.7.1 and numpy 2.4),
+    with torch's ``numpy()`` and ``detach()``."""
+
+    def __init__(self, size: int) -> None:
+        self._memory = np.zeros(size, np.uint8)
+        self._exported = self._memory.view()
+        self._exported.flags.writeable = False
+
+    def __dlpack__(self, **kwargs):
+        return self._exported.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._exported.__dlpack_device__()
+
+    def detach(self) -> "_ReadOnlyDLPackExport":
+        return self
+
+    def numpy(self) -> np.ndarray:
+        return self._memory
+
+
+def test_reads_go_into_memory_whose_dlpack_export_says_read_only(tmp_path) -> None:
+    from tensorferry.buffers import byte_view
+    path = tmp_path / "data"
+    path.write_bytes(bytes(range(256)) * 16)
+    target = _ReadOnlyDLPackExport(4096)
+    with tensorferry.Engine() as engine:
+        engine.pread(target, path, offset=0).result()
+    assert target.numpy().tobytes() == path.read_bytes()
+    immutable = _ReadOnlyDLPackExport(16)  # a read-only export with no numpy(), as jax arrays
+    immutable.numpy = None
+    with pytest.raises(ValueError, match="read-only"):
+        byte_view(immutable, writable=True)
