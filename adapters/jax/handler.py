@@ -349,7 +349,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
                 # A typed PRNG key (jax.random.key) has no dtype numpy knows: its key data
                 # (uint32, one more dimension) is stored, with the implementation's name.
-                prng_impl, value = str(jax.random.key_impl(value)), jax.random.key_data(value)
+                prng_impl, value = _prng_impl_name(value), jax.random.key_data(value)
             if isinstance(value, jax.Array):
                 chunks = []
                 for shard in value.addressable_shards:
@@ -646,6 +646,14 @@ def _as_keys(data: _LeafRead, leaf: _Leaf) -> _LeafRead:
     """The read of a leaf's key data, finished as the keys (of its implementation)."""
     return dataclasses.replace(data, finish=lambda started: jax.random.wrap_key_data(data.finish(started),
                                                                                      impl=leaf.prng_impl))
+
+
+def _prng_impl_name(keys: jax.Array) -> str:
+    """The name ``jax.random.wrap_key_data(impl=)`` takes for the keys' implementation.
+    Before JAX 0.5 ``key_impl`` gives a ``PRNGSpec``, whose ``str`` is a short tag
+    ("fry" for threefry2x32) that ``wrap_key_data`` refuses."""
+    impl = jax.random.key_impl(keys)
+    return impl if isinstance(impl, str) else getattr(getattr(impl, "_impl", None), "name", None) or str(impl)
 
 
 def _array_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _LeafRead:
