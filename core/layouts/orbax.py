@@ -54,8 +54,13 @@ class OrbaxStep(Layout):
         """The item directories: the path itself if it is one, else its subdirectories that are."""
         if _is_ferry_item(self.path) or os.path.exists(os.path.join(self.path, "_METADATA")):
             return [self.path]
+        recorded = _recorded_handlers(self.path)
+        if not isinstance(recorded, dict):
+            recorded = {}
+        # An item of older Orbax's ArrayCheckpointHandler has no _METADATA: the step's record names it.
         return [d for d in sorted(os.path.join(self.path, n) for n in os.listdir(self.path))
-                if os.path.isdir(d) and (_is_ferry_item(d) or os.path.exists(os.path.join(d, "_METADATA")))]
+                if os.path.isdir(d) and (_is_ferry_item(d) or os.path.exists(os.path.join(d, "_METADATA"))
+                                         or os.path.basename(d) in recorded)]
 
     def _prefix(self, item: str) -> str:
         return "" if item == self.path else os.path.basename(item) + "/"
@@ -194,15 +199,23 @@ class OrbaxStep(Layout):
 PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
 
 
+def _recorded_handlers(where: str) -> Any:
+    """``item_handlers`` of Orbax's record in ``where`` (``_CHECKPOINT_METADATA``): for a
+    step, each item's handler class by item name; for an item, its own. None without one."""
+    try:
+        return parse_json(read_small_file(os.path.join(where, ORBAX_STEP_MARKER)), "step metadata",
+                          where).get("item_handlers")
+    except (OSError, CorruptCheckpointError, AttributeError):
+        return None
+
+
 def _written_as_pytree(item: str) -> bool:
     """Whether Orbax's record of the step (``_CHECKPOINT_METADATA``: the item's handler,
     by class, in the step's directory or the item's own) names a pytree handler; an
     item without that record is taken for one."""
     for where, key in ((item, None), (os.path.dirname(os.path.abspath(item)), os.path.basename(item))):
-        try:
-            handlers = parse_json(read_small_file(os.path.join(where, ORBAX_STEP_MARKER)), "step metadata",
-                                  where).get("item_handlers")
-        except (OSError, CorruptCheckpointError, AttributeError):
+        handlers = _recorded_handlers(where)
+        if handlers is None:
             continue
         handler = handlers if key is None else handlers.get(key) if isinstance(handlers, dict) else None
         if isinstance(handler, str):
