@@ -53,9 +53,15 @@ def _stray_multiprocessing_dir(parent: str, name: str) -> bool:
     """An empty ``pymp-*`` directory: multiprocessing's own, which a DataLoader worker
     leaves now and then when it exits while its queue's feeder thread still pickles a
     batch (torch alone does it: 2 to 9 times in 200 ``next(iter(loader))`` with a
-    ``TensorDataset`` and two forked workers)."""
+    ``TensorDataset`` and two forked workers). Or one holding only torch's
+    ``_remote_module_non_scriptable.py``, which torch 2.7 writes at import of
+    ``torch.distributed.nn`` and removes at exit, which our ranks skip (``os._exit``)."""
     path = os.path.join(parent, name)
-    return name.startswith("pymp-") and os.path.isdir(path) and not os.listdir(path)
+    if not os.path.isdir(path):
+        return False
+    inside = os.listdir(path)
+    return (name.startswith("pymp-") and not inside) or (
+        name.startswith("tmp") and inside == ["_remote_module_non_scriptable.py"])
 
 
 @pytest.fixture(autouse=True)

@@ -27,8 +27,8 @@ def _eight_devices():
     if jax.device_count() < 8:
         pytest.skip("needs 8 (virtual) devices: XLA_FLAGS was set after JAX started")
 
-DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e8m0fnu, jnp.complex64, jnp.int32,
-          jnp.bool_]
+DTYPES = [getattr(jnp, name) for name in ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e8m0fnu",
+                                          "complex64", "int32", "bool_") if hasattr(jnp, name)]  # e8m0: jax 0.5 on
 
 
 def mesh(shape):
@@ -39,7 +39,8 @@ def make(dtype, shape=(16, 24), seed=0):
     values = np.random.default_rng(seed).standard_normal(shape) * 4
     if dtype == jnp.bool_:
         values = values > 0
-    if dtype == jnp.float8_e8m0fnu:  # powers of two, no sign: NaN for what it cannot hold, and NaN != NaN
+    if dtype == getattr(jnp, "float8_e8m0fnu", None):
+        # Powers of two, no sign: NaN for what it cannot hold, and NaN != NaN.
         values = np.abs(values) + 0.25
     return np.asarray(jnp.asarray(values).astype(dtype))
 
@@ -612,8 +613,13 @@ def test_two_processes(tmp_path):
     (port,) = free_ports(1)
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
-    outputs = run_processes(_TWO_PROCESSES, [([str(tmp_path / "c"), str(i), str(port)], env) for i in range(2)],
-                            timeout=60)
+    try:
+        outputs = run_processes(_TWO_PROCESSES, [([str(tmp_path / "c"), str(i), str(port)], env) for i in range(2)],
+                                timeout=60)
+    except AssertionError as exc:  # Orbax's save synchronises the processes through JAX
+        if "Multiprocess computations aren't implemented on the CPU backend" in str(exc):
+            pytest.skip("this JAX has no computations across processes on the CPU (later ones have)")
+        raise
     assert "process-0.safetensors" in outputs[0] and "process-1.json" in outputs[0]
 
 

@@ -22,9 +22,9 @@ import tensorferry  # noqa: E402
 from tensorferry import CorruptCheckpointError, ShardReader, TensorferryIOError, layouts  # noqa: E402
 from tensorferry.adapters import pytorch as tf_torch  # noqa: E402
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-          torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
-          torch.float8_e8m0fnu, torch.complex64]
+DTYPES = [getattr(torch, name) for name in (
+    "float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool", "float8_e4m3fn",
+    "float8_e5m2", "float8_e8m0fnu", "complex64") if hasattr(torch, name)]  # float8_e8m0fnu since torch 2.7
 
 
 def a_state() -> dict:

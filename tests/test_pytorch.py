@@ -6,6 +6,7 @@ import errno
 import functools
 import importlib.util
 import gc
+import glob
 import json
 import os
 import subprocess
@@ -32,9 +33,9 @@ from tensorferry.adapters.pytorch import (DCPReader, DCPWriter, FSDPCheckpointer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-          torch.float8_e8m0fnu, torch.complex64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-          torch.bool]
+DTYPES = [getattr(torch, name) for name in (
+    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "complex64", "int64",
+    "int32", "int16", "int8", "uint8", "bool") if hasattr(torch, name)]  # float8_e8m0fnu since torch 2.7
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple, seed: int) -> torch.Tensor:
@@ -696,7 +697,10 @@ def test_lazy_conjugates_and_negations_are_saved_as_their_values(tmp_path) -> No
 def test_dcp_async_save_with_torchs_own_stager(tmp_path, pinned: bool) -> None:
     """dcp.async_save(..., async_stager=DefaultStager(...)): torch stages the state itself
     (in pinned, shared memory, in the background when asked) and hands DCPWriter the copy."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    staging = pytest.importorskip("torch.distributed.checkpoint.staging")
+    if not hasattr(staging, "DefaultStager"):
+        pytest.skip("torch's DefaultStager came after this torch")
+    DefaultStager, StagingOptions = staging.DefaultStager, staging.StagingOptions
     state = {"model": {f"t{i}": random_tensor(d, (64, 5), i) for i, d in enumerate(DTYPES)}, "meta": {"step": 3}}
     stager = DefaultStager(StagingOptions(pinned, pinned, pinned, False))
     response = dcp.async_save(state, storage_writer=DCPWriter(tmp_path / "c"), async_stager=stager)
@@ -758,6 +762,9 @@ def test_dcp_reads_keys_without_a_template(tmp_path) -> None:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
     state = {"model": {"w": torch.randn(4, 4), "b": torch.ones(3, dtype=torch.bfloat16)}, "step": 5,
              "opt": {"lr": 0.1}}
+    dcp.save(state, checkpoint_id=tmp_path / "torchs")
+    if not _load_state_dict_from_keys(checkpoint_id=tmp_path / "torchs"):
+        pytest.skip("this torch's _load_state_dict_from_keys reads nothing of its own folders either (2.7)")
     dcp.save(state, storage_writer=DCPWriter(tmp_path / "c"))
     whole = _load_state_dict_from_keys(storage_reader=DCPReader(tmp_path / "c"))
     assert whole["step"] == 5 and whole["opt"] == {"lr": 0.1}
@@ -802,6 +809,8 @@ def _forget_torchs_cached_plans() -> None:
     class name), all five together as torch fills them, so that a test's saves fill them
     afresh and no earlier test's plans stand in for its own."""
     from torch.distributed.checkpoint.planner import SavePlanner
+    if not hasattr(SavePlanner, "_cached_metadata"):
+        pytest.skip("this torch keeps its cached plans otherwise (before 2.8)")
     for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
                   SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan):
         cache.clear()
@@ -1417,7 +1426,14 @@ def test_hsdp_and_fsdp_over_tensor_parallel_on_4_ranks(tmp_path) -> None:
     plain model (resharded from 4 ranks and two mesh dimensions to 1)."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    run(4, str(tmp_path), "two_dimensional")
+    try:
+        run(4, str(tmp_path), "two_dimensional")
+    except mp.ProcessRaisedException as exc:
+        if "Cannot use ReduceOp.AVG with Gloo" in str(exc):  # torch 2.7's HSDP on gloo
+            for left in glob.glob(os.path.join(tempfile.gettempdir(), "pytorch-errorfile-*.pickle")):
+                os.unlink(left)  # what torch's spawn leaves of ranks it stopped after one failed
+            pytest.skip("this torch's HSDP reduces with ReduceOp.AVG, which gloo lacks")
+        raise
     for kind in ("hsdp", "fsdp_tp"):
         saved = torch.load(tmp_path / f"{kind}.pt")
         folder = tensorferry.latest_checkpoint(tmp_path / kind)
@@ -1436,6 +1452,9 @@ def test_dcp_with_a_process_group(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_dcp_saves_with_cached_plans_on_2_ranks(tmp_path) -> None:
+    from torch.distributed.checkpoint.planner import SavePlanner
+    if not hasattr(SavePlanner, "_cached_metadata"):
+        pytest.skip("this torch keeps its cached plans otherwise (before 2.8)")
     run(2, str(tmp_path), "dcp_plan_caching")
 
 
@@ -1443,6 +1462,15 @@ def test_dcp_saves_with_cached_plans_on_2_ranks(tmp_path) -> None:
 def test_dcp_async_save_in_torchs_checkpointing_process_on_2_ranks(tmp_path) -> None:
     run(2, str(tmp_path), "dcp_async_in_a_process")
     assert tensorferry.verify_checkpoint(tmp_path / "step_7") == []
+
+
+def test_torch_older_than_the_extra_allows_is_named_at_import() -> None:
+    # torch 2.5 imported the adapter, then failed inside DCP saves (_StorageInfo has no
+    # transform_descriptors before 2.7): the import says so instead.
+    script = ("import torch; torch.__version__ = '2.6.0+cpu'\n"
+              "try:\n    import tensorferry.adapters.pytorch\nexcept ImportError as exc:\n    print(exc)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120).stdout
+    assert "needs torch 2.7 or later, not 2.6.0+cpu" in out
 
 
 def test_a_url_is_refused_by_every_entry(tmp_path, monkeypatch) -> None:

@@ -14,6 +14,12 @@ try:
     import orbax.checkpoint  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("tensorferry.adapters.jax needs JAX and Orbax: pip install 'tensorferry[jax]'") from exc
+try:
+    import orbax.checkpoint._src.futures.future  # noqa: F401
+except ImportError as exc:
+    from importlib.metadata import version
+    raise ImportError(f"tensorferry.adapters.jax needs orbax-checkpoint 0.11.1 or later, not "
+                      f"{version('orbax-checkpoint')}: pip install 'tensorferry[jax]'") from exc
 
 from .handler import FerryCheckpointHandler, FerryRestore, FerrySave, load_pytree, save_pytree
 

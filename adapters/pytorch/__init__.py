@@ -6,9 +6,13 @@ and back; the I/O is the core's (kvikio's on GDSDataset's GDS path).
 """
 
 try:
-    import torch  # noqa: F401
+    import torch
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("tensorferry.adapters.pytorch needs PyTorch: pip install 'tensorferry[torch]'") from exc
+if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 7):
+    # DCPWriter's .metadata needs DCP's transform_descriptors, and DCP saves failed without them.
+    raise ImportError(f"tensorferry.adapters.pytorch needs torch 2.7 or later, not {torch.__version__}: "
+                      "pip install 'tensorferry[torch]'")
 
 from .checkpointer import FSDPCheckpointer
 from .data import GDSDataset, GDSWorkerWarning
