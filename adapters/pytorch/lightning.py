@@ -167,6 +167,8 @@ class TensorferryCheckpointIO(CheckpointIO):
         checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)
         if issubclass(cls, pl.LightningDataModule):
             return _load_state(cls, checkpoint, **kwargs)
+        if strict is None and not hasattr(pl.LightningModule, "strict_loading"):
+            strict = True  # Lightning before 2.2 takes no None (the module's strict_loading came later)
         model = _load_state(cls, checkpoint, strict=strict, **kwargs)
         tensors = [t for t in checkpoint["state_dict"].values() if isinstance(t, torch.Tensor)]
         return model.to(tensors[0].device) if tensors else model
