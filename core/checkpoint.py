@@ -39,7 +39,7 @@ from .schema import (MANIFEST_VERSION, STEP_NUMBER, check_index, member_path, pa
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
                     first_names, foreign_files_hint, fsync_after_commit, fsync_dir, gc_paused, subfolders_holding)
 from .temporaries import (NEW_TEMPORARY_TRIES, TMP_MARKER, aside_name, discard_later, held_here, hold_new,
-                          release, remove_stale_temporaries, temporary_name)
+                          release, remove_stale_temporaries, temporary_name, temporary_stem)
 
 MANIFEST = "tensorferry.json"
 FORMAT_VERSION = MANIFEST_VERSION
@@ -255,7 +255,7 @@ def exchange(a: str, b: str) -> bool:
 def recoverable_checkpoints(root: str | os.PathLike) -> dict[str, str]:
     """Old checkpoints an overwrite moved aside (``<name>.tmp-old-<token>``, complete)
     whose own name holds nothing, by that name (one too long to fit in a temporary's, by
-    its first bytes: :func:`temporary_name`): an overwrite without an atomic exchange was
+    its first bytes: :func:`temporary_stem`): an overwrite without an atomic exchange was
     interrupted between its two renames, and this is the checkpoint."""
     root = local_path(root)
     found: dict[str, str] = {}
@@ -263,11 +263,10 @@ def recoverable_checkpoints(root: str | os.PathLike) -> dict[str, str]:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except (FileNotFoundError, NotADirectoryError):
         return found
-    # What each name there would be called in temporaries' names: a long name's first bytes.
-    taken = {temporary_name(entry.name) for entry in entries}
+    taken = {temporary_stem(entry.name) for entry in entries}
     for entry in entries:
         name, marker, _ = entry.name.rpartition(OLD_MARKER)
-        if not marker or not name or f"{name}{TMP_MARKER}" in taken:
+        if not marker or not name or name in taken:
             continue
         if os.path.isfile(os.path.join(entry.path, MANIFEST)):
             found[name] = entry.path
@@ -286,7 +285,7 @@ def resolve_checkpoint(directory: str | os.PathLike) -> str:
     if os.path.lexists(directory):
         return directory
     parent, name = os.path.split(os.path.abspath(directory))
-    return recoverable_checkpoints(parent).get(temporary_name(name)[:-len(TMP_MARKER)], directory)
+    return recoverable_checkpoints(parent).get(temporary_stem(name), directory)
 
 
 def encode_manifest(shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None = None, *,

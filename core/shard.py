@@ -253,7 +253,7 @@ class ShardWriter:
         self.path = local_path(path)
         # With ``atomic``, the file is written under a temporary name and renamed over
         # ``path`` only once complete and durable: a reader never sees half a file.
-        self._write_path = temporary_name(self.path, secrets.token_hex(4)) if atomic else self.path
+        self._write_path = _temporary_name(self.path) if atomic else self.path
         # A failed write removes its file, unless the file is the caller's (an open file
         # written through its /proc/self/fd link, which cannot be unlinked either).
         self._keep_on_failure = keep_on_failure
@@ -390,7 +390,7 @@ class ShardWriter:
             if lock is not None:
                 return file, lock
             file.close()
-            self._write_path = temporary_name(self.path, secrets.token_hex(4))
+            self._write_path = _temporary_name(self.path)
         raise FileExistsError(f"{self._write_path}: taken by another save to {self.path} as it was made")
 
     def abort(self) -> None:
@@ -732,6 +732,11 @@ def fsync_after_commit(committed: str) -> None:
     except OSError as exc:
         warnings.warn(f"{committed} is committed, but {exc}: the rename may not survive a power cut",
                       DurabilityWarning, stacklevel=3)
+
+
+def _temporary_name(path: str) -> str:
+    """Where an atomic write of ``path`` writes before its rename."""
+    return temporary_name(path, secrets.token_hex(4))
 
 
 def _remove_quietly(path: str) -> None:

@@ -110,18 +110,24 @@ def _remove(path: str) -> None:
             pass
 
 
-def temporary_name(target: str, tail: str = "") -> str:
-    """``<target>.tmp-<tail>``, the name of a temporary of ``target`` (a path or a name).
-    Where ``target``'s name leaves no room for that within NAME_MAX, its first bytes
-    stand for it, the same for every temporary of one target, so that
-    :func:`stale_temporaries` finds them all: ``torch.save`` writes such names, and a save
-    of them failed with ENAMETOOLONG."""
-    parent, name = os.path.split(target)
+def temporary_stem(name: str) -> str:
+    """What stands for the name ``name`` in its temporaries' names: the name itself, or,
+    where it leaves no room for ``TMP_MARKER`` and a tail within NAME_MAX, its first bytes
+    (``torch.save`` writes such names, and a save of them failed with ENAMETOOLONG)."""
     encoded = os.fsencode(name)
     room = NAME_MAX - len(TMP_MARKER) - _TAIL_ROOM
-    if len(encoded) > room:  # cut at a character: the native open takes no lone surrogates
-        name = encoded[:room].decode(sys.getfilesystemencoding(), "ignore")
-    return os.path.join(parent, f"{name}{TMP_MARKER}{tail}")
+    if len(encoded) <= room:
+        return name
+    # Whole characters only: the native open takes no lone surrogates.
+    return encoded[:room].decode(sys.getfilesystemencoding(), "ignore")
+
+
+def temporary_name(target: str, tail: str = "") -> str:
+    """``<target>.tmp-<tail>``, the name of a temporary of ``target`` (a path or a name),
+    its name cut to :func:`temporary_stem`, the same for every temporary of one target,
+    so that :func:`stale_temporaries` finds them all."""
+    parent, name = os.path.split(target)
+    return os.path.join(parent, f"{temporary_stem(name)}{TMP_MARKER}{tail}")
 
 
 def stale_temporaries(root: str | os.PathLike, target: str | None = None,
@@ -230,4 +236,4 @@ def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
 
 __all__ = ["NEW_TEMPORARY_TRIES", "TMP_MARKER", "aside_name", "discard_later", "held_here", "hold", "hold_new",
            "release", "remove_if_stale", "remove_stale_temporaries", "set_aside", "stale_temporaries",
-           "temporary_name", "wait_for_discards"]
+           "temporary_name", "temporary_stem", "wait_for_discards"]
