@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from tensorferry.adapters.jax import (FerryCheckpointHandler, FerryRestore, FerrySave,  # noqa: E402
                                       load_pytree, save_pytree)
+from tensorferry.checkpoint import read_manifest_file  # noqa: E402
 from tensorferry.errors import CorruptCheckpointError  # noqa: E402
 
 
@@ -458,6 +459,24 @@ def test_load_pytree_of_a_checkpoint_directory_and_a_hugging_face_folder(tmp_pat
             assert isinstance(arrays[name], jax.Array)
             assert arrays[name].dtype == (jnp.bfloat16 if t.dtype == torch.bfloat16 else jnp.float32)
             np.testing.assert_array_equal(np.asarray(arrays[name].astype(jnp.float32)), t.float().numpy())
+
+
+def test_typed_prng_keys_saved_under_jax_before_0_5(tmp_path, monkeypatch):
+    """This adapter under JAX before 0.5 stored a key implementation's tag ("fry"),
+    as ``key_impl`` gave it there: such checkpoints restore as keys of that implementation."""
+    from tensorferry.adapters.jax import handler
+    tags = {"threefry2x32": "fry", "rbg": "rbg", "unsafe_rbg": "urbg"}
+    monkeypatch.setattr(handler, "_prng_impl_name", lambda keys: tags[jax.random.key_impl(keys)])
+    state = {impl: jax.random.key(5, impl=impl) for impl in tags}
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    ckptr.save(tmp_path / "c", args=FerrySave(state))
+    leaves = read_manifest_file(next((tmp_path / "c").glob("process-*.json")))["metadata"]["leaves"]
+    assert {rec["prng_impl"] for rec in leaves.values()} == {"fry", "rbg", "urbg"}  # as those releases wrote
+    restored = ckptr.restore(tmp_path / "c", args=FerryRestore(abstract(state, lambda x: x.sharding)))
+    for impl, keys in state.items():
+        assert restored[impl].dtype == keys.dtype, impl
+        assert float(jax.random.uniform(restored[impl])) == float(jax.random.uniform(keys))
+    assert ckptr.restore(tmp_path / "c")["unsafe_rbg"].dtype == state["unsafe_rbg"].dtype
 
 
 def test_reads_only_needed_bytes(tmp_path, monkeypatch):

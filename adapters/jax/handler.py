@@ -177,6 +177,7 @@ class _Checkpoint:
                         prng_impl = rec.get("prng_impl")
                         if prng_impl is not None and not isinstance(prng_impl, str):
                             raise TypeError(f"prng_impl of {name!r} is not a string")
+                        prng_impl = _PRNG_NAMES_BY_TAG.get(prng_impl, prng_impl)
                         sharding = rec.get("sharding")
                         if sharding is not None and not isinstance(sharding, dict):
                             raise TypeError(f"the sharding of {name!r} is not an object")
@@ -646,6 +647,11 @@ def _as_keys(data: _LeafRead, leaf: _Leaf) -> _LeafRead:
     """The read of a leaf's key data, finished as the keys (of its implementation)."""
     return dataclasses.replace(data, finish=lambda started: jax.random.wrap_key_data(data.finish(started),
                                                                                      impl=leaf.prng_impl))
+
+
+# Releases of this adapter under JAX before 0.5 stored the implementation's tag, which
+# ``wrap_key_data`` refuses; the tags of the implementations those JAX releases had.
+_PRNG_NAMES_BY_TAG = {"fry": "threefry2x32", "urbg": "unsafe_rbg"}
 
 
 def _prng_impl_name(keys: jax.Array) -> str:
