@@ -385,6 +385,16 @@ def split_by_size(sizes: Mapping[str, int], max_shard_bytes: int, max_shards: in
     return [g for g in groups if g] or [[]]
 
 
+def _nbytes(name: str, array: Any) -> int:
+    if isinstance(array, Deferred):
+        return array.nbytes
+    try:
+        return np.asarray(array).nbytes
+    except (TypeError, ValueError, RuntimeError) as exc:  # a framework's tensor numpy cannot take
+        raise TypeError(f"{name}: a {type(array).__name__} is no array numpy can hold ({exc}); save a framework's "
+                        "tensors through its adapter (tensorferry.adapters.pytorch.save_checkpoint, ...)") from None
+
+
 @gc_paused(main_thread_only=True)  # the writes last as long as the drive takes
 def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
                     metadata: Mapping[str, Any] | None = None, *, engine: Engine | None = None,
@@ -409,8 +419,7 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
     json.dumps(dict(metadata or {}))  # fail before writing anything if it cannot be saved
     if not overwrite:
         refuse_existing(directory)
-    groups = split_by_size({n: a.nbytes if isinstance(a, Deferred) else np.asarray(a).nbytes
-                            for n, a in arrays.items()}, max_shard_bytes)
+    groups = split_by_size({n: _nbytes(n, a) for n, a in arrays.items()}, max_shard_bytes)
     writers = min(default_files_per_process(), len(groups))
     pending = PendingCheckpoint.begin(directory)
     try:

@@ -131,6 +131,17 @@ def test_save_keeps_tied_tensors_tied_and_refuses_pickle_only_objects(tmp_path) 
     assert [p.name for p in tmp_path.iterdir()] == ["tied.safetensors"]
 
 
+def test_the_cores_save_names_a_tensor_numpy_cannot_hold_and_the_adapter(tmp_path) -> None:
+    """``tensorferry.save_checkpoint`` (numpy's) given a state dict with bf16 or wrapping
+    tensors: torch's numpy() error named neither the entry nor the way that works."""
+    import tensorferry
+    for tensor in (torch.ones(2, dtype=torch.bfloat16), Wrapping(torch.ones(2))):
+        with pytest.raises(TypeError, match=r"layer\.w: a .* is no array numpy can hold .*adapters\.pytorch"):
+            tensorferry.save_checkpoint(tmp_path / "c", {"layer.b": torch.ones(2), "layer.w": tensor})
+    assert os.listdir(tmp_path) == []
+    save_checkpoint(tmp_path / "c", {"layer.w": torch.ones(2, dtype=torch.bfloat16)})  # the adapter's
+
+
 def test_file_objects_as_torch_save_and_load_take_them(tmp_path, monkeypatch) -> None:
     """``save(state, f)`` and ``load(f)`` with a file object (``io.BytesIO``, an open file,
     an fsspec stream), from where it stands, as ``torch.save``/``torch.load`` do: the same
@@ -882,6 +893,15 @@ def test_dcp_refuses_dtypes_without_a_safetensors_name_before_writing(tmp_path) 
             dcp.save({"model": {"b": torch.ones(3), "w": torch.zeros(2, dtype=dtype)}},
                      storage_writer=DCPWriter(tmp_path / "c"))
         assert os.listdir(tmp_path) == [], "nothing written, not even the temporary"
+
+
+def test_dcp_refuses_a_tensor_subclass_that_wraps_others(tmp_path) -> None:
+    """torchao's kind of tensor holds no bytes of its own: the save fails naming it, and
+    leaves nothing behind. It failed in numpy() deep in the writer, naming neither."""
+    with pytest.raises(CheckpointException, match=r"model\.w is a Wrapping, a tensor subclass that wraps"):
+        dcp.save({"model": {"b": torch.ones(3), "w": Wrapping(torch.ones(2, 2))}},
+                 storage_writer=DCPWriter(tmp_path / "c"))
+    assert os.listdir(tmp_path) == []
 
 
 def test_dcp_load_errors(tmp_path) -> None:

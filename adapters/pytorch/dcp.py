@@ -47,7 +47,7 @@ from ...layouts.dcp import DCP_METADATA, ITEMS_KEY, read_dcp_metadata, unpickle_
 from ...pools import ThreadPool
 from ...shard import DEFAULT_BUFFER_SIZE, BoxRead, ShardInfo, ShardReader, gc_paused, write_order
 from .staging import DeviceToHost, leased, stage_state_dict, staging_pool
-from .tensors import FROM_SAFETENSORS, safetensors_dtype, writable_bytes
+from .tensors import FROM_SAFETENSORS, refuse_wrapper_subclass, safetensors_dtype, writable_bytes
 
 # The stream transform named by every tensor's storage entry (no "/": torch splits a
 # version off there). torch's readers know no such transform and raise
@@ -303,6 +303,7 @@ def _resolver(item: WriteItem, planner: SavePlanner) -> Callable[[], torch.Tenso
 
     def resolve() -> torch.Tensor:
         tensor = planner.resolve_data(item)
+        refuse_wrapper_subclass(tensor, _item_key(item))
         if tuple(tensor.shape) != shape or tensor.dtype != props.dtype:
             raise ValueError(f"{_item_key(item)}: planned {props.dtype}{list(shape)}, "
                              f"resolved {tensor.dtype}{list(tensor.shape)}")

@@ -30,7 +30,7 @@ from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse
 from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, StreamReader, gc_paused, write_order
 from ...streams import file_behind, is_stream, require, stream_name
 from .staging import DeviceToHost, read_to_device
-from .tensors import FROM_SAFETENSORS, from_array, host_array, safetensors_dtype
+from .tensors import FROM_SAFETENSORS, from_array, host_array, refuse_wrapper_subclass, safetensors_dtype
 
 TORCH_FORMAT = {"format": "pt"}  # what safetensors.torch writes, and transformers 4.x requires
 _SCALARS = (bool, int, float, str, type(None))
@@ -66,13 +66,7 @@ def _check_savable(tensor: torch.Tensor, where: str) -> None:
         raise TypeError(f"{where} is a {str(tensor.layout).removeprefix('torch.')} tensor: safetensors holds "
                         "dense tensors; save tensor.to_dense(), or the sparse tensor's own index and value tensors")
     _check_has_data(tensor, where)
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and tensor.device.type != "meta":
-        try:
-            tensor.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):  # torch's "invalid python storage"
-            raise TypeError(f"{where} is a {type(tensor).__name__}, a tensor subclass that wraps other tensors "
-                            "(as torchao's quantized and float8 tensors do) and holds no bytes of its own: save "
-                            "the tensors it wraps, or a plain tensor made from it (dequantize it first)") from None
+    refuse_wrapper_subclass(tensor, where)
 
 
 def _check_has_data(tensor: torch.Tensor, where: str) -> None:

@@ -24,6 +24,17 @@ def safetensors_dtype(dtype: torch.dtype, where: str = "") -> str:
                         f"(supported: {', '.join(map(str, TO_SAFETENSORS))})") from None
 
 
+def refuse_wrapper_subclass(tensor: torch.Tensor, where: str) -> None:
+    """Refuses a tensor subclass that wraps other tensors (torchao's), whose bytes are not its own."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and tensor.device.type != "meta":
+        try:
+            tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # torch's "invalid python storage"
+            raise TypeError(f"{where} is a {type(tensor).__name__}, a tensor subclass that wraps other tensors "
+                            "(as torchao's quantized and float8 tensors do) and holds no bytes of its own: save "
+                            "the tensors it wraps, or a plain tensor made from it (dequantize it first)") from None
+
+
 def host_bytes(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's elements as a contiguous uint8 array in host memory (no copy when
     the tensor is already contiguous on the CPU).
