@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 from typing import Any, Callable
@@ -43,6 +44,17 @@ def alloc_pinned(nbytes: int) -> np.ndarray:
     return array
 
 
+def _torch_bytes(tensor: Any) -> np.ndarray | None:
+    """A contiguous torch tensor of a dtype numpy has no DLPack import for (bf16, fp8):
+    its bytes, through torch's own uint8 view; None for anything else."""
+    torch = sys.modules.get("torch")  # a torch tensor exists only once torch is imported
+    if torch is None or not isinstance(tensor, torch.Tensor):
+        return None
+    if not tensor.is_contiguous():
+        raise ValueError("buffer is not C-contiguous; pass a contiguous copy")
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+
 def byte_view(buffer: Any, *, writable: bool) -> np.ndarray:
     """A zero-copy, contiguous uint8 view of a host buffer.
 
@@ -59,7 +71,12 @@ def byte_view(buffer: Any, *, writable: bool) -> np.ndarray:
             raise TypeError(
                 f"{type(buffer).__name__} lives in device memory (DLPack device {device}); "
                 "host I/O needs host memory: copy it to the host or use the GDS path")
-        array = np.from_dlpack(buffer)
+        try:
+            array = np.from_dlpack(buffer)
+        except (BufferError, RuntimeError, TypeError) as exc:  # "Unsupported dtype in DLTensor"
+            array = _torch_bytes(buffer)
+            if array is None:
+                raise TypeError(f"numpy cannot take this {type(buffer).__name__}'s memory: {exc}") from None
         if writable and not array.flags.writeable and callable(getattr(buffer, "numpy", None)):
             # torch before 2.8 exports an unversioned DLPack capsule, which numpy imports
             # read-only; its numpy() is the same memory, writable.

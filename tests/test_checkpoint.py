@@ -818,6 +818,24 @@ def test_load_in_place_into_existing_arrays(tmp_path) -> None:
     assert str(missing.value).count("nope") == 1
 
 
+def test_load_in_place_into_torch_tensors_of_dtypes_numpy_lacks(tmp_path) -> None:
+    """bf16 and fp8 torch tensors as destinations, as the docstring promises: numpy's
+    DLPack import refuses their dtypes ("Unsupported dtype in DLTensor")."""
+    torch = pytest.importorskip("torch")
+    import ml_dtypes
+    arrays = {"bf16": sample(np.float32, (64, 8), 3).astype(ml_dtypes.bfloat16),
+              "fp8": sample(np.float32, (128,), 4).astype(ml_dtypes.float8_e4m3fn)}
+    path = tensorferry.save_checkpoint(tmp_path / "c", arrays)
+    dest = {"bf16": torch.zeros(64, 8, dtype=torch.bfloat16), "fp8": torch.zeros(128, dtype=torch.float8_e4m3fn)}
+    assert tensorferry.load_checkpoint(path, out=dest)["bf16"] is dest["bf16"]
+    for name, tensor in dest.items():
+        assert tensor.view(torch.uint8).numpy().tobytes() == arrays[name].tobytes(), name
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        tensorferry.load_checkpoint(path, out={"bf16": torch.zeros(8, 64, dtype=torch.bfloat16).T})
+    with pytest.raises(ValueError, match="BF16"):
+        tensorferry.load_checkpoint(path, out={"bf16": torch.zeros(64, 8, dtype=torch.float16)})
+
+
 def test_missing_names_are_listed_briefly_with_the_closest_held(tmp_path) -> None:
     state = {f"model.layers.{i}.weight": np.full(2, i, np.float32) for i in range(500)}
     tensorferry.save_checkpoint(tmp_path / "c", state)
