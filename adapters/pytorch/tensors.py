@@ -94,5 +94,5 @@ def writable_bytes(tensor: torch.Tensor) -> Any:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-__all__ = ["FROM_SAFETENSORS", "TO_SAFETENSORS", "from_array", "host_array", "host_bytes", "resolved",
-           "safetensors_dtype", "to_numpy_dtype", "writable_bytes"]
+__all__ = ["FROM_SAFETENSORS", "TO_SAFETENSORS", "from_array", "host_array", "host_bytes", "refuse_wrapper_subclass",
+           "resolved", "safetensors_dtype", "to_numpy_dtype", "writable_bytes"]
