@@ -24,22 +24,23 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 
 from .buffers import byte_view
 from .dtypes import to_numpy_dtype
-from .engine import Engine, default_engine, local_path
+from .engine import Engine, absolute_local_path, default_engine, local_path
 from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, CorruptCheckpointError,
-                     TensorferryIOError, missing_names)
+                     RetentionWarning, TensorferryIOError, missing_names)
 from .pools import ThreadPool
 from .schema import (MANIFEST_VERSION, STEP_NUMBER, check_index, member_path, parse_json, read_small_file,
                      seal_manifest, unseal_manifest, validate_manifest)
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
                     first_names, foreign_files_hint, fsync_after_commit, fsync_dir, gc_paused, subfolders_holding)
 from .temporaries import (NEW_TEMPORARY_TRIES, TMP_MARKER, aside_name, discard_later, held_here, hold_new,
-                          release, remove_stale_temporaries, temporary_name, temporary_stem)
+                          refuse_temporary_marker, release, remove_stale_temporaries, temporary_name,
+                          temporary_stem)
 
 MANIFEST = "tensorferry.json"
 FORMAT_VERSION = MANIFEST_VERSION
@@ -84,7 +85,8 @@ class PendingCheckpoint:
         """Creates the temporary directory (the parent must exist), held locked until
         :meth:`commit` or :meth:`abort`; removes what killed saves to the same path left
         (temporaries no live writer holds)."""
-        directory = os.path.abspath(local_path(directory))
+        directory = absolute_local_path(directory)
+        refuse_temporary_marker(directory)
         _refuse_working_directory(directory)
         parent, name = os.path.split(directory)
         recoverable = list(recoverable_checkpoints(parent).values())
@@ -221,7 +223,7 @@ def refuse_existing(directory: str | os.PathLike, hint: str = "pass overwrite=Tr
     """Raises ``FileExistsError`` if a save to ``directory`` without overwriting could not
     commit: called before anything is written, so that a save bound to fail does not
     write its state first."""
-    directory = os.path.abspath(local_path(directory))
+    directory = absolute_local_path(directory)
     if resolve_checkpoint(directory) != directory:
         raise FileExistsError(f"{directory} exists (moved aside by an interrupted overwrite); {hint}")
     if occupied(directory):
@@ -525,6 +527,17 @@ def listed_by_manifest(directory: str | os.PathLike) -> bool:
         not os.path.isfile(os.path.join(directory, DCP_METADATA))
 
 
+def refuse_dcp_folder_without_metadata(directory: str, manifest: Mapping[str, Any]) -> None:
+    """A folder of DCPWriter that lost its ``.metadata`` (copied with ``cp dir/*``, which
+    leaves out names starting with a dot) would be read as listed (:func:`listed_by_manifest`):
+    DCP's chunks and pickled objects as tensors, with no error."""
+    from .layouts.dcp import DCP_METADATA  # the layouts build on this module
+    if DCP_METADATA in manifest.get("other_files", {}) and not os.path.isfile(os.path.join(directory, DCP_METADATA)):
+        raise CorruptCheckpointError(f"{directory}: its {DCP_METADATA}, which the manifest lists, is missing (a "
+                                     f"copy that left out hidden files?): copy {DCP_METADATA} back beside the "
+                                     "shards; without it DCP's chunks and objects cannot be told apart")
+
+
 def refuse_out_when_mapped(out: Mapping[str, Any] | None) -> None:
     """A mapped load (``mmap=True``) makes new arrays over the files: it cannot also read
     into the given ``out``."""
@@ -671,6 +684,7 @@ def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, en
     the header's (:func:`check_index`)."""
     entry = manifest["files"].get(filename)
     path = os.fspath(member_path(directory, filename))
+    refuse_dcp_folder_without_metadata(directory, manifest)
     if entry is None:
         raise CorruptCheckpointError(f"{directory}: {filename} is not listed in the manifest")
     if not os.path.exists(path):
@@ -691,13 +705,20 @@ def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, en
     return reader
 
 
-def list_checkpoints(root: str | os.PathLike) -> list[str]:
-    """Complete checkpoints directly under ``root``, oldest first (symbolic links to
-    checkpoints are not counted).
+class Committed(NamedTuple):
+    """A complete checkpoint directly under a root: its name there, where it lives (the
+    name's own path, or where an interrupted overwrite left it aside), and when its save
+    committed (``time.time()``; 0.0 in manifests of before the field)."""
 
-    Ordered by the number that ends the directory name (``step_1000``) when every
-    name has one, else by commit time.
-    """
+    name: str
+    path: str
+    committed_at: float
+
+
+def committed_checkpoints(root: str | os.PathLike) -> list[Committed]:
+    """Every complete checkpoint directly under ``root``, in no particular order
+    (symbolic links to checkpoints are not counted); damaged ones are passed over with a
+    :class:`CheckpointSkippedWarning`."""
     root = local_path(root)  # a URL's "folder" would not exist, and no checkpoint would say "start afresh"
     if not os.path.isdir(root):
         return []
@@ -711,14 +732,25 @@ def list_checkpoints(root: str | os.PathLike) -> list[str]:
         except CheckpointNotFoundError:
             continue  # an unfinished save, or a directory of something else
         except (CorruptCheckpointError, OSError) as exc:
-            warnings.warn(f"skipping {path}: {exc}", CheckpointSkippedWarning, stacklevel=2)
+            warnings.warn(f"skipping {path}: {exc}", CheckpointSkippedWarning, stacklevel=3)
             continue
-        found.append((name, path, manifest.get("committed_at", 0.0)))
-    steps = [STEP_NUMBER.search(name) for name, _, _ in found]
+        found.append(Committed(name, path, manifest.get("committed_at", 0.0)))
+    return found
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[str]:
+    """Complete checkpoints directly under ``root``, oldest first (symbolic links to
+    checkpoints are not counted).
+
+    Ordered by the number that ends the directory name (``step_1000``) when every
+    name has one, else by commit time.
+    """
+    found = committed_checkpoints(root)
+    steps = [STEP_NUMBER.search(c.name) for c in found]
     if all(steps):
-        keyed = [(int(m.group(1)), t, p) for m, (_, p, t) in zip(steps, found)]
+        keyed = [(int(m.group(1)), c.committed_at, c.path) for m, c in zip(steps, found)]
     else:
-        keyed = [(t, 0, p) for _, p, t in found]
+        keyed = [(c.committed_at, 0, c.path) for c in found]
     return [p for *_, p in sorted(keyed)]
 
 
@@ -737,26 +769,39 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int, *, remove_unfinis
     interrupted overwrite moved aside counts as a checkpoint, not a leftover). With
     ``wait=False``, each pruned checkpoint leaves its name at once and its files are
     freed in the background (a training loop's retention need not wait for the drive).
+    One that cannot be removed (a read-only directory, say) stays, with a
+    :class:`RetentionWarning`, and is not in the list returned.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    checkpoints = list_checkpoints(root)
-    doomed = checkpoints[:-keep_last]
-    discarded = []
-    for path in doomed:
+    removed = remove_checkpoints(list_checkpoints(root)[:-keep_last], wait=wait)
+    if remove_unfinished:
+        removed += remove_stale_temporaries(root, keep=recoverable_checkpoints(root).values())
+    return removed
+
+
+def remove_checkpoints(paths: Iterable[str], *, wait: bool = True) -> list[str]:
+    """Removes checkpoint directories, each leaving its name at once (renamed aside, its
+    files freed in the background unless ``wait``); returns those removed. One that
+    cannot be is left whole where it is, with a :class:`RetentionWarning`: a checkpoint
+    half deleted would be neither kept nor gone."""
+    removed, discarded = [], []
+    for path in paths:
         aside = aside_name(path, "pruned")
         try:
             os.rename(path, aside)
-        except OSError:
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            discarded.append(discard_later(aside))
+        except FileNotFoundError:
+            continue  # removed meanwhile (by another process's retention, say)
+        except OSError as exc:
+            warnings.warn(f"could not remove {path}: {exc.strerror or exc}; it is kept", RetentionWarning,
+                          stacklevel=3)
+            continue
+        removed.append(path)
+        discarded.append(discard_later(aside))
     if wait:
         for removal in discarded:
             removal.result()
-    if remove_unfinished:
-        doomed += remove_stale_temporaries(root, keep=recoverable_checkpoints(root).values())
-    return doomed
+    return removed
 
 
 VERIFY_BATCH_BYTES = 256 << 20
@@ -835,7 +880,8 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
     return problems
 
 
-__all__ = ["MANIFEST", "PendingCheckpoint", "build_manifest", "encode_manifest", "latest_checkpoint",
-           "list_checkpoints", "load_checkpoint", "open_shard", "prune_checkpoints", "read_manifest",
-           "read_manifest_file", "read_other_file", "recoverable_checkpoints", "resolve_checkpoint",
-           "save_checkpoint", "verify_checkpoint", "verify_shard", "digest", "write_durably"]
+__all__ = ["MANIFEST", "Committed", "PendingCheckpoint", "build_manifest", "committed_checkpoints",
+           "encode_manifest", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "open_shard",
+           "prune_checkpoints", "read_manifest", "read_manifest_file", "read_other_file", "recoverable_checkpoints",
+           "refuse_dcp_folder_without_metadata", "remove_checkpoints", "resolve_checkpoint", "save_checkpoint",
+           "verify_checkpoint", "verify_shard", "digest", "write_durably"]

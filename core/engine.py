@@ -44,6 +44,20 @@ def local_path(path: PathLike) -> str:
     return text
 
 
+def absolute_local_path(path: PathLike) -> str:
+    """:func:`local_path` made absolute as the kernel resolves it. ``os.path.abspath``
+    folds ``link/..`` away as text, where the kernel follows the link first (``runs/../c``,
+    ``runs`` a link to ``real/runs``, is ``real/c``): a path with ``..`` has its parent
+    resolved; the last name stays as given (a link there is the link)."""
+    text = local_path(path)
+    if os.pardir not in text.split(os.sep):
+        return os.path.abspath(text)
+    head, tail = os.path.split(text.rstrip(os.sep))
+    if tail in ("", os.curdir, os.pardir):
+        return os.path.realpath(text)
+    return os.path.join(os.path.realpath(head or os.curdir), tail)
+
+
 class DirectIOFallbackWarning(UserWarning):
     """A filesystem refused O_DIRECT; I/O on it goes through the page cache."""
 

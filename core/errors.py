@@ -65,6 +65,11 @@ class CheckpointSkippedWarning(UserWarning):
     for the latest: the others remain usable."""
 
 
+class RetentionWarning(UserWarning):
+    """A checkpoint that retention (``keep_last``, :func:`prune_checkpoints`) was to
+    remove could not be (a directory without write permission, say): it is kept whole."""
+
+
 class DurabilityWarning(UserWarning):
     """A committed checkpoint is complete and in place, but making its rename durable
     (fsync of the parent directory) failed."""

@@ -39,8 +39,8 @@ from .pools import ThreadPool
 from .schema import (ORBAX_STEP_MARKER, PART_FILE, STEP_NUMBER, check_tensor_entry, hub_cache_hint,
                      parse_json)
 from .streams import STREAM_PIECE, fill_from, read_exactly, remaining_bytes, stream_name
-from .temporaries import (NEW_TEMPORARY_TRIES, discard_later, hold_new, release, remove_stale_temporaries, set_aside,
-                          temporary_name)
+from .temporaries import (NEW_TEMPORARY_TRIES, discard_later, hold_new, refuse_temporary_marker, release,
+                          remove_stale_temporaries, set_aside, temporary_name)
 
 ALIGNMENT = 4096
 _OWN_MAPPING = 1 << 20  # from this size on, aligned_empty maps memory of its own
@@ -251,6 +251,8 @@ class ShardWriter:
                  buffer_size: int = DEFAULT_BUFFER_SIZE, *, metadata: Mapping[str, str] | None = None,
                  staging_bytes: int = 256 << 20, atomic: bool = False, keep_on_failure: bool = False) -> None:
         self.path = local_path(path)
+        if atomic:
+            refuse_temporary_marker(self.path)
         # With ``atomic``, the file is written under a temporary name and renamed over
         # ``path`` only once complete and durable: a reader never sees half a file.
         self._write_path = _temporary_name(self.path) if atomic else self.path

@@ -110,6 +110,17 @@ def _remove(path: str) -> None:
             pass
 
 
+def refuse_temporary_marker(target: str) -> None:
+    """Refuses a save to a name with ``TMP_MARKER`` in it before anything is written:
+    the marker is what tells a save in progress (or a killed one's leftover) from a
+    checkpoint, so such a save could not be loaded, and a save to the name before the
+    marker would remove it as a leftover."""
+    name = os.path.basename(target.rstrip(os.sep))
+    if TMP_MARKER in name:
+        raise ValueError(f"{target}: a name with {TMP_MARKER!r} in it is taken for an unfinished save; "
+                         "choose another name")
+
+
 def temporary_stem(name: str) -> str:
     """What stands for the name ``name`` in its temporaries' names: the name itself, or,
     where it leaves no room for ``TMP_MARKER`` and a tail within NAME_MAX, its first bytes
@@ -235,5 +246,5 @@ def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
 
 
 __all__ = ["NEW_TEMPORARY_TRIES", "TMP_MARKER", "aside_name", "discard_later", "held_here", "hold", "hold_new",
-           "release", "remove_if_stale", "remove_stale_temporaries", "set_aside", "stale_temporaries",
-           "temporary_name", "temporary_stem", "wait_for_discards"]
+           "refuse_temporary_marker", "release", "remove_if_stale", "remove_stale_temporaries", "set_aside",
+           "stale_temporaries", "temporary_name", "temporary_stem", "wait_for_discards"]

@@ -557,6 +557,47 @@ def test_latest_and_retention(tmp_path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["step_10"]
 
 
+def test_retention_keeps_whole_what_it_cannot_remove(tmp_path) -> None:
+    """prune_checkpoints in a directory it may not change: it returned the checkpoints as
+    removed, all still there, and (where the folder itself was writable) could empty one
+    half way. Now each stays whole, with a RetentionWarning, and is not reported removed."""
+    from conftest import mounted
+    for step in (1, 2, 3):
+        tensorferry.save_checkpoint(tmp_path / f"step_{step}", {"x": np.full(2, step)})
+    with mounted("tmpfs") as target:
+        subprocess.run(["mount", "--bind", str(tmp_path), target], check=True)
+        try:
+            subprocess.run(["mount", "-o", "remount,bind,ro", target], check=True)
+            with pytest.warns(tensorferry.RetentionWarning, match="could not remove .*it is kept"):
+                assert tensorferry.prune_checkpoints(target, keep_last=1) == []
+        finally:
+            subprocess.run(["umount", "-l", target], capture_output=True)
+    assert [os.path.basename(p) for p in tensorferry.list_checkpoints(tmp_path)] == ["step_1", "step_2", "step_3"]
+    assert tensorferry.load_checkpoint(tmp_path / "step_1")["x"][0] == 1
+
+
+def test_a_name_that_marks_temporaries_is_refused_before_a_save(tmp_path) -> None:
+    """A checkpoint or file named with '.tmp-' saved, then could not be loaded (taken for
+    an unfinished save), and a save to the name before the marker removed it."""
+    with pytest.raises(ValueError, match="'.tmp-' in it"):
+        tensorferry.save_checkpoint(tmp_path / "model.tmp-finetune", {"x": np.ones(2)})
+    with pytest.raises(ValueError, match="'.tmp-' in it"):
+        ShardWriter(tmp_path / "w.safetensors.tmp-best", atomic=True)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_path_through_a_link_and_dotdot_is_where_the_kernel_puts_it(tmp_path) -> None:
+    """'runs/../c' with 'runs' a link to 'real/runs': os.path.abspath made it 'c' beside
+    'runs', where open() and the shell take 'real/c'; the checkpoint was saved where the
+    same path then did not find it."""
+    (tmp_path / "real" / "runs").mkdir(parents=True)
+    os.symlink(tmp_path / "real" / "runs", tmp_path / "runs")
+    path = str(tmp_path / "runs" / ".." / "c")
+    assert tensorferry.save_checkpoint(path, {"x": np.arange(3.0)}) == str(tmp_path / "real" / "c")
+    assert os.path.isdir(tmp_path / "real" / "c") and not os.path.exists(tmp_path / "c")
+    assert tensorferry.load_checkpoint(path)["x"].tolist() == [0.0, 1.0, 2.0]
+
+
 def test_links_to_checkpoints_are_not_checkpoints(tmp_path) -> None:
     """A "latest" or "best" link beside the steps: listed, it broke the ordering by step
     number and pruning removed it like a checkpoint."""

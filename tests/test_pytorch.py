@@ -9,6 +9,7 @@ import gc
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -976,6 +977,69 @@ def test_checkpointer_single_process(tmp_path) -> None:
     train_step(model, opt, 100)
     assert before.load(7) == 7
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+
+
+def test_checkpointer_steps_are_its_own_and_in_the_order_saved(tmp_path) -> None:
+    """Another checkpoint beside the steps (an export) made latest_step() None and load()
+    raise, so a resume started from 0, and keep_last pruned a step to keep it. A step saved
+    again (after going back to an earlier one) was refused as existing, and after load(200)
+    and save(250) the latest was the abandoned 300."""
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = FSDPCheckpointer(tmp_path, model, opt, keep_last=2)
+    for step in (100, 200):
+        train_step(model, opt, step)
+        ckpt.save(step)
+    save_checkpoint(tmp_path / "hf_export", model.state_dict())
+    assert ckpt.latest_step() == 200 and ckpt.load() == 200
+    ckpt.save(300)
+    from tensorferry.temporaries import wait_for_discards
+    wait_for_discards()
+    assert sorted(os.listdir(tmp_path)) == ["hf_export", "step_200", "step_300"]
+    at_200 = {k: v.clone() for k, v in model.state_dict().items()}
+    assert ckpt.load(200) == 200
+    train_step(model, opt, 201)
+    ckpt.save(250)
+    assert ckpt.latest_step() == 250
+    train_step(model, opt, 299)
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt.save(300)  # replaces the abandoned step 300
+    wait_for_discards()
+    assert sorted(os.listdir(tmp_path)) == ["hf_export", "step_250", "step_300"]
+    assert ckpt.load() == 300 and all(torch.equal(v, after[k]) for k, v in model.state_dict().items())
+    assert not all(torch.equal(after[k], at_200[k]) for k in after)
+
+
+def test_checkpointer_removes_what_killed_saves_and_prunes_left(tmp_path) -> None:
+    """A save or a prune killed midway left step_5.tmp-<token> (a partial checkpoint as
+    large as a whole one) or step_1.tmp-pruned-<token>: only a later save to the same
+    name removed them, and a training run never saves a step twice."""
+    model = small_model()
+    ckpt = FSDPCheckpointer(tmp_path, model)
+    ckpt.save(1)
+    (tmp_path / "step_0.tmp-pruned-0a1b2c3d").mkdir()
+    (tmp_path / "step_5.tmp-0a1b2c3d4e5f").mkdir()
+    (tmp_path / "step_5.tmp-0a1b2c3d4e5f" / "rank00000-000.safetensors").write_bytes(b"x" * 4096)
+    ckpt.save(2)
+    assert sorted(os.listdir(tmp_path)) == ["step_1", "step_2"]
+
+
+def test_a_dcpwriter_folder_copied_without_its_metadata_is_refused(tmp_path) -> None:
+    """cp dir/* leaves out .metadata: the folder was then read as listed, DCP's pickled
+    objects coming back as uint8 tensors of their bytes, with no error."""
+    dcp.save({"w": torch.ones(2, 3), "progress": {"tokens": 7, "name": "run"}},
+             storage_writer=DCPWriter(tmp_path / "c"))
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in glob.glob(str(tmp_path / "c" / "*")):  # as the shell's * copies: no names starting with a dot
+        shutil.copy(f, copy)
+    assert not (copy / ".metadata").exists()
+    missing = r"\.metadata, which the manifest lists, is missing"
+    for load_it in (tensorferry.load_checkpoint, load_checkpoint, lambda p: load_checkpoint(p, map_location="meta")):
+        with pytest.raises(tensorferry.CorruptCheckpointError, match=missing):
+            load_it(copy)
+    shutil.copy(tmp_path / "c" / ".metadata", copy)
+    assert load_checkpoint(copy)["w"].shape == (2, 3)
 
 
 def test_checkpointer_extra_state_with_async_saves(tmp_path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from concurrent.futures import Future
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -14,11 +14,12 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from ...checkpoint import latest_checkpoint, prune_checkpoints, read_manifest
+from ...checkpoint import committed_checkpoints, read_manifest, recoverable_checkpoints, remove_checkpoints
 from ...errors import CheckpointNotFoundError, TensorferryError, TensorferryIOError
-from ...engine import Engine, local_path
+from ...engine import Engine, absolute_local_path
 from ...layouts.dcp import written_by_torch
 from ...shard import ShardWriter, gc_paused, write_order
+from ...temporaries import remove_stale_temporaries
 from .dcp import DCPReader, DCPWriter
 from .serialization import TORCH_FORMAT
 from .staging import DeviceToHost
@@ -66,7 +67,7 @@ class FSDPCheckpointer:
         self.extra = dict(extra or {})
         if {"model", "optimizer"} & set(self.extra):
             raise ValueError("extra state cannot be named 'model' or 'optimizer': those are the checkpointer's")
-        self.checkpoint_dir = os.path.abspath(local_path(checkpoint_dir))
+        self.checkpoint_dir = absolute_local_path(checkpoint_dir)
         self.model = model
         self.optimizer = optimizer
         self.keep_last = keep_last
@@ -86,6 +87,27 @@ class FSDPCheckpointer:
     def _rank(self) -> int:
         return dist.get_rank(self.process_group) if dist.is_available() and dist.is_initialized() else 0
 
+    def _decided_on_rank_0(self, decide: Callable[[], Any]) -> Any:
+        """``decide()`` as rank 0 finds it, on every rank: one listing decides, not each
+        rank's view of a shared filesystem (whose attribute caches may lag, and which rank
+        0's retention changes). If it raises on rank 0, every rank raises."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return decide()
+        box: list[Any] = [None]
+        error: Exception | None = None
+        if self._rank() == 0:
+            try:
+                box[0] = (decide(), None)
+            except Exception as exc:  # the other ranks are waiting in the broadcast
+                error, box[0] = exc, (None, f"{type(exc).__name__}: {exc}")
+        dist.broadcast_object_list(box, group=self.process_group, group_src=0)
+        if error is not None:
+            raise error
+        decided, failure = box[0]
+        if failure is not None:
+            raise TensorferryError(f"rank 0 could not list {self.checkpoint_dir}: {failure}")
+        return decided
+
     def _barrier(self) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.barrier(self.process_group)
@@ -99,7 +121,10 @@ class FSDPCheckpointer:
         return {**state, **self.extra}  # DCP calls state_dict()/load_state_dict() of what is Stateful
 
     def _writer(self, step: int) -> DCPWriter:
-        return DCPWriter(self.step_path(step), engine=self.engine, files_per_rank=self.files_per_rank)
+        # A step saved again (after a rollback, or past a damaged one) replaces the old,
+        # atomically, as torch's FileSystemWriter overwrites its folder.
+        return DCPWriter(self.step_path(step), engine=self.engine, files_per_rank=self.files_per_rank,
+                         overwrite=True)
 
     @gc_paused()  # torch's state-dict helpers and DCP planning make many small objects
     def save(self, step: int) -> str:
@@ -157,14 +182,27 @@ class FSDPCheckpointer:
             pending.result()
 
     def _retain(self) -> None:
-        if self.keep_last is not None and self._rank() == 0:
-            prune_checkpoints(self.checkpoint_dir, self.keep_last, wait=False)  # training goes on meanwhile
+        if self._rank() != 0:
+            return
+        if self.keep_last is not None:
+            remove_checkpoints([path for _, path in self._steps()[:-self.keep_last]], wait=False)  # training goes on
+        # What killed saves and prunes left here: no later save to their names comes to remove them.
+        remove_stale_temporaries(self.checkpoint_dir, keep=recoverable_checkpoints(self.checkpoint_dir).values())
+
+    def _steps(self) -> list[tuple[int, str]]:
+        """The complete ``step_<n>`` checkpoints (other checkpoints beside them are not
+        steps), as ``(n, path)`` in the order they were saved."""
+        steps = [(c.committed_at, int(m.group(1)), c.path) for c in committed_checkpoints(self.checkpoint_dir)
+                 if (m := _STEP.match(c.name))]
+        return [(step, path) for _, step, path in sorted(steps)]
 
     def latest_step(self) -> int | None:
-        """The newest complete sharded step, or None."""
-        latest = latest_checkpoint(self.checkpoint_dir)
-        match = _STEP.match(os.path.basename(latest)) if latest else None
-        return int(match.group(1)) if match else None
+        """The complete step saved last, or None. That is the newest by number unless a
+        run went back: after ``load(200)`` and ``save(250)``, 250, not an abandoned 300 (as
+        DeepSpeed's and Megatron's "latest" records say), and ``keep_last`` keeps the steps
+        saved last."""
+        steps = self._steps()
+        return steps[-1][0] if steps else None
 
     @gc_paused()
     def load(self, step: int | None = None) -> int:
@@ -173,7 +211,7 @@ class FSDPCheckpointer:
         the latest is looked for among tensorferry's checkpoints)."""
         self.wait()
         if step is None:
-            step = self.latest_step()
+            step = self._decided_on_rank_0(self.latest_step)
             if step is None:
                 raise CheckpointNotFoundError(f"no complete checkpoint under {self.checkpoint_dir}",
                                               self.checkpoint_dir)

@@ -41,7 +41,7 @@ from torch.futures import Future
 
 from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_process, open_shard, read_manifest,
                            read_other_file, refuse_existing, split_by_size, write_durably)
-from ...engine import Engine, local_path
+from ...engine import Engine, absolute_local_path
 from ...errors import CorruptCheckpointError
 from ...layouts.dcp import DCP_METADATA, ITEMS_KEY, read_dcp_metadata, unpickle_dcp_metadata, written_by_torch
 from ...pools import ThreadPool
@@ -116,7 +116,7 @@ class DCPWriter(StorageWriter):
                  files_per_rank: int | None = None, overwrite: bool = False,
                  buffer_size: int = DEFAULT_BUFFER_SIZE) -> None:
         super().__init__()
-        self.path = None if path is None else os.path.abspath(local_path(path))
+        self.path = None if path is None else absolute_local_path(path)
         self.engine = engine
         self.files_per_rank = max(1, files_per_rank or default_files_per_process())
         self.overwrite = overwrite
@@ -126,7 +126,7 @@ class DCPWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = os.path.abspath(local_path(checkpoint_id))
+            self.path = absolute_local_path(checkpoint_id)
         if self.path is None:
             raise ValueError("DCPWriter needs a path: DCPWriter(path) or dcp.save(..., checkpoint_id=path)")
         self._abandon_failed_save()
@@ -328,14 +328,14 @@ class DCPReader(StorageReader):
     def __init__(self, path: str | os.PathLike | None = None, *, engine: Engine | None = None,
                  verify: bool = True) -> None:
         super().__init__()
-        self.path = None if path is None else os.path.abspath(local_path(path))
+        self.path = None if path is None else absolute_local_path(path)
         self.engine = engine
         self.verify = verify
         self._torchs: StorageReader | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = os.path.abspath(local_path(checkpoint_id))
+            self.path = absolute_local_path(checkpoint_id)
         if self.path is None:
             raise ValueError("DCPReader needs a path: DCPReader(path) or dcp.load(..., checkpoint_id=path)")
         self._torchs = None

@@ -6,7 +6,7 @@ import datetime
 import os
 from typing import Any, Callable
 
-from ..checkpoint import MANIFEST, open_shard, read_manifest, verify_checkpoint
+from ..checkpoint import MANIFEST, open_shard, read_manifest, refuse_dcp_folder_without_metadata, verify_checkpoint
 from ..errors import CorruptCheckpointError
 from . import Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row, size_problems
 
@@ -54,6 +54,7 @@ class TensorferryCheckpoint(Layout):
 
     def open(self, *, verify: bool = True, engine: Any = None) -> TensorSource:
         manifest = read_manifest(self.path)
+        refuse_dcp_folder_without_metadata(self.path, manifest)  # even where no shard is opened (meta tensors)
         return ShardSource({e.name: e for e in self._entries(manifest)},
                            lambda file: open_shard(self.path, manifest, file, engine=engine, verify=verify),
                            manifest.get("metadata", {}))
