@@ -1087,6 +1087,31 @@ def test_checkpointer_async_save_left_running_at_exit_completes(tmp_path) -> Non
     assert os.listdir(tmp_path) == ["step_5"]  # keep_last applied as the save completed
 
 
+def test_checkpointer_async_save_failing_with_no_one_waiting_is_reported_at_exit(small_tmpfs) -> None:
+    """A background save that failed (a full disk) in a script that ended without wait():
+    nothing said so, and the run's last checkpoint was silently missing. It is reported
+    at exit, on stderr; a save whose failure was asked for is not reported again."""
+    script = (
+        "import sys, torch\n"
+        "from tensorferry.adapters.pytorch import FSDPCheckpointer\n"
+        "ckpt = FSDPCheckpointer(sys.argv[1], torch.nn.Linear(1024, 1024))\n"  # 4 MiB: more than the disk holds
+        "future = ckpt.save_async(7)\n"
+        "if len(sys.argv) > 2:\n"
+        "    try:\n"
+        "        future.result()\n"
+        "    except BaseException as exc:\n"
+        "        print('raised', exc)\n"
+    )
+    for asked in (False, True):
+        result = subprocess.run([sys.executable, "-c", script, small_tmpfs, *(["asked"] if asked else [])],
+                                capture_output=True, text=True, timeout=300)
+        reported = f"the background save to {small_tmpfs}/step_7 failed and no one waited for it"
+        assert result.returncode == 0 and (reported in result.stderr) != asked, result.stderr[-3000:]
+        assert "No space left on device" in (result.stdout if asked else result.stderr)
+        assert ("raised" in result.stdout) == asked
+        assert not os.path.exists(os.path.join(small_tmpfs, "step_7"))
+
+
 def test_checkpointer_passes_its_planners_to_dcp(tmp_path) -> None:
     from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
     from torch.distributed.checkpoint.planner import SavePlanner

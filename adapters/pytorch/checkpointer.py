@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import warnings
 from concurrent.futures import Future
 from typing import Any, Callable, Mapping
 
@@ -26,6 +28,41 @@ from .staging import DeviceToHost
 from .tensors import safetensors_dtype
 
 _STEP = re.compile(r"^step_(\d+)$")
+
+
+class _SaveFuture(Future):
+    """A background save's future. One that failed with no one asking for its result
+    (a script that ended without ``wait()``) is reported at exit, on stderr: there is no
+    caller left to raise it to, and the checkpoint the run counted on is not there."""
+
+    _failed: set["_SaveFuture"] = set()
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self.asked = False
+        self.add_done_callback(lambda f: Future.exception(f) is not None and _SaveFuture._failed.add(f))
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.asked = True
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self.asked = True
+        return super().exception(timeout)
+
+    @classmethod
+    def report_unasked(cls) -> None:
+        for future in cls._failed:
+            if not future.asked:
+                error = Future.exception(future)
+                # Named by the checkpoint, not by this line: the source line would be all a reader saw.
+                warnings.warn_explicit(f"the background save to {future.path} failed and no one waited for it: "
+                                       f"{type(error).__name__}: {error}", RuntimeWarning, future.path, 0)
+        cls._failed.clear()
+
+
+atexit.register(_SaveFuture.report_unasked)
 
 
 class FSDPCheckpointer:
@@ -149,7 +186,7 @@ class FSDPCheckpointer:
         self.wait()
         inner = dcp.async_save(self._state(), storage_writer=self._writer(step), planner=self.save_planner,
                                process_group=self._async_group())
-        outer: Future = Future()
+        outer = _SaveFuture(self.step_path(step))
 
         def done(f: Future) -> None:
             # keep_last applies as each save completes, also one a script ended without waiting for.
