@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from ...checkpoint import committed_checkpoints, read_manifest, recoverable_checkpoints, remove_checkpoints
-from ...errors import CheckpointNotFoundError, TensorferryError, TensorferryIOError
+from ...errors import CheckpointNotFoundError, RetentionWarning, TensorferryError, TensorferryIOError
 from ...engine import Engine, absolute_local_path
 from ...layouts.dcp import written_by_torch
 from ...shard import ShardWriter, gc_paused, write_order
@@ -219,12 +219,18 @@ class FSDPCheckpointer:
             pending.result()
 
     def _retain(self) -> None:
+        """Retention after a save has committed: what fails here is a warning, not the
+        save's error, since the checkpoint is in place."""
         if self._rank() != 0:
             return
-        if self.keep_last is not None:
-            remove_checkpoints([path for _, path in self._steps()[:-self.keep_last]], wait=False)  # training goes on
-        # What killed saves and prunes left here: no later save to their names comes to remove them.
-        remove_stale_temporaries(self.checkpoint_dir, keep=recoverable_checkpoints(self.checkpoint_dir).values())
+        try:
+            if self.keep_last is not None:
+                remove_checkpoints([path for _, path in self._steps()[:-self.keep_last]], wait=False)
+            # What killed saves and prunes left here: no later save to their names comes to remove them.
+            remove_stale_temporaries(self.checkpoint_dir, keep=recoverable_checkpoints(self.checkpoint_dir).values())
+        except OSError as exc:
+            warnings.warn(f"{self.checkpoint_dir}: retention after the save failed: {exc}", RetentionWarning,
+                          stacklevel=3)
 
     def _steps(self) -> list[tuple[int, str]]:
         """The complete ``step_<n>`` checkpoints (other checkpoints beside them are not
