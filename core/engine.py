@@ -115,7 +115,9 @@ class File:
 
     @classmethod
     def from_fd(cls, fd: int, label: str | None = None) -> "File":
-        """Wraps a descriptor the caller keeps owning (it is not closed here)."""
+        """Wraps a descriptor the caller keeps owning (it is not closed here): a regular
+        file's or a block device's. A pipe, socket or terminal is refused, since positional
+        I/O cannot serve it (io_uring would read and write it wherever it stands)."""
         self = cls.__new__(cls)
         self.path = label or f"<fd {fd}>"
         self.mode = "fd"

@@ -35,32 +35,87 @@ uint32_t sysfs_logical_block_size(dev_t dev) {
   return 0;
 }
 
+// The file behind `fd`, opened again with `flags`, through its /proc link: whatever its
+// name now leads to, this is the same file.
+int reopen(int fd, int flags) {
+  char proc[64];
+  snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
+  return ::open(proc, flags);
+}
+
+// A second descriptor of the file that `fd` has open (errno set on failure). Not by name: an
+// atomic rename over it between the two opens would give one File two files, and one read the
+// edges of one and the middle of the other. By name only where /proc is missing (ENOENT), and
+// then only if the name still leads to the same file (ESTALE otherwise).
+int open_twin(int fd, const std::string &path, int flags) {
+  const int twin = reopen(fd, flags);
+  if (twin >= 0 || errno != ENOENT) return twin;
+  const int named = ::open(path.c_str(), flags);
+  if (named < 0) return named;
+  struct stat a, b;
+  if (fstat(fd, &a) == 0 && fstat(named, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino) return named;
+  ::close(named);
+  errno = ESTALE;
+  return -1;
+}
+
+const char *kind_of(mode_t mode) {
+  if (S_ISFIFO(mode)) return "a pipe or FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISDIR(mode)) return "a directory";
+  return "an unusual file";
+}
+
+// Refuses (closing `fd`) a FIFO or socket in place of a file.
+void refuse_stream(int fd, const std::string &path) {
+  struct stat st;
+  const int err = fstat(fd, &st) != 0 ? errno : S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) ? EINVAL : 0;
+  if (err == 0) return;
+  ::close(fd);
+  throw IOError{err, path, err == EINVAL ? "open: a FIFO or socket, not a file" : "fstat"};
+}
+
+// Another process holds a lease on the file (Samba, an NFS server), which a non-blocking
+// open does not wait to break. An O_PATH descriptor breaks no lease and shows what the file
+// is; the open that may wait goes through it, so that no FIFO can be put in its place meanwhile.
+int open_leased(const std::string &path, int flags) {
+  const int at = ::open(path.c_str(), O_PATH | O_CLOEXEC);
+  if (at < 0) return at;
+  refuse_stream(at, path);
+  const int fd = reopen(at, flags);
+  const int err = errno;
+  ::close(at);
+  errno = err;
+  return fd;
+}
+
+// A blocking descriptor of `path` for positional I/O; a FIFO or socket in place of the file
+// is refused without blocking on it.
+int open_positional(const std::string &path, int flags) {
+  // Non-blocking for the open only: a FIFO put where a file should be would block it
+  // forever (reads of regular files and block devices ignore the flag anyway).
+  int fd = ::open(path.c_str(), flags | O_NONBLOCK, 0644);
+  if (fd < 0 && errno == EWOULDBLOCK) fd = open_leased(path, flags);
+  if (fd < 0) throw IOError{errno, path, "open"};
+  refuse_stream(fd, path);
+  if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw IOError{err, path, "fcntl(F_SETFL)"};
+  }
+  return fd;
+}
+
 }  // namespace
 
 File::File(const std::string &path, const std::string &mode, bool want_direct) : path_(path) {
   const int flags = open_flags(mode) | O_CLOEXEC;
-  // Non-blocking for the open only: a FIFO put where a file should be would block it
-  // forever (reads of regular files and block devices ignore the flag anyway).
-  fd_buffered_ = ::open(path.c_str(), flags | O_NONBLOCK, 0644);
-  if (fd_buffered_ < 0) throw IOError{errno, path, "open"};
-  struct stat st;
-  const int err = fstat(fd_buffered_, &st) != 0 ? errno
-                  : S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) ? EINVAL : 0;
-  if (err != 0) {
-    ::close(fd_buffered_);
-    fd_buffered_ = -1;
-    throw IOError{err, path, err == EINVAL ? "open: a FIFO or socket, not a file" : "fstat"};
-  }
-  if (fcntl(fd_buffered_, F_SETFL, fcntl(fd_buffered_, F_GETFL) & ~O_NONBLOCK) != 0) {
-    const int fcntl_err = errno;
-    ::close(fd_buffered_);
-    fd_buffered_ = -1;
-    throw IOError{fcntl_err, path, "fcntl(F_SETFL)"};
-  }
+  fd_buffered_ = open_positional(path, flags);
   probe_alignment(fd_buffered_);
   if (!want_direct) return;
   // The buffered open already created or truncated the file; the direct one must not.
-  fd_direct_ = ::open(path.c_str(), (flags & ~(O_CREAT | O_TRUNC)) | O_DIRECT);
+  fd_direct_ = open_twin(fd_buffered_, path, (flags & ~(O_CREAT | O_TRUNC)) | O_DIRECT);
   if (fd_direct_ < 0) {
     const int err = errno;
     if (err != EINVAL) {
@@ -75,13 +130,18 @@ File::File(const std::string &path, const std::string &mode, bool want_direct) :
 File::File(int fd, const std::string &label) : path_(label), owns_fd_(false) {
   const int flags = fcntl(fd, F_GETFL);
   if (flags < 0) throw IOError{errno, label, "fcntl(F_GETFL)"};
+  // io_uring reads and writes a pipe, socket or terminal at its current position whatever
+  // the offset asked, and a read of an empty pipe waits for a writer.
+  struct stat st;
+  if (fstat(fd, &st) != 0) throw IOError{errno, label, "fstat"};
+  if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode))
+    throw IOError{EINVAL, label, std::string("a descriptor of ") + kind_of(st.st_mode) +
+                                     ", not of a regular file or block device (positional I/O needs one)"};
   // A descriptor opened with O_DIRECT serves the aligned middle; its edges need a
   // buffered twin, which only a reopen through /proc can give. Plain descriptors stay
   // buffered.
   if (flags & O_DIRECT) {
-    char proc[64];
-    snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
-    const int buffered = ::open(proc, (flags & ~(O_DIRECT | O_CREAT | O_TRUNC)) | O_CLOEXEC);
+    const int buffered = reopen(fd, (flags & ~(O_DIRECT | O_CREAT | O_TRUNC)) | O_CLOEXEC);
     if (buffered < 0) throw IOError{errno, label, "reopen without O_DIRECT"};
     fd_buffered_ = buffered;
     fd_direct_ = fd;

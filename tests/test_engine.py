@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -523,3 +524,97 @@ def test_a_cancelled_request_skips_what_it_has_not_issued(backend: str, tmp_path
         assert finished.result() == len(data) and np.array_equal(again, data)
         finished.cancel()  # too late: a finished read keeps its outcome
         assert finished.exception() is None and finished.result() == len(data)
+
+
+# --- opening files, ranges, staging, waiting ------------------------------------------
+
+
+# Swaps two names (argv[1], argv[2]) in one atomic step, again and again, until killed.
+_SWAP_FOREVER = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+a, b = os.fsencode(sys.argv[1]), os.fsencode(sys.argv[2])
+while True:
+    libc.renameat2(-100, a, -100, b, 2)  # AT_FDCWD, RENAME_EXCHANGE
+"""
+
+
+def test_a_name_replaced_while_it_is_opened_never_mixes_two_files(tmp_path) -> None:
+    """A File's buffered and O_DIRECT descriptors are one file: the path was opened twice,
+    and a rename over it in between (as checkpoint writers replace files) gave one read
+    the edges of one file and the middle of another."""
+    name, other = tmp_path / "name.bin", tmp_path / "other.bin"
+    name.write_bytes(b"\x11" * 16384)
+    other.write_bytes(b"\x22" * 16384)
+    swapper = subprocess.Popen([sys.executable, "-c", _SWAP_FOREVER, str(name), str(other)])
+    try:
+        out = np.zeros(3 * 4096, np.uint8)
+        deadline = time.monotonic() + 5
+        with Engine(backend="threads", threads=1) as e:
+            while time.monotonic() < deadline:
+                with tensorferry.open(name, "r", direct=True) as f:
+                    if not f.direct:
+                        pytest.skip("no O_DIRECT here")
+                    e.read(out, f, offset=100)  # the head buffered, the middle direct, the tail buffered
+                assert len(np.unique(out)) == 1, f"one read returned bytes of two files: {np.unique(out)}"
+    finally:
+        swapper.kill()
+        swapper.wait()
+
+
+# Takes a read lease on argv[1] and lets go of it when the kernel asks (an open for writing).
+_HOLD_A_LEASE = """
+import fcntl, os, signal, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+signal.signal(signal.SIGIO, lambda *_: fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK))
+try:
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+except OSError as exc:
+    print(exc, flush=True)
+    sys.exit()
+print("leased", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_file_another_process_holds_a_lease_on_opens(backend: str, tmp_path) -> None:
+    """Leases (Samba's oplocks, an NFS server's delegations) are broken by an open, which
+    waits for the holder to let go; the non-blocking open (which keeps FIFOs from blocking
+    it) failed at once with EAGAIN instead."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(8192))
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_A_LEASE, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        said = holder.stdout.readline().strip()
+        if said != "leased":
+            pytest.skip(f"no lease here: {said}")
+        with Engine(backend=backend) as e, tensorferry.open(path, "r+") as f:  # breaks the read lease
+            assert e.write(b"leased", f, offset=4096) == 6
+    finally:
+        holder.kill()
+        holder.wait()
+    assert path.read_bytes()[4096:4102] == b"leased"
+
+
+def test_a_pipe_or_socket_is_refused_as_a_file(engine: Engine) -> None:
+    """Positional I/O needs a regular file or a block device: io_uring wrote a pipe
+    whatever the offset asked, and its reads of an empty pipe waited for a writer."""
+    r, w = os.pipe()
+    a, b = socket.socketpair()
+    try:
+        for fd in (w, a.fileno()):
+            with pytest.raises(TensorferryIOError, match="not of a regular file or block device") as info:
+                engine.write(b"hello", fd, offset=12345)
+            assert info.value.errno == errno.EINVAL and info.value.filename == f"<fd {fd}>"
+        with pytest.raises(TensorferryIOError, match="a pipe or FIFO"):
+            engine.pread(bytearray(4), r, offset=777)
+        with pytest.raises(TensorferryIOError, match="a socket"):
+            tensorferry.File.from_fd(b.fileno(), "peer")
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 100)  # nothing went down the pipe
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        a.close()
+        b.close()
