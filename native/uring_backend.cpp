@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <new>
 #include <thread>
 
 #include "engine.hpp"
@@ -173,7 +174,7 @@ class UringBackend final : public Backend {
  public:
   UringBackend(int queue_depth, uint64_t block_size)
       : depth_(queue_depth),
-        block_size_(block_size),
+        staging_stride_(round_up_to_page(block_size)),
         byte_budget_(block_size * static_cast<uint64_t>(queue_depth)),
         ring_(static_cast<unsigned>(task_slots(queue_depth)) + 1) {
     if (queue_depth < 1 || queue_depth > 4096) throw IOError{EINVAL, "", "queue_depth must be between 1 and 4096"};
@@ -282,7 +283,10 @@ class UringBackend final : public Backend {
         continue;
       }
       if (s.task.needs_bounce) {
-        if (staging_.data() == nullptr) staging_ = AlignedBuffer(block_size_ * static_cast<uint64_t>(depth_));
+        if (staging_.data() == nullptr && !allocate_staging(s.task)) {
+          finish(i);
+          continue;
+        }
         if (s.task.req->is_write()) std::memcpy(staging_block(s.staging), s.task.ptr, s.task.length);
       } else if (!s.task.req->is_write()) {
         populate_for_write(s.task.ptr, s.task.length);
@@ -293,7 +297,30 @@ class UringBackend final : public Backend {
   }
 
   // One slab for every staging block (queue_depth of them), so that it lies in huge pages.
-  char *staging_block(int index) const { return staging_.data() + static_cast<uint64_t>(index) * block_size_; }
+  // Blocks start a page apart: at multiples of a block_size off the page (1000000, say), all
+  // but the first would be misaligned for O_DIRECT, which refuses such memory (EINVAL).
+  char *staging_block(int index) const {
+    return staging_.data() + static_cast<uint64_t>(index) * staging_stride_;
+  }
+
+  static uint64_t round_up_to_page(uint64_t n) {
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    return (n + page - 1) / page * page;
+  }
+
+  // Allocates the staging slab for `task`, or fails its request: thrown out of the loop,
+  // the failure would leave the task in its slot, never finished, and close() waiting for it.
+  bool allocate_staging(const Task &task) {
+    try {
+      staging_ = AlignedBuffer(staging_stride_ * static_cast<uint64_t>(depth_));
+      return true;
+    } catch (const IOError &e) {
+      task.req->fail(e.err, task.offset, task.length, "mmap of staging memory for memory unaligned for O_DIRECT");
+    } catch (const std::bad_alloc &) {
+      task.req->fail(ENOMEM, task.offset, task.length, "staging memory for memory unaligned for O_DIRECT");
+    }
+    return false;
+  }
 
   void finish(int i) {
     Slot &s = slots_[static_cast<size_t>(i)];
@@ -404,7 +431,7 @@ class UringBackend final : public Backend {
   }
 
   int depth_;
-  uint64_t block_size_;
+  uint64_t staging_stride_;  // block_size rounded up to a page
   uint64_t byte_budget_;      // queue_depth blocks
   uint64_t bytes_in_flight_ = 0;
   Ring ring_;

@@ -618,3 +618,48 @@ def test_a_pipe_or_socket_is_refused_as_a_file(engine: Engine) -> None:
             os.close(fd)
         a.close()
         b.close()
+
+
+def test_bounced_blocks_of_a_block_size_off_the_page(backend: str, tmp_path) -> None:
+    """The staging blocks of a ring start a page apart: at multiples of a block size that is
+    not, all but the first were misaligned, and O_DIRECT refused them (EINVAL)."""
+    data = random_bytes((8 << 20) + 1)[1:]  # memory one byte past alignment: bounced
+    path = tmp_path / "f.bin"
+    with Engine(backend=backend, block_size=(1 << 20) + 1, queue_depth=4, threads=1) as e:
+        with tensorferry.open(path, "w") as f:
+            if not f.direct:
+                pytest.skip("no O_DIRECT here")
+            e.write(data, f)
+        out = np.zeros(len(data) + 1, np.uint8)[1:]
+        e.read(out, path)
+    np.testing.assert_array_equal(out, data)
+
+
+def test_staging_memory_that_cannot_be_had_fails_the_request_not_the_engine(tmp_path) -> None:
+    """A ring's staging slab (queue_depth blocks) is allocated at the first bounced block;
+    when that failed, the request never finished and close() waited for it forever."""
+    if not tensorferry.io_uring_probe()[0]:
+        pytest.skip("io_uring is not usable here")
+    path = str(tmp_path / "f.bin")
+    script = f"""
+import errno, resource
+import numpy as np
+import tensorferry
+from tensorferry.shard import aligned_empty
+size = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), resource.RLIM_INFINITY))
+path = {path!r}
+unaligned = np.ones((1 << 20) + 1, np.uint8)[1:]  # bounced, through 64 blocks of 64 MiB: 4 GiB, past the limit
+with tensorferry.Engine(backend="io_uring", threads=1, block_size=64 << 20, queue_depth=64) as engine:
+    try:
+        engine.pwrite(unaligned, path).result(timeout=20)
+        raise SystemExit("the write did not fail")
+    except tensorferry.TensorferryIOError as exc:
+        assert (exc.errno, exc.filename, exc.offset, exc.length) == (errno.ENOMEM, path, 0, 1 << 20), exc
+    aligned = aligned_empty(1 << 20)
+    aligned[:] = 7
+    assert engine.write(aligned, path) == 1 << 20  # the engine goes on
+print("closed")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "closed", result.stderr
