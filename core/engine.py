@@ -291,6 +291,17 @@ def io_uring_probe() -> tuple[bool, str]:
     return _probe_result
 
 
+_MAX_END = 2**63 - 1  # the largest file offset (off_t)
+
+
+def _check_range(offset: int, nbytes: int) -> None:
+    if offset < 0:
+        raise ValueError(f"offset must not be negative, got {offset}")
+    # Past it the native end offset would wrap around 2**64, and the request do nothing.
+    if offset + nbytes > _MAX_END:
+        raise ValueError(f"offset {offset} + {nbytes} bytes ends past 2**63-1, the largest file offset")
+
+
 def _host_segments(parts: Sequence[tuple[Any, int]], verb: str) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
     """The writable byte views of ``(buffer, offset)`` parts and their native segments
     ``(address, nbytes, offset)``; host buffers only."""
@@ -298,9 +309,8 @@ def _host_segments(parts: Sequence[tuple[Any, int]], verb: str) -> tuple[list[np
     for buffer, offset in parts:
         if not isinstance(buffer, np.ndarray) and gds.is_device_buffer(buffer):
             raise TypeError(f"{verb} takes host buffers; read a device buffer with pread")
-        if offset < 0:
-            raise ValueError(f"offset must not be negative, got {offset}")
         views.append(byte_view(buffer, writable=True))
+        _check_range(offset, views[-1].nbytes)
     return views, [(v.ctypes.data, v.nbytes, offset) for v, (_, offset) in zip(views, parts)]
 
 
@@ -423,8 +433,7 @@ class Engine:
         elif nbytes < 0 or nbytes > view.nbytes:
             raise ValueError(f"buffer too small: {view.nbytes} bytes, asked to "
                              f"{'write' if is_write else 'read'} {nbytes}")
-        if offset < 0:
-            raise ValueError(f"offset must not be negative, got {offset}")
+        _check_range(offset, nbytes)
         handle = self._file_handle(file, is_write)
         request = self._native.submit(handle, is_write, view.ctypes.data, nbytes, offset)
         future = IOFuture([request], keepalive=(buffer, view), paths=[handle.path])
@@ -450,8 +459,7 @@ class Engine:
             nbytes = size
         elif nbytes < 0 or nbytes > size:
             raise ValueError(f"buffer too small: {size} bytes, asked to {'write' if is_write else 'read'} {nbytes}")
-        if offset < 0:
-            raise ValueError(f"offset must not be negative, got {offset}")
+        _check_range(offset, nbytes)
         if isinstance(file, int):
             raise TypeError("kvikio opens files by path: give a device buffer's I/O a path or a tensorferry.File")
         if isinstance(file, File):

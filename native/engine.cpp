@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -183,9 +184,22 @@ void Engine::close() {
   if (backend_) backend_->shutdown();
 }
 
+namespace {
+
+// Offsets are off_t: a range ending past 2**63-1 is beyond any file, and its end, computed
+// in uint64_t, may wrap to below its start, which would make no task and no error at all.
+void check_range(const File &file, uint64_t offset, uint64_t nbytes) {
+  constexpr uint64_t kMaxEnd = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+  if (offset > kMaxEnd || nbytes > kMaxEnd - offset)
+    throw IOError{EINVAL, file.path(), "a range ending past 2**63-1, the largest file offset", offset, nbytes};
+}
+
+}  // namespace
+
 std::shared_ptr<Request> Engine::submit(std::shared_ptr<File> file, bool is_write, char *ptr,
                                         uint64_t nbytes, uint64_t offset) {
   if (file->is_closed()) throw IOError{EBADF, file->path(), "I/O on a closed file", offset, nbytes};
+  check_range(*file, offset, nbytes);
   auto req = std::make_shared<Request>(file, is_write, offset, nbytes);
   return start(std::move(req), *file, is_write, offset + nbytes, {Segment{ptr, nbytes, offset}});
 }
@@ -198,6 +212,7 @@ std::shared_ptr<Request> request_for(const std::shared_ptr<File> &file, bool is_
                                      const std::vector<Engine::Segment> &segments, uint64_t *end = nullptr) {
   uint64_t first = segments.empty() ? 0 : segments.front().offset, last = 0, total = 0;
   for (const auto &s : segments) {
+    check_range(*file, s.offset, s.nbytes);
     first = std::min(first, s.offset);
     last = std::max(last, s.offset + s.nbytes);
     total += s.nbytes;

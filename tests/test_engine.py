@@ -663,3 +663,25 @@ print("closed")
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "closed", result.stderr
+
+
+@pytest.mark.parametrize("offset", [2**64 - 10, 2**63 - 50, 2**63])
+def test_ranges_ending_past_the_largest_file_offset_are_refused(engine: Engine, tmp_path, offset: int) -> None:
+    """offset + nbytes wrapped around 2**64 in the native engine, which then made no task
+    and reported the request done, nothing written or read."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(8192))
+    buffer = np.ones(100, np.uint8)
+    message = rf"offset {offset} \+ 100 bytes ends past 2\*\*63-1"
+    with pytest.raises(ValueError, match=message):
+        engine.write(buffer, path, offset=offset)
+    with pytest.raises(ValueError, match=message):
+        engine.read(buffer, path, offset=offset)
+    with pytest.raises(ValueError, match=message):
+        engine.pread_many([(buffer, 0), (buffer, offset)], path)
+    with pytest.raises(ValueError, match=message):
+        engine.pread_files([(path, [(buffer, offset)])])
+    with tensorferry.open(path, "r+") as f, pytest.raises(TensorferryIOError, match="past 2\\*\\*63-1") as info:
+        engine._native.submit(f._native, True, buffer.ctypes.data, 100, offset)  # the native check
+    assert info.value.errno == errno.EINVAL and info.value.filename == str(path)
+    assert path.read_bytes() == bytes(8192) and (buffer == 1).all()
