@@ -255,9 +255,9 @@ std::shared_ptr<Request> Engine::start(std::shared_ptr<Request> req, File &file,
   const bool direct_writes = is_write && file.direct() && std::any_of(tasks.begin(), tasks.end(), is_direct);
   if (direct_writes) {
     try {
-      file.reserve(end);
-    } catch (const IOError &e) {  // a full disk shows up here: report it through the future
-      req->fail(e.err, e.offset, e.length, e.what.c_str());
+      file.reserve(req->offset(), end);
+    } catch (const IOError &e) {  // a full disk shows up here: reported as the write's failure
+      req->fail(e.err, req->offset(), req->nbytes(), "fallocate before the write");
       req->task_finished();
       return req;
     }

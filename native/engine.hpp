@@ -33,9 +33,10 @@ class File : public std::enable_shared_from_this<File> {
   void close();
   void fsync();
   void truncate(uint64_t size);
-  // Extends the file to at least `size` bytes with allocated blocks, so that O_DIRECT
+  // Extends the file to at least `end` bytes with allocated blocks, so that O_DIRECT
   // writes into it do not extend the file (ext4 serialises extending direct writes).
-  void reserve(uint64_t size);
+  // Only [offset, end) past the current end is allocated: a hole before `offset` stays one.
+  void reserve(uint64_t offset, uint64_t end);
   uint64_t size() const;
 
   const std::string &path() const { return path_; }

@@ -195,15 +195,15 @@ void File::truncate(uint64_t size) {
   if (::ftruncate(fd_buffered_, static_cast<off_t>(size)) != 0) throw IOError{errno, path_, "ftruncate", size};
 }
 
-void File::reserve(uint64_t size) {
+void File::reserve(uint64_t offset, uint64_t end) {
   if (fd_buffered_ < 0) throw IOError{EBADF, path_, "reserve on a closed file"};
-  const uint64_t current = this->size();
-  if (size <= current) return;
-  if (::fallocate(fd_buffered_, 0, static_cast<off_t>(current), static_cast<off_t>(size - current)) == 0) return;
+  const uint64_t from = std::max(offset, this->size());
+  if (end <= from) return;
+  if (::fallocate(fd_buffered_, 0, static_cast<off_t>(from), static_cast<off_t>(end - from)) == 0) return;
   const int err = errno;
   // Filesystems without fallocate still take the writes, only slower.
   if (err == EOPNOTSUPP || err == ENOSYS) return;
-  throw IOError{err, path_, "fallocate", current, size - current};
+  throw IOError{err, path_, "fallocate", from, end - from};
 }
 
 uint64_t File::size() const {

@@ -65,7 +65,8 @@ NB_MODULE(_native, m) {
       .def("close", &tf::File::close)
       .def("fsync", &tf::File::fsync, nb::call_guard<nb::gil_scoped_release>())
       .def("truncate", &tf::File::truncate, "size"_a)
-      .def("reserve", &tf::File::reserve, "size"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("reserve", [](tf::File &f, uint64_t size) { f.reserve(0, size); }, "size"_a,
+           nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("size", &tf::File::size)
       .def_prop_ro("path", &tf::File::path)
       .def_prop_ro("closed", &tf::File::is_closed)

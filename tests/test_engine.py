@@ -685,3 +685,22 @@ def test_ranges_ending_past_the_largest_file_offset_are_refused(engine: Engine, 
         engine._native.submit(f._native, True, buffer.ctypes.data, 100, offset)  # the native check
     assert info.value.errno == errno.EINVAL and info.value.filename == str(path)
     assert path.read_bytes() == bytes(8192) and (buffer == 1).all()
+
+
+def test_a_direct_write_past_the_end_leaves_the_gap_a_hole(backend: str, small_tmpfs: str) -> None:
+    """A direct write reserves (fallocate) the range it writes, not everything from the
+    file's end: 8 KiB at 1 GiB failed on a 4 MiB filesystem, and the error named
+    fallocate's range, not the write's."""
+    path = os.path.join(small_tmpfs, "sparse.bin")
+    with Engine(backend=backend) as e:
+        with tensorferry.open(path, "w", direct=True) as f:
+            if not f.direct:
+                pytest.skip("no O_DIRECT here")
+            assert e.write(random_bytes(8192), f, offset=1 << 30) == 8192
+        st = os.stat(path)
+        assert st.st_size == (1 << 30) + 8192 and st.st_blocks * 512 < 1 << 20
+        full = os.path.join(small_tmpfs, "full.bin")
+        with pytest.raises(TensorferryIOError) as info:
+            e.write(random_bytes(8 << 20), full, offset=1 << 20)
+    err = info.value
+    assert (err.errno, err.filename, err.offset, err.length) == (errno.ENOSPC, full, 1 << 20, 8 << 20)
