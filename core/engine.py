@@ -9,6 +9,7 @@ import errno
 import os
 import re
 import threading
+import time
 import warnings
 from typing import Any, Iterable, Sequence, Union
 
@@ -243,8 +244,10 @@ class IOFuture:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Waits for completion; False if ``timeout`` seconds passed first."""
-        for r in self._requests:
-            if not r.wait(-1.0 if timeout is None else float(timeout)):
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        for r in self._requests:  # one deadline for all: a gathered future waits no longer than one
+            left = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            if not r.wait(left):
                 return False
         self._keepalive = None  # the I/O is over: the buffers may go
         return True

@@ -704,3 +704,21 @@ def test_a_direct_write_past_the_end_leaves_the_gap_a_hole(backend: str, small_t
             e.write(random_bytes(8 << 20), full, offset=1 << 20)
     err = info.value
     assert (err.errno, err.filename, err.offset, err.length) == (errno.ENOSPC, full, 1 << 20, 8 << 20)
+
+
+def test_a_gathered_future_waits_one_timeout_in_all() -> None:
+    """IOFuture.wait(timeout) gave each part the whole timeout: a future of n parts could
+    wait n times as long."""
+    class FinishesAfterAWhile:  # what wait() sees of a native request
+        nbytes = 1
+
+        def wait(self, timeout: float) -> bool:
+            time.sleep(min(timeout, 0.3))
+            return timeout >= 0.3
+
+        def done(self) -> bool:
+            return False
+
+    future = tensorferry.IOFuture.gather(tensorferry.IOFuture([FinishesAfterAWhile()]) for _ in range(3))
+    assert not future.wait(timeout=0.5)  # 0.3 s for the first part leaves the second less than 0.3
+    assert future.wait(timeout=2)
