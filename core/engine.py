@@ -520,6 +520,13 @@ class Engine:
     def closed(self) -> bool:
         return self._closed
 
+    def __del__(self) -> None:
+        # Dropped without close(): the native destructor would wait for the queued I/O with
+        # the GIL held (nanobind's dealloc), stopping every other thread until it is done.
+        native = getattr(self, "_native", None)
+        if native is not None:
+            native.close()  # releases the GIL while it waits
+
     def __enter__(self) -> "Engine":
         return self
 

@@ -722,3 +722,27 @@ def test_a_gathered_future_waits_one_timeout_in_all() -> None:
     future = tensorferry.IOFuture.gather(tensorferry.IOFuture([FinishesAfterAWhile()]) for _ in range(3))
     assert not future.wait(timeout=0.5)  # 0.3 s for the first part leaves the second less than 0.3
     assert future.wait(timeout=2)
+
+
+def test_dropping_an_engine_unclosed_lets_other_threads_run_while_it_waits(tmp_path) -> None:
+    """An engine dropped without close() waits for its queued I/O: that waited with the
+    GIL held (the native destructor), and no other thread ran until it was done."""
+    e = Engine(backend="threads", block_size=4096, queue_depth=1, threads=1, direct=False)
+    future = e.pwrite(random_bytes(64 << 20), tmp_path / "f.bin")  # 16384 blocks through one worker
+    state = {"dropping": False, "seen": False, "stop": False}
+
+    def watch() -> None:
+        while not state["stop"] and not state["seen"]:
+            state["seen"] = state["dropping"] and not future.done()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert not future.done()
+        state["dropping"] = True
+        del e
+        assert future.done() and future.result() == 64 << 20
+    finally:
+        state["stop"] = True
+        watcher.join()
+    assert state["seen"], "no other thread ran while the dropped engine waited for its I/O"
