@@ -106,7 +106,8 @@ class File:
         self.path = local_path(path)
         self.mode = mode
         want_direct = default_config().direct if direct is None else bool(direct)
-        self._native = _native.File(self.path, mode, want_direct)
+        # As bytes: a name need not be UTF-8 (os.listdir gives such a name surrogate-escaped).
+        self._native = _native.File(os.fsencode(self.path), mode, want_direct)
         self._closed = False
         if self._native.direct_refused:
             error = _direct_refusal(self.path)
@@ -122,7 +123,7 @@ class File:
         self = cls.__new__(cls)
         self.path = label or f"<fd {fd}>"
         self.mode = "fd"
-        self._native = _native.File(int(fd), self.path)
+        self._native = _native.File(int(fd), os.fsencode(self.path))
         self._closed = False
         return self
 
@@ -400,10 +401,9 @@ class Engine:
             paths.append(local_path(path))
             segments.append(file_segments)
             keepalive.append((list(parts), views))
+        submitted = self._native.submit_reads([os.fsencode(p) for p in paths], self.config.direct, segments)
         started: list[IOFuture | OSError] = []
-        for path, kept, (request, direct_refused) in zip(paths, keepalive,
-                                                          self._native.submit_reads(paths, self.config.direct,
-                                                                                    segments)):
+        for path, kept, (request, direct_refused) in zip(paths, keepalive, submitted):
             if isinstance(request, OSError):
                 started.append(request)
                 continue

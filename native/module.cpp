@@ -22,12 +22,27 @@ namespace {
 // the Python package at import so that native errors arrive as the public type.
 nb::object io_error_type;
 
+// A path as Python spells it (os.fsdecode): a name that is not UTF-8 comes back with the
+// surrogate escapes os.listdir gave it, not as a UnicodeDecodeError.
+nb::object fs_str(const std::string &path) {
+  PyObject *text = PyUnicode_DecodeFSDefaultAndSize(path.data(), static_cast<Py_ssize_t>(path.size()));
+  if (text == nullptr) throw nb::python_error();
+  return nb::steal(text);
+}
+
+// A path from Python, as os.fsencode gives it: bytes, since a name need not be UTF-8.
+std::string fs_path(const nb::bytes &path) {
+  std::string out(path.c_str(), path.size());
+  if (out.find('\0') != std::string::npos) throw nb::value_error("a path must not contain a NUL byte");
+  return out;
+}
+
 // The Python exception for a native IOError.
 nb::object io_error(const tf::IOError &e) {
   const std::string message = e.what + ": " + std::strerror(e.err);
-  return io_error_type.is_valid()
-             ? io_error_type(e.err, message, e.path.empty() ? nb::none() : nb::cast(e.path), e.offset, e.length)
-             : nb::module_::import_("builtins").attr("OSError")(e.err, message, e.path);
+  nb::object path = e.path.empty() ? nb::none() : fs_str(e.path);
+  return io_error_type.is_valid() ? io_error_type(e.err, message, path, e.offset, e.length)
+                                  : nb::module_::import_("builtins").attr("OSError")(e.err, message, path);
 }
 
 // Sets the Python error for a native IOError; a translator must set it, not throw.
@@ -57,10 +72,10 @@ NB_MODULE(_native, m) {
   }, "Returns (usable, reason): whether io_uring works in this kernel and sandbox.");
 
   nb::class_<tf::File>(m, "File")
-      .def(nb::new_([](const std::string &path, const std::string &mode, bool direct) {
-             return std::make_shared<tf::File>(path, mode, direct);
+      .def(nb::new_([](const nb::bytes &path, const std::string &mode, bool direct) {
+             return std::make_shared<tf::File>(fs_path(path), mode, direct);
            }), "path"_a, "mode"_a, "direct"_a)
-      .def(nb::new_([](int fd, const std::string &label) { return std::make_shared<tf::File>(fd, label); }),
+      .def(nb::new_([](int fd, const nb::bytes &label) { return std::make_shared<tf::File>(fd, fs_path(label)); }),
            "fd"_a, "label"_a)
       .def("close", &tf::File::close)
       .def("fsync", &tf::File::fsync, nb::call_guard<nb::gil_scoped_release>())
@@ -68,7 +83,7 @@ NB_MODULE(_native, m) {
       .def("reserve", [](tf::File &f, uint64_t size) { f.reserve(0, size); }, "size"_a,
            nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("size", &tf::File::size)
-      .def_prop_ro("path", &tf::File::path)
+      .def_prop_ro("path", [](const tf::File &f) { return fs_str(f.path()); })
       .def_prop_ro("closed", &tf::File::is_closed)
       .def_prop_ro("direct", &tf::File::direct)
       .def_prop_ro("direct_refused", &tf::File::direct_refused)
@@ -117,12 +132,14 @@ NB_MODULE(_native, m) {
            },
            "file"_a, "is_write"_a, "segments"_a)
       .def("submit_reads",
-           [](tf::Engine &e, const std::vector<std::string> &paths, bool direct,
+           [](tf::Engine &e, const std::vector<nb::bytes> &encoded_paths, bool direct,
               const std::vector<std::vector<std::tuple<uintptr_t, uint64_t, uint64_t>>> &segments) {
              // Opens the files and starts their reads with the GIL released: for a batch
              // of small files, a Python call and file object each cost more than the read.
              // Returns per file (request, direct_refused) or (the error that stopped it, False).
-             const size_t n = paths.size();
+             const size_t n = encoded_paths.size();
+             std::vector<std::string> paths;
+             for (const auto &path : encoded_paths) paths.push_back(fs_path(path));
              if (segments.size() != n) throw tf::IOError{EINVAL, "", "submit_reads: a list of segments per path"};
              std::vector<std::shared_ptr<tf::File>> files;
              std::vector<std::vector<tf::Engine::Segment>> parts;

@@ -746,3 +746,33 @@ def test_dropping_an_engine_unclosed_lets_other_threads_run_while_it_waits(tmp_p
         state["stop"] = True
         watcher.join()
     assert state["seen"], "no other thread ran while the dropped engine waited for its I/O"
+
+
+def test_a_name_that_is_not_utf8_opens_and_errors_name_it(engine: Engine, tmp_path) -> None:
+    """A name is bytes (os.listdir gives one that is not UTF-8 surrogate-escaped, as every
+    os function takes it): the native File refused such a str with a TypeError naming no file."""
+    name = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"caf\xe9.bin"))
+    data = random_bytes(100_000)
+    assert engine.write(data, name) == data.nbytes
+    assert os.fsdecode(b"caf\xe9.bin") in os.listdir(tmp_path)
+    out = np.zeros_like(data)
+    engine.read(out, name)
+    np.testing.assert_array_equal(out, data)
+    with tensorferry.open(name, "r") as f:
+        assert f.size == data.nbytes and f.path == name
+        out[:] = 0
+        engine.read(out, f)
+        np.testing.assert_array_equal(out, data)
+    (future,) = engine.pread_files([(name, [(out, 0)])])
+    assert future.result() == data.nbytes
+    missing = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"absent\xff.bin"))
+    with pytest.raises(TensorferryIOError) as info:
+        engine.read(out, missing)
+    assert info.value.errno == errno.ENOENT and info.value.filename == missing
+    (error,) = engine.pread_files([(missing, [(out, 0)])])
+    assert isinstance(error, TensorferryIOError) and error.filename == missing
+    with pytest.raises(TensorferryIOError) as info:
+        engine.read(np.empty(200_000, np.uint8), name)  # past the end: a request's error
+    assert info.value.errno == errno.ENODATA and info.value.filename == name
+    with pytest.raises(ValueError, match="NUL"):
+        tensorferry.open(str(tmp_path / "a\0b"), "w")
