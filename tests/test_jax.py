@@ -714,3 +714,14 @@ def test_a_flipped_data_byte_fails_the_restore(saved, restore_as, mapped):
     unchecked = ocp.Checkpointer(FerryCheckpointHandler(verify=False)).restore(
         path, args=FerryRestore(target, mmap=mapped))
     assert not np.array_equal(np.asarray(unchecked["rows"]), np.asarray(state["rows"]))
+
+
+def test_a_directory_with_glob_characters(tmp_path):
+    """A run's directory named like a sweep's (``sweep[lr=3e-4]``) restores: the indexes
+    were looked for with the directory as a glob pattern."""
+    with ocp.CheckpointManager(tmp_path / "sweep[lr=3e-4]", item_handlers={"state": FerryCheckpointHandler()}) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=FerrySave({"w": jnp.arange(3.0)})))
+        mngr.wait_until_finished()
+        restored = mngr.restore(1, args=ocp.args.Composite(state=FerryRestore(
+            {"w": jax.ShapeDtypeStruct((3,), jnp.float32)})))
+        np.testing.assert_array_equal(np.asarray(restored["state"]["w"]), np.arange(3.0, dtype=np.float32))

@@ -150,7 +150,7 @@ class _Checkpoint:
 
     def __init__(self, directory: str, engine: Engine | None, verify: bool, mapped: bool = False) -> None:
         self.directory, self.engine, self.verify, self.mapped = directory, engine, verify, mapped
-        paths = sorted(glob.glob(os.path.join(directory, "process-*.json")))
+        paths = sorted(glob.glob(os.path.join(glob.escape(directory), "process-*.json")))
         if not paths:
             orbax_own = any(os.path.exists(os.path.join(directory, n)) for n in ("_METADATA", "manifest.ocdbt"))
             raise FileNotFoundError(
