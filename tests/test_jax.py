@@ -716,6 +716,19 @@ def test_a_flipped_data_byte_fails_the_restore(saved, restore_as, mapped):
     assert not np.array_equal(np.asarray(unchecked["rows"]), np.asarray(state["rows"]))
 
 
+def test_inspect_json_of_non_finite_numbers_is_valid_json(tmp_path):
+    """`tensorferry inspect --json` printed a NaN number leaf as a bare NaN, which strict
+    JSON parsers refuse; such numbers are listed as adapters.pytorch.save's structure
+    writes them, {"float": "nan" | "inf" | "-inf"}."""
+    from tensorferry import layouts
+    ocp.Checkpointer(FerryCheckpointHandler()).save(tmp_path / "c", args=FerrySave(
+        {"w": jnp.ones(2), "loss": float("nan"), "best": float("inf"), "worst": -float("inf"), "lr": 0.5}))
+    info = json.loads(json.dumps(layouts.describe(tmp_path / "c"), allow_nan=False))
+    leaves = {t["name"]: t for t in info["tensors"]}
+    assert [leaves[n].get("float") for n in ("['loss']", "['best']", "['worst']")] == ["nan", "inf", "-inf"]
+    assert leaves["['lr']"]["value"] == 0.5 and "value" not in leaves["['loss']"]
+
+
 def test_a_directory_with_glob_characters(tmp_path):
     """A run's directory named like a sweep's (``sweep[lr=3e-4]``) restores: the indexes
     were looked for with the directory as a glob pattern."""

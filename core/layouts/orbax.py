@@ -9,6 +9,7 @@ keeps no checksums."""
 from __future__ import annotations
 
 import glob
+import math
 import os
 from typing import Any, Callable
 
@@ -29,6 +30,14 @@ INDEX_PATTERN = "process-*.json"
 
 def _is_ferry_item(directory: str) -> bool:
     return bool(glob.glob(os.path.join(glob.escape(directory), INDEX_PATTERN)))
+
+
+def _scalar_fields(value: Any) -> dict[str, Any]:
+    """A scalar leaf's entry fields: its value; a NaN or an infinity, which JSON has no
+    number for, as ``adapters.pytorch.save``'s structure marks it, ``{"float": "nan" | "inf" | "-inf"}``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"float": "nan" if value != value else "inf" if value > 0 else "-inf"}
+    return {"value": value}
 
 
 class OrbaxStep(Layout):
@@ -87,7 +96,7 @@ class OrbaxStep(Layout):
                                                    for key, offsets, sizes in rec.get("chunks", []))
         return [tensor_entry(prefix + name, rec["dtype"], rec["shape"], chunks=tuple(chunks[name]))
                 if rec["kind"] == "array"
-                else TensorEntry(prefix + name, OBJECT, None, None, more={"value": rec["value"]})
+                else TensorEntry(prefix + name, OBJECT, None, None, more=_scalar_fields(rec["value"]))
                 for name, rec in leaves.items()]
 
     def _orbax_entries(self, item: str) -> list[TensorEntry]:
