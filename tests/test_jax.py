@@ -51,6 +51,7 @@ def state_on(mesh_2x4):
     state = {f"w{i}": jax.device_put(make(dt, seed=i), s) for i, dt in enumerate(DTYPES)}
     state["rows"] = jax.device_put(make(jnp.float32, (8, 5), 9), NamedSharding(mesh_2x4, P("x")))
     state["replicated"] = jax.device_put(make(jnp.float32, (3, 4), 10), NamedSharding(mesh_2x4, P()))
+    state["one_device"] = jax.device_put(make(jnp.float32, (3, 4), 11), jax.devices()[5])
     state["host"] = np.arange(10, dtype=np.int64)
     state["nested"] = [{"step": 7, "lr": 0.5}, (jnp.ones((2, 2), jnp.float32),)]
     return state
@@ -145,8 +146,10 @@ def test_restore_without_target_and_metadata(saved, tmp_path):
         if isinstance(ours, jax.Array):
             assert ours.sharding == theirs_leaf.sharding, keypath
     assert restored["w0"].sharding == state["w0"].sharding and restored["rows"].sharding.spec == P("x")
+    assert restored["one_device"].sharding == state["one_device"].sharding  # on device 5, not the first
     meta = handler.metadata(path)
     assert meta["w2"].shape == (16, 24) and meta["w2"].dtype == jnp.bfloat16
+    assert meta["one_device"].sharding == state["one_device"].sharding
     assert meta["w2"].sharding == state["w2"].sharding and meta["host"].sharding is None
     assert meta["nested"][0]["step"] == 7
     # The metadata, given shardings, is a restore target.
@@ -168,6 +171,7 @@ from tensorferry.adapters.jax import FerryCheckpointHandler
 restored = ocp.Checkpointer(FerryCheckpointHandler()).restore(sys.argv[1])
 w0 = restored["w0"]
 assert w0.sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0]), w0.sharding
+assert restored["one_device"].sharding == w0.sharding  # saved on device 5, which this run lacks
 assert isinstance(restored["host"], np.ndarray)
 print(np.asarray(w0).tobytes().hex(), flush=True)
 """
@@ -714,6 +718,34 @@ def test_a_flipped_data_byte_fails_the_restore(saved, restore_as, mapped):
     unchecked = ocp.Checkpointer(FerryCheckpointHandler(verify=False)).restore(
         path, args=FerryRestore(target, mmap=mapped))
     assert not np.array_equal(np.asarray(unchecked["rows"]), np.asarray(state["rows"]))
+
+
+def test_explicit_mesh_axes_are_kept_without_a_target(tmp_path, monkeypatch):
+    """A mesh of Explicit axes (jax.make_mesh's default in current JAX) comes back with
+    them, as Orbax restores it: on Auto axes the array could not meet the live state in
+    one computation. Indexes written before axis types were recorded, and a JAX without
+    them, restore on Auto axes as before."""
+    from tensorferry.checkpoint import seal_manifest, unseal_manifest
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    if axis_type is None:
+        pytest.skip("this JAX has no mesh axis types")
+    m = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"), axis_types=(axis_type.Explicit,) * 2)
+    x = jax.device_put(make(jnp.float32, (8, 8)), NamedSharding(m, P("x", "y")))
+    handler = FerryCheckpointHandler()
+    ocp.Checkpointer(handler).save(tmp_path / "c", args=FerrySave({"x": x}))
+    restored = ocp.Checkpointer(handler).restore(tmp_path / "c")["x"]
+    assert restored.sharding == x.sharding and (restored + x).sharding == x.sharding
+    assert handler.metadata(tmp_path / "c")["x"].sharding == x.sharding
+    index = tmp_path / "c" / "process-0.json"
+    document = json.loads(unseal_manifest(index.read_bytes()))
+    del document["metadata"]["leaves"]["['x']"]["sharding"]["axis_types"]  # as earlier releases wrote it
+    index.write_bytes(seal_manifest(json.dumps(document, separators=(",", ":")).encode()))
+    old = ocp.Checkpointer(handler).restore(tmp_path / "c")["x"]
+    assert old.sharding.mesh.axis_types == (axis_type.Auto,) * 2 and old.sharding.spec == P("x", "y")
+    np.testing.assert_array_equal(np.asarray(old), np.asarray(x))
+    ocp.Checkpointer(handler).save(tmp_path / "c", args=FerrySave({"x": x}), force=True)
+    monkeypatch.delattr(jax.sharding, "AxisType")  # as before JAX 0.6
+    assert ocp.Checkpointer(handler).restore(tmp_path / "c")["x"].sharding.mesh.axis_types == (axis_type.Auto,) * 2
 
 
 def test_inspect_json_of_non_finite_numbers_is_valid_json(tmp_path):

@@ -140,7 +140,8 @@ class _Leaf:
     dtype: str = ""
     was_jax: bool = False
     value: Any = None
-    sharding: dict[str, Any] | None = None  # the NamedSharding it was saved with (_sharding_record)
+    sharding: dict[str, Any] | None = None  # the NamedSharding it was saved with (_sharding_fields)
+    device: int | None = None  # the device id of the SingleDeviceSharding it was saved with
     prng_impl: str | None = None  # a typed PRNG key array: its implementation; the stored array is its key data
     chunks: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
@@ -178,12 +179,14 @@ class _Checkpoint:
                         if prng_impl is not None and not isinstance(prng_impl, str):
                             raise TypeError(f"prng_impl of {name!r} is not a string")
                         prng_impl = _PRNG_NAMES_BY_TAG.get(prng_impl, prng_impl)
-                        sharding = rec.get("sharding")
+                        sharding, device = rec.get("sharding"), rec.get("device")
                         if sharding is not None and not isinstance(sharding, dict):
                             raise TypeError(f"the sharding of {name!r} is not an object")
+                        if device is not None and type(device) is not int:
+                            raise TypeError(f"the device of {name!r} is not an integer")
                         leaf = self.leaves[name] = _Leaf(rec["kind"], tuple(rec.get("shape", ())),
                                                          rec.get("dtype", ""), rec.get("was_jax", False),
-                                                         rec.get("value"), sharding, prng_impl)
+                                                         rec.get("value"), sharding, device, prng_impl)
                     for key, offsets, sizes in rec.get("chunks", []):
                         leaf.chunks.append((rec["file"], key, tuple(offsets), tuple(sizes)))
             except (KeyError, TypeError, ValueError, AttributeError) as exc:  # sealed, yet not as written
@@ -363,10 +366,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                     chunks.append([key, offsets, sizes])
                 records[name] = {"kind": "array", "was_jax": True, "shape": list(value.shape),
                                  "dtype": _stored_dtype(name, value.dtype), "file": filename,
-                                 "chunks": chunks}
-                sharding = _sharding_record(value.sharding)
-                if sharding is not None:
-                    records[name]["sharding"] = sharding
+                                 "chunks": chunks, **_sharding_fields(value.sharding)}
                 if prng_impl is not None:
                     records[name]["prng_impl"] = prng_impl
             elif isinstance(value, (np.ndarray, np.generic)):
@@ -553,24 +553,35 @@ def _as_saved(ckpt: _Checkpoint, name: str) -> _LeafRead:
     return data if leaf.prng_impl is None else _as_keys(data, leaf)
 
 
-def _sharding_record(sharding: Any) -> dict[str, Any] | None:
-    """A ``NamedSharding`` as JSON (its mesh's shape, axis names and device ids, and the
-    partition spec), so that a restore without a target can rebuild it; None for other
-    shardings and for axis names JSON cannot hold."""
+def _sharding_fields(sharding: Any) -> dict[str, Any]:
+    """The leaf record's fields that let a restore without a target rebuild ``sharding``:
+    a ``NamedSharding`` as JSON under "sharding" (its mesh's shape, axis names, axis types
+    and device ids, and the partition spec), a ``SingleDeviceSharding``'s device id under
+    "device" (a field of its own: releases before it read "sharding" as a mesh, and ignore
+    "device"); none for other shardings and for axis names JSON cannot hold."""
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return {"device": int(next(iter(sharding.device_set)).id)}
     if not isinstance(sharding, jax.sharding.NamedSharding):
-        return None
+        return {}
     spec = [list(part) if isinstance(part, tuple) else part for part in sharding.spec]
     names = list(sharding.mesh.axis_names)
     named = names + [axis for part in spec if part is not None for axis in (part if isinstance(part, list) else [part])]
     if not all(isinstance(axis, str) for axis in named):  # PartitionSpec.UNCONSTRAINED, say, is not one
-        return None
-    return {"mesh_shape": list(sharding.mesh.devices.shape), "axis_names": names,
-            "device_ids": [int(i) for i in np.ravel(sharding.mesh.device_ids)], "spec": spec}
+        return {}
+    record = {"mesh_shape": list(sharding.mesh.devices.shape), "axis_names": names,
+              "device_ids": [int(i) for i in np.ravel(sharding.mesh.device_ids)], "spec": spec}
+    # Explicit axes must come back Explicit: JAX refuses to compute with arrays on meshes that
+    # differ in axis types. A tuple of AxisType as JAX 0.6 on gives them; any other form is left out.
+    axis_types = getattr(sharding.mesh, "axis_types", None)
+    if isinstance(axis_types, tuple) and all(isinstance(getattr(t, "name", None), str) for t in axis_types):
+        record["axis_types"] = [t.name for t in axis_types]
+    return {"sharding": record}
 
 
 def _saved_sharding(name: str, leaf: _Leaf) -> jax.sharding.Sharding:
     """The sharding a ``jax.Array`` leaf was saved with where this run has every device of
-    its mesh, as Orbax restores without a target; otherwise this process's first device."""
+    its mesh (or its one device, where this process has it), as Orbax restores without a
+    target; otherwise this process's first device."""
     record = leaf.sharding
     if record is not None:
         try:
@@ -579,11 +590,22 @@ def _saved_sharding(name: str, leaf: _Leaf) -> jax.sharding.Sharding:
             if all(i in by_id for i in ids):
                 devices = np.array([by_id[i] for i in ids], dtype=object).reshape(record["mesh_shape"])
                 spec = [tuple(part) if isinstance(part, list) else part for part in record["spec"]]
-                return jax.sharding.NamedSharding(jax.sharding.Mesh(devices, tuple(record["axis_names"])),
-                                                  jax.sharding.PartitionSpec(*spec))
+                return jax.sharding.NamedSharding(_mesh(devices, record), jax.sharding.PartitionSpec(*spec))
         except (KeyError, TypeError, ValueError) as exc:  # sealed, yet not as written
             raise CorruptCheckpointError(f"the saved sharding of {name} is malformed ({exc})") from None
-    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    # Another process's device would leave this process's array without data.
+    device = next((d for d in jax.local_devices() if d.id == leaf.device), jax.local_devices()[0])
+    return jax.sharding.SingleDeviceSharding(device)
+
+
+def _mesh(devices: np.ndarray, record: Mapping[str, Any]) -> jax.sharding.Mesh:
+    """The mesh of a sharding record, with its axis types where it has them and this JAX
+    knows them (before 0.6 there are none to give: every axis is Auto)."""
+    names = tuple(record["axis_names"])
+    types = record.get("axis_types")
+    if types is None or not hasattr(jax.sharding, "AxisType"):
+        return jax.sharding.Mesh(devices, names)
+    return jax.sharding.Mesh(devices, names, axis_types=tuple(jax.sharding.AxisType[t] for t in types))
 
 
 def _scalar_as(value: Any, target: Any, name: str) -> Any:
