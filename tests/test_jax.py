@@ -748,6 +748,25 @@ def test_explicit_mesh_axes_are_kept_without_a_target(tmp_path, monkeypatch):
     assert ocp.Checkpointer(handler).restore(tmp_path / "c")["x"].sharding.mesh.axis_types == (axis_type.Auto,) * 2
 
 
+def test_arrays_restore_as_python_numbers_where_the_target_has_them(tmp_path):
+    """A 0-d array (jax's or numpy's) restored into a Python number comes back as a number
+    of the target's type, as Orbax's StandardCheckpointHandler returns it; a larger
+    array into a number is an error."""
+    saved = {"step": jnp.array(5), "lr": np.float32(0.5), "scale": jnp.array(1.5), "v": jnp.arange(3)}
+    target = {"step": 0, "lr": 0.0, "scale": 0, "v": jax.ShapeDtypeStruct((3,), jnp.int32)}
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    ckptr.save(tmp_path / "c", args=FerrySave(saved))
+    ours = ckptr.restore(tmp_path / "c", args=FerryRestore(target))
+    orbax_own = ocp.StandardCheckpointer()
+    orbax_own.save(tmp_path / "orbax", saved)
+    orbax_own.wait_until_finished()
+    theirs = orbax_own.restore(tmp_path / "orbax", target)
+    for name in ("step", "lr", "scale"):
+        assert type(ours[name]) is type(theirs[name]) is type(target[name]) and ours[name] == theirs[name], name
+    with pytest.raises(ValueError, match=r"\['v'\]: saved with shape \(3,\), the target is the number 0"):
+        ckptr.restore(tmp_path / "c", args=FerryRestore({**target, "v": 0}))
+
+
 def test_inspect_json_of_non_finite_numbers_is_valid_json(tmp_path):
     """`tensorferry inspect --json` printed a NaN number leaf as a bare NaN, which strict
     JSON parsers refuse; such numbers are listed as adapters.pytorch.save's structure

@@ -690,11 +690,19 @@ def _array_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _
         raise ValueError(f"{name}: saved with shape {leaf.shape}, the target has {shape}")
     dtype = np.dtype(getattr(target, "dtype", to_numpy_dtype(leaf.dtype)))
     itemsize = to_numpy_dtype(leaf.dtype).itemsize
+    # A Python number asks for one back, of its type, as Orbax casts (np.float64 is a float too).
+    number = type(target) if isinstance(target, (int, float)) and not isinstance(target, np.generic) else None
+    if number is not None and shape != ():
+        raise ValueError(f"{name}: saved with shape {shape}, the target is the number {target!r}")
     if isinstance(target, (np.ndarray, np.generic)) or (target is not None and not hasattr(target, "sharding")
                                                         and not isinstance(target, jax.ShapeDtypeStruct)):
         whole = ((0,) * len(shape), shape)
-        return _LeafRead(ckpt, name, [whole], math.prod(shape) * itemsize,
-                         lambda started: started[whole]().astype(dtype, copy=False))
+
+        def finish_host(started: dict[Box, Callable[[], np.ndarray]]) -> Any:
+            array = started[whole]().astype(dtype, copy=False)
+            return array if number is None else number(array.item())
+
+        return _LeafRead(ckpt, name, [whole], math.prod(shape) * itemsize, finish_host)
     sharding = getattr(target, "sharding", None)
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -742,7 +750,8 @@ class FerryRestore(checkpoint_args.CheckpointArgs):
 
     A number saved as a leaf (``step=0``) comes back as an array of the target's dtype and
     sharding where the target leaf is an array (``jax.eval_shape``'s ``ShapeDtypeStruct``),
-    as saved where it is a number.
+    as saved where it is a number; a 0-d array saved comes back as a number of the target's
+    type where that is a Python number (as Orbax casts it).
 
     ``mmap=True`` maps the stored chunks restored whole (those saved with the target's
     sharding) instead of reading them into new memory, as
