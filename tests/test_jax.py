@@ -748,6 +748,42 @@ def test_explicit_mesh_axes_are_kept_without_a_target(tmp_path, monkeypatch):
     assert ocp.Checkpointer(handler).restore(tmp_path / "c")["x"].sharding.mesh.axis_types == (axis_type.Auto,) * 2
 
 
+def test_leaves_match_by_key_names_across_container_kinds(tmp_path):
+    """As Orbax matches leaves: a dict's key and a dataclass's field of the same name are
+    the same place, so a dict checkpoint (what a restore without a target gives back)
+    restores into a flax.struct dataclass or TrainState target, and the reverse."""
+    struct = pytest.importorskip("flax.struct")
+    optax = pytest.importorskip("optax")
+    from flax.training import train_state
+
+    @struct.dataclass
+    class State:
+        params: dict
+        step: jax.Array
+
+    as_object = State(params={"w": jnp.arange(3.0)}, step=jnp.array(4))
+    as_dict = {"params": {"w": jnp.arange(3.0)}, "step": jnp.array(4)}
+    with ocp.CheckpointManager(tmp_path / "run", item_handlers={"state": FerryCheckpointHandler()}) as mngr:
+        for step, (saved, target) in enumerate(((as_dict, as_object), (as_object, as_dict))):
+            mngr.save(step, args=ocp.args.Composite(state=FerrySave(saved)))
+            mngr.wait_until_finished()
+            restored = mngr.restore(step, args=ocp.args.Composite(state=FerryRestore(
+                abstract(target, lambda x: x.sharding))))["state"]
+            assert type(restored) is type(target)
+            assert_same(target, restored)
+        # A TrainState restored without a target (dicts for it and optax's namedtuples),
+        # saved again, then restored into the TrainState.
+        state = train_state.TrainState.create(apply_fn=None, params={"w": jnp.arange(3.0)}, tx=optax.adam(0.1))
+        mngr.save(2, args=ocp.args.Composite(state=FerrySave(state)))
+        mngr.wait_until_finished()
+        mngr.save(3, args=ocp.args.Composite(state=FerrySave(mngr.restore(2)["state"])))
+        mngr.wait_until_finished()
+        restored = mngr.restore(3, args=ocp.args.Composite(state=FerryRestore(
+            abstract(state, lambda x: x.sharding))))["state"]
+        assert type(restored) is train_state.TrainState
+        assert_same(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored))
+
+
 def test_arrays_restore_as_python_numbers_where_the_target_has_them(tmp_path):
     """A 0-d array (jax's or numpy's) restored into a Python number comes back as a number
     of the target's type, as Orbax's StandardCheckpointHandler returns it; a larger

@@ -431,10 +431,11 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
     @gc_paused()
     def restore(self, directory: Any, item: Any = None, args: "FerryRestore | None" = None) -> Any:
         """Restores into the shapes, dtypes and shardings of ``args.item`` (an abstract
-        tree of ``jax.ShapeDtypeStruct`` or concrete arrays); without one, arrays come
-        back in the saved structure as they were saved, as Orbax's own handlers restore:
-        ``jax.Array`` leaves as ``jax.Array`` on their saved mesh (onto this process's first
-        device where this run lacks that mesh's devices), numpy arrays as numpy arrays.
+        tree of ``jax.ShapeDtypeStruct`` or concrete arrays, its leaves matched to the saved
+        ones by key names, as Orbax matches them); without one, arrays come back in the
+        saved structure as they were saved, as Orbax's own handlers restore: ``jax.Array``
+        leaves as ``jax.Array`` on their saved mesh (onto this process's first device where
+        this run lacks that mesh's devices), numpy arrays as numpy arrays.
         ``args.mmap``: see :class:`FerryRestore`."""
         mapped = False
         if args is not None:
@@ -447,8 +448,9 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                 values = dict(zip(names, _restore_leaves(ckpt, [_as_saved(ckpt, name) for name in names])))
                 return _decode_structure(ckpt.structure, values.__getitem__)
             leaves, treedef = jax.tree_util.tree_flatten_with_path(item)
-            restored = _restore_leaves(ckpt, [_leaf_for(ckpt, jax.tree_util.keystr(path), target)
-                                              for path, target in leaves])
+            names = _saved_names(ckpt, [path for path, _ in leaves])
+            restored = _restore_leaves(ckpt, [_leaf_for(ckpt, name, target)
+                                              for name, (_, target) in zip(names, leaves)])
             return jax.tree_util.tree_unflatten(treedef, restored)
         finally:
             ckpt.close()
@@ -622,6 +624,35 @@ def _scalar_as(value: Any, target: Any, name: str) -> Any:
         return array if isinstance(target, np.ndarray) else array[()]
     sharding = getattr(target, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.device_put(array, sharding)
+
+
+def _saved_names(ckpt: _Checkpoint, paths: Sequence[tuple]) -> list[str]:
+    """The saved leaf each of a target's key paths restores from: the leaf saved at that
+    key path, else the one of the same key names, as Orbax matches leaves (a dataclass
+    field and a dict key of one name are one place, where ``keystr`` tells ``.params``
+    from ``['params']``); a path matching neither keeps its name, for the error."""
+    by_key_names = _leaves_by_key_names(ckpt.structure)
+    names = []
+    for path in paths:
+        name = jax.tree_util.keystr(path)
+        names.append(name if name in ckpt.leaves else by_key_names.get(tuple(map(_key_entry, path)), name))
+    return names
+
+
+def _leaves_by_key_names(spec: Any, keys: tuple = (), found: dict[tuple, str] | None = None) -> dict[tuple, str]:
+    """Each leaf of a saved structure by the key names of its path (dict keys, sequence
+    indices, the keys :func:`_key_entry` gave a custom node's children)."""
+    found = {} if found is None else found
+    kind = next(iter(spec))
+    if kind == "leaf":
+        found[keys] = spec["leaf"]
+    elif kind in ("dict", "node"):
+        for key, child in spec["dict"] if kind == "dict" else spec["children"]:
+            _leaves_by_key_names(child, keys + (key,), found)
+    elif kind in ("list", "tuple"):
+        for i, child in enumerate(spec[kind]):
+            _leaves_by_key_names(child, keys + (i,), found)
+    return found
 
 
 def _leaf_for(ckpt: _Checkpoint, name: str, target: Any) -> _LeafRead:
