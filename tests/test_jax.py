@@ -784,6 +784,21 @@ def test_leaves_match_by_key_names_across_container_kinds(tmp_path):
         assert_same(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored))
 
 
+def test_a_target_without_some_saved_leaves_is_refused_unless_partial(tmp_path):
+    """As Orbax's StandardRestore: a target lacking saved leaves (an optimizer state
+    forgotten) is an error naming them; partial_restore=True restores the target's alone."""
+    saved = {"params": {"w": jnp.ones(3)}, "opt_state": {"mu": jnp.zeros(3), "nu": jnp.zeros(3)}, "step": 7}
+    target = {"params": {"w": jax.ShapeDtypeStruct((3,), jnp.float32)}, "step": 0}
+    with ocp.CheckpointManager(tmp_path / "run", item_handlers={"state": FerryCheckpointHandler()}) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=FerrySave(saved)))
+        mngr.wait_until_finished()
+        with pytest.raises(ValueError, match=r"""the target lacks 2 saved leaves: "\['opt_state'\]\['mu'\]", """
+                                             r""""\['opt_state'\]\['nu'\]".*partial_restore=True"""):
+            mngr.restore(1, args=ocp.args.Composite(state=FerryRestore(target)))
+        partial = mngr.restore(1, args=ocp.args.Composite(state=FerryRestore(target, partial_restore=True)))
+        assert_same({"params": saved["params"], "step": 7}, partial["state"])
+
+
 def test_arrays_restore_as_python_numbers_where_the_target_has_them(tmp_path):
     """A 0-d array (jax's or numpy's) restored into a Python number comes back as a number
     of the target's type, as Orbax's StandardCheckpointHandler returns it; a larger

@@ -30,7 +30,7 @@ from orbax.checkpoint._src.handlers import async_checkpoint_handler
 from ...checkpoint import encode_manifest, load_checkpoint, open_shard, read_manifest_file, write_durably
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine, local_path
-from ...errors import CorruptCheckpointError, missing_names
+from ...errors import CorruptCheckpointError, listed, missing_names
 from ...schema import walk_structure
 from ...shard import (DEFAULT_BUFFER_SIZE, MappedReads, ShardReader, ShardWriter, WholeReads, aligned_copies,
                       gc_paused)
@@ -436,10 +436,10 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         saved structure as they were saved, as Orbax's own handlers restore: ``jax.Array``
         leaves as ``jax.Array`` on their saved mesh (onto this process's first device where
         this run lacks that mesh's devices), numpy arrays as numpy arrays.
-        ``args.mmap``: see :class:`FerryRestore`."""
-        mapped = False
+        ``args.mmap``, ``args.partial_restore``: see :class:`FerryRestore`."""
+        mapped = partial = False
         if args is not None:
-            item, mapped = args.item, args.mmap
+            item, mapped, partial = args.item, args.mmap, args.partial_restore
         ckpt = _Checkpoint(local_path(directory), self.engine, self.verify, mapped)
         try:
             if item is None:
@@ -449,9 +449,14 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                 return _decode_structure(ckpt.structure, values.__getitem__)
             leaves, treedef = jax.tree_util.tree_flatten_with_path(item)
             names = _saved_names(ckpt, [path for path, _ in leaves])
-            restored = _restore_leaves(ckpt, [_leaf_for(ckpt, name, target)
-                                              for name, (_, target) in zip(names, leaves)])
-            return jax.tree_util.tree_unflatten(treedef, restored)
+            reads = [_leaf_for(ckpt, name, target) for name, (_, target) in zip(names, leaves)]
+            wanted = set(names)
+            left_out = [] if partial else [name for name in ckpt.leaves if name not in wanted]
+            if left_out:
+                raise ValueError(f"{ckpt.directory}: the target lacks {len(left_out)} saved leaves: "
+                                 f"{listed(left_out)}; give it those, or pass FerryRestore(partial_restore=True) "
+                                 "to restore the target's leaves alone")
+            return jax.tree_util.tree_unflatten(treedef, _restore_leaves(ckpt, reads))
         finally:
             ckpt.close()
 
@@ -789,10 +794,15 @@ class FerryRestore(checkpoint_args.CheckpointArgs):
     ``tensorferry.adapters.pytorch.load(mmap=True)`` does: checksums still verified, about
     half the CPU; on the CPU, JAX's arrays then alias the mapped file's pages (JAX never
     writes them; a donated buffer is copied page by page as XLA writes it). The files must
-    not be truncated or rewritten in place while the arrays live."""
+    not be truncated or rewritten in place while the arrays live.
+
+    A target lacking some saved leaves is a ``ValueError`` naming them, as Orbax's
+    ``StandardRestore`` refuses it; ``partial_restore=True`` (Orbax's name) restores the
+    target's leaves alone."""
 
     item: Any = None
     mmap: bool = False
+    partial_restore: bool = False
 
 
 # ---- cross-framework ------------------------------------------------------------
