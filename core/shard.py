@@ -307,7 +307,11 @@ class ShardWriter:
         for e in entries:
             layout[e.name] = (offset, offset + e.nbytes)
             offset += e.nbytes
-        self._plan = _Plan(entries, layout, offset, _Header(self.metadata, entries, layout))
+        header = _Header(self.metadata, entries, layout)
+        if header.size - 8 > MAX_HEADER_BYTES:  # every reader (ours, safetensors') would refuse the file
+            raise ValueError(f"{self.path}: the header of {len(entries)} tensors would be {header.size - 8} bytes, "
+                             f"more than the {MAX_HEADER_BYTES} a reader accepts (fewer or shorter names)")
+        self._plan = _Plan(entries, layout, offset, header)
 
     def close(self) -> ShardInfo:
         """Writes the file, makes it durable and returns its :class:`ShardInfo`."""

@@ -720,6 +720,56 @@ def test_a_flipped_data_byte_fails_the_restore(saved, restore_as, mapped):
     assert not np.array_equal(np.asarray(unchecked["rows"]), np.asarray(state["rows"]))
 
 
+def _nested(depth, leaf):
+    for _ in range(depth):
+        leaf = {"a": leaf}
+    return leaf
+
+
+def test_a_tree_a_restore_would_refuse_is_refused_by_the_save(tmp_path):
+    """The limits a restore applies to what it reads (schema.MAX_STRUCTURE_DEPTH,
+    MAX_TENSOR_NAME_CHARS) are checked before anything is written, naming the leaf: the
+    save used to commit a step that no restore could read. At the limits, it restores."""
+    from tensorferry.schema import MAX_STRUCTURE_DEPTH, MAX_TENSOR_NAME_CHARS
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    deepest = _nested(MAX_STRUCTURE_DEPTH - 1, jnp.ones(2))  # the leaf is the 200th node down
+    longest = {"k" * (MAX_TENSOR_NAME_CHARS - len("['']@0")): jnp.ones(2)}  # stored as "['kk..k']@0"
+    for name, tree in (("deepest", deepest), ("longest", longest)):
+        ckptr.save(tmp_path / name, args=FerrySave(tree))
+        assert_same(tree, ckptr.restore(tmp_path / name))
+    with pytest.raises(ValueError, match=rf"\['a'\]\['a'\].*: the tree nests more than {MAX_STRUCTURE_DEPTH} levels"):
+        ckptr.save(tmp_path / "deeper", args=FerrySave(_nested(MAX_STRUCTURE_DEPTH, jnp.ones(2))))
+    with pytest.raises(ValueError, match=rf"\['kkk.*: stored as a name of {MAX_TENSOR_NAME_CHARS + 1} characters"):
+        ckptr.save(tmp_path / "longer", args=FerrySave({"k" + next(iter(longest)): jnp.ones(2)}))
+    assert not (tmp_path / "deeper").exists() and not (tmp_path / "longer").exists()
+    # Through a CheckpointManager: refused by save(), the step never committed. (Not an
+    # async one: when a handler's async_save raises, Orbax's thread creating the step's
+    # directory may wait out its 300 s timeout before the interpreter can exit.)
+    with ocp.CheckpointManager(tmp_path / "run", item_handlers={"state": FerryCheckpointHandler()},
+                               options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)) as mngr:
+        with pytest.raises(ValueError, match="nests more than"):
+            mngr.save(1, args=ocp.args.Composite(state=FerrySave({"w": _nested(MAX_STRUCTURE_DEPTH, 0.5)})))
+        assert mngr.all_steps() == []
+
+
+def test_a_shard_header_or_index_over_the_readers_caps_is_refused(tmp_path, monkeypatch):
+    """The caps a reader puts on a shard file's header (shard.MAX_HEADER_BYTES) and on an
+    index (schema.MAX_SMALL_FILE_BYTES), made small here: the save refuses before writing
+    the file over its cap, and the step is not committed."""
+    from tensorferry import shard
+    from tensorferry.adapters.jax import handler
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    many = {f"w{i}": np.ones(2, np.float32) for i in range(200)}  # a header of 20 KB
+    monkeypatch.setattr(shard, "MAX_HEADER_BYTES", 8192)
+    with pytest.raises(ValueError, match="header of .* bytes, more than the 8192 a reader accepts"):
+        ckptr.save(tmp_path / "many", args=FerrySave(many))
+    monkeypatch.undo()
+    monkeypatch.setattr(handler, "MAX_SMALL_FILE_BYTES", 8192)
+    with pytest.raises(ValueError, match="index of .* bytes, more than the 8192 a reader accepts"):
+        ckptr.save(tmp_path / "note", args=FerrySave({"w": jnp.ones(2), "note": "x" * 10_000}))
+    assert not (tmp_path / "many").exists() and not (tmp_path / "note").exists()
+
+
 def test_explicit_mesh_axes_are_kept_without_a_target(tmp_path, monkeypatch):
     """A mesh of Explicit axes (jax.make_mesh's default in current JAX) comes back with
     them, as Orbax restores it: on Auto axes the array could not meet the live state in

@@ -31,7 +31,7 @@ from ...checkpoint import encode_manifest, load_checkpoint, open_shard, read_man
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine, local_path
 from ...errors import CorruptCheckpointError, listed, missing_names
-from ...schema import walk_structure
+from ...schema import MAX_SMALL_FILE_BYTES, MAX_STRUCTURE_DEPTH, MAX_TENSOR_NAME_CHARS, walk_structure
 from ...shard import (DEFAULT_BUFFER_SIZE, MappedReads, ShardReader, ShardWriter, WholeReads, aligned_copies,
                       gc_paused)
 
@@ -49,17 +49,25 @@ def _key_entry(entry: Any) -> Any:
     return str(entry)
 
 
-def _encode_structure(node: Any, path: tuple, leaves: dict[str, Any]) -> Any:
-    """JSON for the tree's containers; leaves become ``{"leaf": name}``."""
+def _shown(name: str) -> str:
+    return name if len(name) <= 80 else name[:77] + "..."
+
+
+def _encode_structure(node: Any, path: tuple, leaves: dict[str, Any], depth: int = 1) -> Any:
+    """JSON for the tree's containers; leaves become ``{"leaf": name}``. Refuses a tree
+    deeper than a restore reads (``_check_structure``), each node and leaf one level."""
+    if depth > MAX_STRUCTURE_DEPTH:
+        raise ValueError(f"{_shown(jax.tree_util.keystr(path))}: the tree nests more than {MAX_STRUCTURE_DEPTH} "
+                         "levels deep, which a restore refuses")
     if node is None:
         return {"none": None}
     if isinstance(node, dict):
         return {"dict": [[k if isinstance(k, (str, int)) else str(k),
-                          _encode_structure(v, path + (jax.tree_util.DictKey(k),), leaves)]
+                          _encode_structure(v, path + (jax.tree_util.DictKey(k),), leaves, depth + 1)]
                          for k, v in node.items()]}
     if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
         kind = "list" if isinstance(node, list) else "tuple"
-        return {kind: [_encode_structure(v, path + (jax.tree_util.SequenceKey(i),), leaves)
+        return {kind: [_encode_structure(v, path + (jax.tree_util.SequenceKey(i),), leaves, depth + 1)
                        for i, v in enumerate(node)]}
     children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
     if len(children) == 1 and children[0][0] == ():
@@ -68,7 +76,7 @@ def _encode_structure(node: Any, path: tuple, leaves: dict[str, Any]) -> Any:
         return {"leaf": name}
     # A custom pytree node (dataclass, namedtuple): restored without a target as a dict.
     return {"node": type(node).__name__,
-            "children": [[_key_entry(p[0]), _encode_structure(c, path + tuple(p), leaves)]
+            "children": [[_key_entry(p[0]), _encode_structure(c, path + tuple(p), leaves, depth + 1)]
                          for p, c in children]}
 
 
@@ -110,7 +118,11 @@ def _check_structure(structure: Any, where: str, leaves: Mapping[str, Any]) -> N
 
 
 def _chunk_key(name: str, offsets: Iterable[int]) -> str:
-    return f"{name}@{','.join(str(int(o)) for o in offsets)}"
+    key = f"{name}@{','.join(str(int(o)) for o in offsets)}"
+    if len(key) > MAX_TENSOR_NAME_CHARS:  # the index would be refused on restore
+        raise ValueError(f"{_shown(name)}: stored as a name of {len(key)} characters (key path and offsets), "
+                         f"more than the {MAX_TENSOR_NAME_CHARS} a restore accepts")
+    return key
 
 
 _ALL = slice(None)
@@ -402,7 +414,11 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         with ShardWriter(path, self.engine, buffer_size=self.buffer_size) as writer:
             for key, array in arrays:
                 writer.add(key, array)
-        write_durably(_index_path(directory, process), encode_manifest([writer.info], metadata))
+        index = encode_manifest([writer.info], metadata)
+        if len(index) > MAX_SMALL_FILE_BYTES:  # read_small_file's cap; with no index, Orbax commits no step
+            raise ValueError(f"{directory}: process {process}'s index of {len(index)} bytes, more than the "
+                             f"{MAX_SMALL_FILE_BYTES} a reader accepts (fewer leaves, shorter names or strings)")
+        write_durably(_index_path(directory, process), index)
 
     async def async_save(self, directory: Any, item: Any = None, args: "FerrySave | None" = None
                          ) -> list[ocp_future.Future]:
