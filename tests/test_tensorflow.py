@@ -643,3 +643,20 @@ def test_a_url_is_refused() -> None:
     for files in ("gs://bucket/*.tfrecord", ["gs://bucket/a.tfrecord"]):
         with pytest.raises(ValueError, match="is a URL"):
             make_dataset(files, tfrecord=True)
+
+
+def test_a_file_named_with_glob_characters_is_that_file(tmp_path) -> None:
+    """A path naming an existing file is read as that file, as TFRecordDataset takes it,
+    even with [, * or ? in its name (refused before as a pattern that matched nothing); a
+    pattern that names no file is still a pattern."""
+    data = payloads(4, seed=12)
+    for name, d in zip(["part[1].bin", "star*.bin", "what?.bin", "part1.bin"], data):
+        (tmp_path / name).write_bytes(d)
+    for name, d in zip(["part[1].bin", "star*.bin", "what?.bin"], data):
+        assert [x.numpy() for x in make_dataset(str(tmp_path / name))] == [d]
+    assert [x.numpy() for x in make_dataset(str(tmp_path / "part[0-9].bin"))] == [data[3]]
+    path = str(tmp_path / "records[0].tfrecord")
+    with tf.io.TFRecordWriter(path) as writer:
+        for d in data:
+            writer.write(d)
+    assert [x.numpy() for x in make_dataset(path, tfrecord=True)] == [x.numpy() for x in tf.data.TFRecordDataset(path)]

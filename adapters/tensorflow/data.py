@@ -37,7 +37,9 @@ _dataset_keys = itertools.count()  # one prefetcher per dataset, shared by its t
 def _expand(files: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
     if isinstance(files, (str, os.PathLike)):
         pattern = local_path(files)
-        paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        # A file named with [, * or ? is that file (as TFRecordDataset takes it), not a pattern matching nothing.
+        literal = not glob.has_magic(pattern) or os.path.exists(pattern)
+        paths = [pattern] if literal else sorted(glob.glob(pattern))
         if not paths:
             raise ValueError(f"the pattern {pattern!r} matches no files")
         return paths
@@ -68,7 +70,8 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     and Keras's steps per epoch.
 
     Args:
-        files: a list of paths or a glob pattern (matched and sorted now).
+        files: a list of paths or a glob pattern (matched and sorted now); a path that
+            names an existing file is that file, whatever characters it holds.
         record_bytes: split every file into records of this many bytes (the file size
             must be a multiple of it).
         tfrecord: read the files as TFRecord files.
