@@ -86,6 +86,9 @@ constexpr TF_DataType kUint8 = 4, kString = 7, kInt64 = 9;
 constexpr TF_Code kInvalidArgument = 3, kNotFound = 5, kPermissionDenied = 7, kResourceExhausted = 8,
                   kInternal = 13, kDataLoss = 15, kUnknown = 2;
 constexpr uint64_t kTfrecordFooter = 4;  // masked crc32c of the record's data
+// A range's length that stands for the rest of its file as it is when read: whole files
+// are read as tf.io.read_file reads them, new bytes and all, not cut to an old size.
+constexpr int64_t kWholeFile = -1;
 
 // tensorflow::tstring's C layout (tsl/platform/ctstring_internal.h), little-endian:
 // 24 bytes; the low two bits of the first byte give the representation.
@@ -271,6 +274,7 @@ struct Pending {
   uint64_t length = 0;
   std::string path;
   uint64_t offset = 0;
+  int64_t asked = 0;  // the length asked for: kWholeFile for the rest of the file, however long it is then
   TF_Code code = 0;  // failed before its read started: reported when it is taken
   std::string error;
 };
@@ -311,7 +315,8 @@ class Prefetcher {
                          ? std::make_shared<RecordSlots>(static_cast<uint64_t>(record_bytes * batch_size))
                          : nullptr) {}
 
-  // Starts the reads of ranges [offsets[i], + lengths[i]) of paths[i]; returns their tickets.
+  // Starts the reads of ranges [offsets[i], + lengths[i]) of paths[i] (kWholeFile: to the file's end);
+  // returns their tickets.
   void start(const std::vector<std::string_view> &paths, const int64_t *offsets, const int64_t *lengths,
              int64_t *tickets) {
     const size_t n = paths.size();
@@ -334,11 +339,13 @@ class Prefetcher {
       Pending &item = items[i];
       item.path = std::string(paths[i]);
       item.offset = static_cast<uint64_t>(offsets[i]);
-      item.length = static_cast<uint64_t>(lengths[i]);
+      item.asked = lengths[i];
       try {
         auto &file = files[paths[i]];
         if (!file) file = std::make_shared<tf::File>(item.path, "r", direct_);
         file_of[i] = file;
+        const uint64_t size = item.asked == kWholeFile ? file->size() : 0;
+        item.length = item.asked == kWholeFile ? size - std::min(size, item.offset) : static_cast<uint64_t>(item.asked);
       } catch (const tf::IOError &e) {
         item.code = code_for_errno(e.err);
         item.error = describe(e.path, e.what, e.err, e.offset, e.length);
@@ -416,7 +423,7 @@ class Prefetcher {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = pending_.find(ticket);
       if (it != pending_.end() && it->second.path == path && it->second.offset == static_cast<uint64_t>(offset) &&
-          it->second.length == static_cast<uint64_t>(length)) {
+          it->second.asked == length) {
         item = std::move(it->second);
         pending_.erase(it);
         held = true;
@@ -489,6 +496,7 @@ class Prefetcher {
       item.path = std::string(paths[i]);
       item.offset = static_cast<uint64_t>(offsets[i]);
       item.length = record_bytes_;
+      item.asked = lengths[i];
       item.data = landing->slot + i * record_bytes_;
       auto found = read_of.find(paths[i]);
       if (found == read_of.end()) {
@@ -641,8 +649,12 @@ TensorHolder output(TF_OpKernelContext *ctx, TF_DataType dtype, const std::vecto
 
 // False, with the op's error set, for a range no item can have.
 bool range_is_valid(const Kernel &k, TF_OpKernelContext *ctx, std::string_view path, int64_t offset, int64_t length) {
-  if (offset < 0 || length < 0) {
+  if (offset < 0 || length < kWholeFile) {
     fail(ctx, kInvalidArgument, std::string(path) + ": negative offset or length");
+    return false;
+  }
+  if (length == kWholeFile && (k.tfrecord || k.record_bytes)) {
+    fail(ctx, kInvalidArgument, std::string(path) + ": a whole file is read as a string, not as records");
     return false;
   }
   if (k.tfrecord && static_cast<uint64_t>(length) < kTfrecordFooter) {

@@ -660,3 +660,22 @@ def test_a_file_named_with_glob_characters_is_that_file(tmp_path) -> None:
         for d in data:
             writer.write(d)
     assert [x.numpy() for x in make_dataset(path, tfrecord=True)] == [x.numpy() for x in tf.data.TFRecordDataset(path)]
+
+
+def test_whole_files_are_read_as_they_are_when_read(tmp_path) -> None:
+    """A whole file is read at its size at the time, as tf.io.read_file reads it: one that
+    grew or shrank after make_dataset gives its new bytes, however it is read (staged,
+    into its own memory, a batch at a time). It was cut to its old size, or failed."""
+    rng = np.random.default_rng(13)
+    paths = [str(tmp_path / f"f{i}.bin") for i in range(3)]
+    for path in paths:
+        open(path, "wb").write(b"short")
+    datasets = [make_dataset(paths), make_dataset(paths, batch_size=2), make_dataset(paths, shuffle=True, seed=1)]
+    for sizes in ([5, 5, 5], [70_000, 3000, (5 << 20) + 3], [1, 0, 100_000]):
+        contents = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+        for path, content in zip(paths, contents):
+            open(path, "wb").write(content)
+        assert [tf.io.read_file(p).numpy() for p in paths] == contents
+        for ds in datasets:
+            got = [x for e in ds for x in (e.numpy().tolist() if e.shape.rank else [e.numpy()])]
+            assert sorted(got) == sorted(contents)

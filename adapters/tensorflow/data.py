@@ -31,6 +31,7 @@ from ...pools import ThreadPool
 # made when the batch is split (100,000 records of 200 bytes: 12.6 s singly, 7.7 s batched).
 SMALL_ITEM_BYTES = 256 << 10
 MAX_SCANS = 32  # TFRecord files whose framing is scanned at once
+WHOLE_FILE = -1  # an item's length for the native ops: the rest of its file, as long as it is when read
 _dataset_keys = itertools.count()  # one prefetcher per dataset, shared by its two ops
 
 
@@ -68,6 +69,11 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     """A dataset of whole files (``tf.string``), fixed-length records (``uint8[record_bytes]``)
     or TFRecord records (``tf.string``, CRCs checked). Its length is known: ``len(dataset)``,
     and Keras's steps per epoch.
+
+    A whole file is read as it is at each read, as ``tf.io.read_file`` reads it: one that
+    grew or shrank since the dataset was made gives its new bytes. Records and TFRecord
+    records are those the files held when it was made (a file cut short since then fails
+    with ``DataLossError`` naming it).
 
     Args:
         files: a list of paths or a glob pattern (matched and sorted now); a path that
@@ -152,6 +158,8 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     if num_parallel_reads == tf.data.AUTOTUNE:
         num_parallel_reads = max(2, min(64, (64 << 20) // max(1, average * reads_per_call)))
 
+    if not tfrecord and record_bytes is None:  # the sizes above only plan the calls
+        lengths = np.full_like(lengths, WHOLE_FILE)
     columns = (tf.constant(file_numbers, tf.int32), tf.constant(offsets, tf.int64), tf.constant(lengths, tf.int64))
     dataset = _calls(columns, reads_per_call, shuffle, seed, drop_remainder and batch_size is not None)
     if shard is not None:
