@@ -679,3 +679,31 @@ def test_whole_files_are_read_as_they_are_when_read(tmp_path) -> None:
         for ds in datasets:
             got = [x for e in ds for x in (e.numpy().tolist() if e.shape.rank else [e.numpy()])]
             assert sorted(got) == sorted(contents)
+
+
+_MANY_FILES = r"""
+import glob, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from tensorferry.adapters.tensorflow import make_dataset
+paths = sorted(glob.glob(sys.argv[2]))
+expected = sorted(open(p, "rb").read() for p in paths)
+for kwargs in ({}, {"shuffle": True, "seed": 0}, {"batch_size": 128}):
+    elements = [e.numpy() for e in make_dataset(sys.argv[2], **kwargs)]
+    got = [x for e in elements for x in (e.tolist() if kwargs.get("batch_size") else [e])]
+    assert sorted(got) == expected, kwargs
+print("READ", len(paths))
+"""
+
+
+def test_thousands_of_small_files_within_the_descriptor_limit(tmp_path) -> None:
+    """4000 small whole files at the usual soft limit of 1024 descriptors: reads of many
+    calls are in flight, each file open (twice, with O_DIRECT) until its read ends, and
+    they hit EMFILE; the open descriptors are now kept within the limit."""
+    from conftest import run_processes
+
+    rng = np.random.default_rng(14)
+    for i in range(4000):
+        (tmp_path / f"f{i:04d}.bin").write_bytes(rng.integers(0, 256, int(rng.integers(50, 2000)), np.uint8).tobytes())
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    [out] = run_processes(_MANY_FILES, [(["1024", str(tmp_path / "*.bin")], env)], timeout=300)
+    assert "READ 4000" in out
