@@ -707,3 +707,34 @@ def test_thousands_of_small_files_within_the_descriptor_limit(tmp_path) -> None:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     [out] = run_processes(_MANY_FILES, [(["1024", str(tmp_path / "*.bin")], env)], timeout=300)
     assert "READ 4000" in out
+
+
+def test_tf_data_service_distributed_epoch_hands_out_every_item_once(whole_files, tmp_path) -> None:
+    """processing_mode="distributed_epoch": the dispatcher splits the dataset's calls
+    among two workers, and every item comes once, as from FixedLengthRecordDataset. In
+    order, the count asserted on each worker failed; shuffled, every worker read the
+    whole epoch (each item twice)."""
+    service = tf.data.experimental.service
+    dispatcher = service.DispatchServer()
+    address = dispatcher.target.split("://")[1]
+    workers = [service.WorkerServer(service.WorkerConfig(dispatcher_address=address)) for _ in range(2)]
+    rows = np.random.default_rng(15).integers(0, 256, (100, 64), dtype=np.uint8)
+    (tmp_path / "r.rec").write_bytes(rows.tobytes())
+    big = np.random.default_rng(16).integers(0, 256, (9, 256 << 10), dtype=np.uint8)
+    (tmp_path / "big.rec").write_bytes(big.tobytes())
+    root, data = whole_files
+    cases = [(make_dataset(str(tmp_path / "r.rec"), record_bytes=64, reads_per_call=7, **shuffled), rows)
+             for shuffled in ({}, {"shuffle": True, "seed": 3})]
+    cases += [(make_dataset(str(tmp_path / "r.rec"), record_bytes=64, batch_size=8, shuffle=True, seed=4), rows),
+              (make_dataset(str(tmp_path / "big.rec"), record_bytes=256 << 10, shuffle=True, seed=5), big),
+              (make_dataset(str(root / "*.bin"), reads_per_call=4, shuffle=True, seed=6), data)]
+    try:
+        for ds, expected in cases:
+            got = [x for e in ds.apply(service.distribute("distributed_epoch", dispatcher.target))
+                   for x in (_item(e) if e.dtype == tf.uint8 else [e.numpy()])]
+            expected = [r.tobytes() for r in expected] if isinstance(expected, np.ndarray) else expected
+            assert sorted(got) == sorted(expected)
+    finally:
+        for worker in workers:
+            worker._stop()
+        dispatcher._stop()

@@ -172,17 +172,16 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     # per call (an op call costs more than splitting the batch copies); larger ones one
     # at a time, as splitting a batch would copy each once more.
     started = dataset.map(start, num_parallel_calls=num_parallel_reads, deterministic=True)
-    if batch_size is not None:
-        items = started.map(take, num_parallel_calls=2, deterministic=True)
-        count = _call_count(len(lengths), batch_size, drop_remainder)
-    elif average < SMALL_ITEM_BYTES:
-        items, count = started.map(take, num_parallel_calls=2, deterministic=True).unbatch(), len(lengths)
+    if batch_size is not None:  # a batch per call: tf.data counts them as it counts the calls
+        return started.map(take, num_parallel_calls=2, deterministic=True)
+    if average < SMALL_ITEM_BYTES:
+        items = _claimed_full(started.map(take, num_parallel_calls=2, deterministic=True), reads_per_call).unbatch()
     else:
-        items, count = started.unbatch().map(take, num_parallel_calls=2, deterministic=True), len(lengths)
-    # The count is known here, and tf.data cannot infer it through unbatch or the shuffle's
-    # flat_map: stated, it gives len(dataset), Keras its steps per epoch (no "ran out of
-    # data" warning at each epoch's end) and take/skip/repeat their cardinality.
-    return items.apply(tf.data.experimental.assert_cardinality(count))
+        items = _claimed_full(started, reads_per_call).unbatch().map(take, num_parallel_calls=2, deterministic=True)
+    # The count, which tf.data cannot infer through unbatch, gives len(dataset), Keras its
+    # steps per epoch (no "ran out of data" warning at each epoch's end) and take/skip/repeat
+    # their cardinality.
+    return items.take(len(lengths))
 
 
 def _calls(columns: tuple[tf.Tensor, ...], size: int, shuffle: bool, seed: int | None,
@@ -190,24 +189,29 @@ def _calls(columns: tuple[tf.Tensor, ...], size: int, shuffle: bool, seed: int |
     """The items' (file numbers, offsets, lengths) in groups of ``size``, one group per
     start call, each group made whole by slicing or gathering the columns: made item by
     item and batched, 4 KiB records in batches of 256 cost 0.86-0.87 CPU-s/GB in order
-    (0.56-0.60 so), and drawn one by one by ``Dataset.shuffle``, 2.7-2.8 (1.6-1.7 so)."""
+    (0.56-0.60 so), and drawn one by one by ``Dataset.shuffle``, 2.7-2.8 (1.6-1.7 so).
+
+    The calls are numbered by ``Dataset.range``, which the tf.data service splits among its
+    workers (``processing_mode="distributed_epoch"``): each reads the calls it is handed.
+    Shuffled, an epoch's order is one permutation of the positions, drawn call by call
+    (``index_shuffle``) from the epoch's seed, so that workers handed different calls of
+    one epoch agree on what each holds."""
     n = int(columns[0].shape[0])
     shape = [size] if drop_remainder else [None]
+    calls = tf.data.Dataset.range(_call_count(n, size, drop_remainder))
     if shuffle:
-        groups = _shuffled_groups(n, size, seed, drop_remainder)
+        calls = tf.data.Dataset.zip((calls, _epoch_seeds(seed)))
+    last = tf.constant(max(n - 1, 0), tf.int64)
 
-        @tf.autograph.experimental.do_not_convert  # plain ops: nothing to convert
-        def gather(positions: tf.Tensor) -> tuple[tf.Tensor, ...]:
-            return tuple(tf.ensure_shape(tf.gather(c, positions), shape) for c in columns)
+    @tf.autograph.experimental.do_not_convert  # plain ops: nothing to convert
+    def group(call: tf.Tensor, epoch_seed: tf.Tensor | None = None) -> tuple[tf.Tensor, ...]:
+        begin = call * size
+        if epoch_seed is None:
+            return tuple(tf.ensure_shape(c[begin:tf.minimum(begin + size, n)], shape) for c in columns)
+        positions = tf.random.experimental.index_shuffle(tf.range(begin, tf.minimum(begin + size, n)), epoch_seed, last)
+        return tuple(tf.ensure_shape(tf.gather(c, positions), shape) for c in columns)
 
-        return groups.map(gather)
-
-    @tf.autograph.experimental.do_not_convert
-    def group(i: tf.Tensor) -> tuple[tf.Tensor, ...]:
-        begin = i * size
-        return tuple(tf.ensure_shape(c[begin:tf.minimum(begin + size, n)], shape) for c in columns)
-
-    return tf.data.Dataset.range(_call_count(n, size, drop_remainder)).map(group)
+    return calls.map(group)
 
 
 def _call_count(n: int, size: int, drop_remainder: bool) -> int:
@@ -215,23 +219,36 @@ def _call_count(n: int, size: int, drop_remainder: bool) -> int:
     return n // size if drop_remainder else -(-n // size)
 
 
-def _shuffled_groups(n: int, size: int, seed: int | None, drop_remainder: bool) -> tf.data.Dataset:
-    """Positions ``0..n-1`` in a new order each epoch (each iterator), in groups of
-    ``size``. The epoch's order is one permutation, drawn from the epoch's own random
-    seed and cut into rows by tensor ops alone: a dataset made per epoch with a function
-    of its own (a map) costs about 60 ms to instantiate, every epoch."""
-    full, rest = divmod(n, size)
+def _epoch_seeds(seed: int | None) -> tf.data.Dataset:
+    """The seed of an epoch (an iteration) for each of its calls, a new one each epoch:
+    the first pair of numbers that the iteration draws. Without a dataset made per epoch
+    (by a flat_map), which instantiates its function every epoch (about 60 ms) and whose
+    calls the tf.data service cannot split."""
+    draws = tf.data.Dataset.random(seed, rerandomize_each_iteration=True).batch(2, drop_remainder=True)
 
     @tf.autograph.experimental.do_not_convert
-    def epoch(draw: tf.Tensor) -> tf.data.Dataset:
-        order = tf.random.experimental.stateless_shuffle(tf.range(n, dtype=tf.int64), seed=draw)
-        rows = tf.data.Dataset.from_tensor_slices(tf.reshape(order[:full * size], [full, size]))
-        if rest and not drop_remainder:
-            rows = rows.concatenate(tf.data.Dataset.from_tensors(order[full * size:]))
-        return rows
+    def keep_first(state: tuple[tf.Tensor, tf.Tensor], draw: tf.Tensor) -> tuple[tuple[tf.Tensor, ...], tf.Tensor]:
+        first, kept = state
+        kept = tf.where(first, draw, kept)
+        return (tf.constant(False), kept), kept
 
-    draws = tf.data.Dataset.random(seed, rerandomize_each_iteration=True).batch(2, drop_remainder=True).take(1)
-    return draws.flat_map(epoch)
+    return draws.scan((tf.constant(True), tf.zeros([2], tf.int64)), keep_first)
+
+
+def _claimed_full(calls: tf.data.Dataset, size: int) -> tf.data.Dataset:
+    """``calls`` claiming ``size`` items each, the last one too, which may hold fewer:
+    unbatched, tf.data counts ``size`` items a call, which ``take`` of the true count
+    then states. Unlike ``assert_cardinality``, that does not check the count: a tf.data
+    service worker handed only some of the calls (``distributed_epoch``) hands out their
+    items, where an asserted count failed."""
+
+    @tf.autograph.experimental.do_not_convert
+    def claim(*columns: tf.Tensor) -> tf.Tensor | tuple[tf.Tensor, ...]:
+        for column in columns:
+            column.set_shape([size, *column.shape[1:]])
+        return columns if len(columns) > 1 else columns[0]
+
+    return calls.map(claim)
 
 
 def _read_ops(engine: Engine, files: list[str], record_bytes: int | None, tfrecord: bool, batch_size: int | None):
