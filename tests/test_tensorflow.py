@@ -160,6 +160,7 @@ import tensorflow as tf
 from tensorferry.adapters.tensorflow import make_dataset
 
 paths = sys.argv[1:]
+tf.random.set_seed(11)  # the workers' unseeded shuffles agree, as stock ones would
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 task = strategy.cluster_resolver.task_id
 
@@ -176,6 +177,10 @@ ways = {
     "sharded, then distributed": strategy.experimental_distribute_dataset(
         make_dataset(paths, record_bytes=16, shard=(task, 2)).batch(4)),
     "auto-sharded": strategy.experimental_distribute_dataset(make_dataset(paths, record_bytes=16).batch(4)),
+    "auto-sharded, shuffled": strategy.experimental_distribute_dataset(
+        make_dataset(paths, record_bytes=16, shuffle=True, seed=5).batch(4)),
+    "auto-sharded, shuffled after tf.random.set_seed": strategy.experimental_distribute_dataset(
+        make_dataset(paths, record_bytes=16, shuffle=True).batch(4)),
 }
 print("ROWS" + json.dumps({way: rows_of(dataset) for way, dataset in ways.items()}))
 """
@@ -184,7 +189,8 @@ print("ROWS" + json.dumps({way: rows_of(dataset) for way, dataset in ways.items(
 def test_two_workers_of_multi_worker_mirrored_strategy(tmp_path) -> None:
     """Two processes of MultiWorkerMirroredStrategy: every record reaches exactly one
     worker, whether the dataset is sharded per input pipeline, sharded by hand and then
-    distributed (auto-sharding must not shard it again), or left to auto-sharding."""
+    distributed (auto-sharding must not shard it again), or left to auto-sharding, which
+    shards by data: shuffled too, given a seed or tf.random.set_seed."""
     import json
 
     from conftest import free_ports, run_processes
@@ -713,7 +719,8 @@ def test_tf_data_service_distributed_epoch_hands_out_every_item_once(whole_files
     """processing_mode="distributed_epoch": the dispatcher splits the dataset's calls
     among two workers, and every item comes once, as from FixedLengthRecordDataset. In
     order, the count asserted on each worker failed; shuffled, every worker read the
-    whole epoch (each item twice)."""
+    whole epoch (each item twice). Shuffled without a seed, each worker's copy of the
+    dataset drew its own permutations."""
     service = tf.data.experimental.service
     dispatcher = service.DispatchServer()
     address = dispatcher.target.split("://")[1]
@@ -726,6 +733,7 @@ def test_tf_data_service_distributed_epoch_hands_out_every_item_once(whole_files
     cases = [(make_dataset(str(tmp_path / "r.rec"), record_bytes=64, reads_per_call=7, **shuffled), rows)
              for shuffled in ({}, {"shuffle": True, "seed": 3})]
     cases += [(make_dataset(str(tmp_path / "r.rec"), record_bytes=64, batch_size=8, shuffle=True, seed=4), rows),
+              (make_dataset(str(tmp_path / "r.rec"), record_bytes=64, reads_per_call=2, shuffle=True), rows),
               (make_dataset(str(tmp_path / "big.rec"), record_bytes=256 << 10, shuffle=True, seed=5), big),
               (make_dataset(str(root / "*.bin"), reads_per_call=4, shuffle=True, seed=6), data)]
     try:
@@ -738,3 +746,50 @@ def test_tf_data_service_distributed_epoch_hands_out_every_item_once(whole_files
         for worker in workers:
             worker._stop()
         dispatcher._stop()
+
+
+def test_an_unseeded_shuffle_is_alike_on_every_tf_data_service_worker(tmp_path) -> None:
+    """Shuffled without a seed, the dataset takes one when it is made, into its graph, so
+    that the copies of it that tf.data service workers make shuffle alike: sharded by data
+    (ShardingPolicy.DATA), each of two workers keeps every other item of the same order.
+    Each copy drew its own permutations, and items repeated and went missing. Datasets
+    made apart still shuffle apart."""
+    from conftest import free_ports
+
+    service = tf.data.experimental.service
+    addresses = [f"localhost:{port}" for port in free_ports(2)]
+    dispatcher = service.DispatchServer(service.DispatcherConfig(worker_addresses=addresses))
+    workers = [service.WorkerServer(service.WorkerConfig(dispatcher.target.split("://")[1], worker_address=address,
+                                                         port=int(address.split(":")[1]))) for address in addresses]
+    rows = np.random.default_rng(17).integers(0, 256, (100, 64), dtype=np.uint8)
+    (tmp_path / "r.rec").write_bytes(rows.tobytes())
+    ds = make_dataset(str(tmp_path / "r.rec"), record_bytes=64, reads_per_call=7, shuffle=True)
+    try:
+        sharded = ds.apply(service.distribute(service.ShardingPolicy.DATA, dispatcher.target))
+        assert sorted(x.numpy().tobytes() for x in sharded) == sorted(r.tobytes() for r in rows)
+    finally:
+        for worker in workers:
+            worker._stop()
+        dispatcher._stop()
+    apart = [make_dataset(str(tmp_path / "r.rec"), record_bytes=64, shuffle=True) for _ in range(2)]
+    assert [x.numpy().tobytes() for x in apart[0]] != [x.numpy().tobytes() for x in apart[1]]
+
+
+def test_an_unseeded_shuffle_in_a_cluster_warns(tmp_path, monkeypatch) -> None:
+    """Workers that each make the dataset draw their own seeds: where TF_CONFIG names
+    several, an unseeded shuffle that tf.distribute may shard by data warns."""
+    import json
+
+    (tmp_path / "r.rec").write_bytes(bytes(640))
+    path = str(tmp_path / "r.rec")
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"chief": ["a:1"], "worker": ["b:1"]},
+                                                "task": {"type": "chief", "index": 0}}))
+    with pytest.warns(UserWarning, match="2 workers"):
+        make_dataset(path, record_bytes=64, shuffle=True)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_dataset(path, record_bytes=64, shuffle=True, seed=1)
+        make_dataset(path, record_bytes=64, shuffle=True, shard=(0, 2))
+        monkeypatch.delenv("TF_CONFIG")
+        make_dataset(path, record_bytes=64, shuffle=True)

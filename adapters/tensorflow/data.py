@@ -16,7 +16,10 @@ import errno
 import functools
 import glob
 import itertools
+import json
 import os
+import secrets
+import warnings
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -82,7 +85,14 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
             must be a multiple of it).
         tfrecord: read the files as TFRecord files.
         shuffle: shuffle the items each epoch (``seed`` makes the order repeatable);
-            otherwise the order is the files' order, then offsets.
+            otherwise the order is the files' order, then offsets. Without a seed, one
+            is taken now into the dataset's graph, ``tf.random.set_seed``'s as a stock
+            shuffle takes it or else a random one, so that every copy of the graph (a
+            tf.data service worker's) shuffles alike. Worker processes that each make
+            the dataset (``MultiWorkerMirroredStrategy``) shuffle alike only given a seed
+            or ``tf.random.set_seed``: without, each its own way, and where tf.distribute
+            shards by data, items repeat and go missing, as with ``Dataset.shuffle``
+            (it warns where ``TF_CONFIG`` names several workers).
         num_parallel_reads: batches of reads started ahead of the items handed out.
             AUTOTUNE (the default) starts enough to keep about 64 MiB in flight.
         shard: ``(index, count)``: keep every count-th item starting at index, for
@@ -92,8 +102,9 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
             shard=(ctx.input_pipeline_id, ctx.num_input_pipelines)))``. A sharded dataset
             turns tf.distribute's auto-sharding off (it would shard it again). Without
             ``shard``, ``experimental_distribute_dataset`` still hands each worker its own
-            items, but through auto-sharding's data policy: every worker reads every item
-            and drops the others' (no file-level sharding of custom reads).
+            items (shuffled: given a seed, see ``shuffle``), but through auto-sharding's
+            data policy: every worker reads every item and drops the others' (no
+            file-level sharding of custom reads).
         reads_per_call: items whose reads one call starts together (neighbouring
             ranges of a file merge into one read). By default about 8 MiB, at most 256
             items, at least one.
@@ -123,6 +134,8 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         if not os.path.isfile(p):
             raise FileNotFoundError(errno.ENOENT, "no such file", p)
     engine = engine or default_engine()
+    if shuffle and seed is None:
+        seed = _seed_of_unseeded_shuffle(sharded=shard is not None)
     if tfrecord:
         # A file's framing is a chain of small reads (each header gives the next offset),
         # one per record when the cache is cold: files are scanned at once (the scan
@@ -233,6 +246,31 @@ def _epoch_seeds(seed: int | None) -> tf.data.Dataset:
         return (tf.constant(False), kept), kept
 
     return draws.scan((tf.constant(True), tf.zeros([2], tf.int64)), keep_first)
+
+
+def _seed_of_unseeded_shuffle(sharded: bool) -> int:
+    """``tf.random.set_seed``'s op seed, as ``Dataset.shuffle`` would take it, or else a
+    random one: either way a number in the graph, not the (0, 0) that has each copy of
+    the graph draw its own."""
+    global_seed, op_seed = tf.compat.v1.get_seed(None)
+    if global_seed is not None:
+        return op_seed
+    workers = _cluster_workers()
+    if workers > 1 and not sharded:
+        warnings.warn(f"make_dataset(shuffle=True) without a seed, in a cluster of {workers} workers (TF_CONFIG): each "
+                      "worker process that makes it shuffles its own way, so where tf.distribute shards it by data "
+                      "(experimental_distribute_dataset) items repeat and go missing. Give seed=, call "
+                      "tf.random.set_seed first, or give shard=(index, count).", stacklevel=3)
+    return secrets.randbits(31)
+
+
+def _cluster_workers() -> int:
+    """The chief and workers that TF_CONFIG names (tf.distribute's multi-worker strategies read it)."""
+    try:
+        cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {})
+        return sum(len(cluster.get(job, ())) for job in ("chief", "worker"))
+    except (ValueError, AttributeError, TypeError):
+        return 0
 
 
 def _claimed_full(calls: tf.data.Dataset, size: int) -> tf.data.Dataset:
