@@ -652,12 +652,12 @@ def _saved_names(ckpt: _Checkpoint, paths: Sequence[tuple]) -> list[str]:
     key path, else the one of the same key names, as Orbax matches leaves (a dataclass
     field and a dict key of one name are one place, where ``keystr`` tells ``.params``
     from ``['params']``); a path matching neither keeps its name, for the error."""
+    names = [jax.tree_util.keystr(path) for path in paths]
+    if all(name in ckpt.leaves for name in names):  # the usual restore: no need to walk the saved structure
+        return names
     by_key_names = _leaves_by_key_names(ckpt.structure)
-    names = []
-    for path in paths:
-        name = jax.tree_util.keystr(path)
-        names.append(name if name in ckpt.leaves else by_key_names.get(tuple(map(_key_entry, path)), name))
-    return names
+    return [name if name in ckpt.leaves else by_key_names.get(tuple(map(_key_entry, path)), name)
+            for name, path in zip(names, paths)]
 
 
 def _leaves_by_key_names(spec: Any, keys: tuple = (), found: dict[tuple, str] | None = None) -> dict[tuple, str]:
