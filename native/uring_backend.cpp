@@ -460,8 +460,23 @@ class MultiRingBackend final : public Backend {
     std::vector<std::vector<Task>> shares(rings_.size());
     size_t next = next_.fetch_add(1, std::memory_order_relaxed);
     for (auto &t : tasks) shares[next++ % rings_.size()].push_back(std::move(t));
-    for (size_t i = 0; i < rings_.size(); ++i)
-      if (!shares[i].empty()) rings_[i]->submit(std::move(shares[i]));
+    bool accepted = false;
+    for (size_t i = 0; i < rings_.size(); ++i) {
+      if (shares[i].empty()) continue;
+      try {
+        rings_[i]->submit(std::move(shares[i]));
+        accepted = true;
+      } catch (const IOError &e) {
+        // Nothing in flight yet: the caller may have the exception. Once a ring has taken
+        // its share, that share writes the caller's memory until it ends, so the request
+        // must stay to be waited on: a refused share fails it instead.
+        if (!accepted) throw;
+        for (auto &t : shares[i]) {
+          t.req->fail(e.err, t.offset, t.length, e.what.c_str());
+          t.req->task_finished();
+        }
+      }
+    }
   }
 
   void shutdown() override {

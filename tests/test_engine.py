@@ -776,3 +776,39 @@ def test_a_name_that_is_not_utf8_opens_and_errors_name_it(engine: Engine, tmp_pa
     assert info.value.errno == errno.ENODATA and info.value.filename == name
     with pytest.raises(ValueError, match="NUL"):
         tensorferry.open(str(tmp_path / "a\0b"), "w")
+
+
+def _require_io_uring() -> None:
+    usable, why = tensorferry.io_uring_probe()
+    if not usable:
+        pytest.skip(f"io_uring is not usable here: {why}")
+
+
+def test_a_ring_refusing_its_share_fails_the_request_not_the_submission(tmp_path) -> None:
+    """With several rings, a later ring that refused its share (broken) raised out of pread
+    after ring 0 had taken its own: no future to wait on while ring 0 still filled the buffer.
+    The refused share now fails the request, which ends once ring 0's share is done."""
+    from tensorferry import _native
+    _require_io_uring()
+    path = str(tmp_path / "data")
+    data = random_bytes(4 << 20)
+    data.tofile(path)
+    small = np.zeros(4096, np.uint8)
+    with tensorferry.Engine(backend="io_uring", threads=2, queue_depth=2, block_size=64 << 10,
+                            direct=False) as e:
+        e.read(small, path)  # submission 0: ring 0, which then sleeps in io_uring_enter
+        time.sleep(0.2)
+        try:
+            _native._inject_uring_enter_failures(17, errno.EIO)  # past the 16 a ring survives
+            with pytest.raises(TensorferryIOError):
+                e.read(small, path)  # submission 1: ring 1, which breaks
+            time.sleep(0.3)
+        finally:
+            _native._inject_uring_enter_failures(0, 0)
+        out = np.zeros_like(data)
+        future = e.pread(out, path)  # blocks alternate between ring 0 and the broken ring 1
+        with pytest.raises(TensorferryIOError) as info:
+            future.result(timeout=60)
+        assert info.value.errno == errno.EBADF and info.value.filename == path
+        np.testing.assert_array_equal(out[:64 << 10], data[:64 << 10])  # ring 0's first block
+
