@@ -154,6 +154,8 @@ std::unique_ptr<Backend> make_thread_backend(int threads, uint64_t block_size);
 std::unique_ptr<Backend> make_uring_backend(int rings, int queue_depth, uint64_t block_size);
 // Makes the next `count` io_uring_enter calls of every ring fail with `err` (tests).
 void inject_uring_enter_failures(int count, int err);
+// Makes the next `count` read/write completions of every ring report `res` instead (tests).
+void inject_uring_results(int count, int res);
 // Whether this kernel and sandbox let us create and use an io_uring instance.
 bool uring_available(std::string *why);
 

@@ -175,6 +175,8 @@ NB_MODULE(_native, m) {
 
   m.def("_inject_uring_enter_failures", &tf::inject_uring_enter_failures, "count"_a, "err"_a,
         "Makes the next `count` io_uring_enter calls fail with errno `err`: for tests of the recovery.");
+  m.def("_inject_uring_results", &tf::inject_uring_results, "count"_a, "res"_a,
+        "Makes the next `count` io_uring read/write completions report `res` (-errno): for tests of the retries.");
 
   m.def("populate", [](uintptr_t address, uint64_t nbytes) {
     tf::populate_for_write(reinterpret_cast<char *>(address), nbytes);

@@ -3,6 +3,7 @@
 // woken for new work by a poll on an eventfd, so submitters never touch the ring.
 #include <linux/io_uring.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -29,6 +30,9 @@ int sys_setup(unsigned entries, io_uring_params *p) {
 // Failures to inject into the next io_uring_enter calls (tests of the recovery below).
 std::atomic<int> injected_enter_failures{0};
 std::atomic<int> injected_enter_errno{0};
+// Results to put in place of the next completions' own (tests of the retries in complete()).
+std::atomic<int> injected_results{0};
+std::atomic<int> injected_result{0};
 
 int sys_enter(int fd, unsigned to_submit, unsigned min_complete, unsigned flags) {
   for (int left = injected_enter_failures.load(); left > 0;) {
@@ -225,6 +229,7 @@ class UringBackend final : public Backend {
   struct Slot {
     Task task;
     uint64_t done = 0;
+    int retries = 0;  // EAGAIN/EINTR completions in a row
     int fd = -1;
     int staging = -1;  // the staging block of a bounced task
   };
@@ -272,6 +277,7 @@ class UringBackend final : public Backend {
       s.task = std::move(pending_.front());
       pending_.pop_front();
       s.done = 0;
+      s.retries = 0;
       s.fd = s.task.fd;
       bytes_in_flight_ += s.task.length;
       if (s.task.needs_bounce) {
@@ -349,8 +355,20 @@ class UringBackend final : public Backend {
     Request &req = *s.task.req;
     const bool is_write = req.is_write();
     const uint64_t want = s.task.length - s.done;
+    for (int left = injected_results.load(); left > 0;) {
+      if (injected_results.compare_exchange_weak(left, left - 1)) {
+        res = injected_result.load();
+        break;
+      }
+    }
     if (res < 0) {
-      if (res == -EAGAIN || res == -EINTR) {
+      // Resubmitted at once, a device that keeps answering EAGAIN would spin this thread
+      // forever: back off after a few, and give up after many.
+      if ((res == -EAGAIN || res == -EINTR) && ++s.retries <= kMaxRetries) {
+        if (s.retries > 64)
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        else if (s.retries > 8)
+          sched_yield();
         prepare(i);
         return;
       }
@@ -362,6 +380,7 @@ class UringBackend final : public Backend {
         req.fail(ENODATA, s.task.offset + s.done, want, "read past end of file");
     } else {
       s.done += static_cast<uint64_t>(res);
+      s.retries = 0;
       if (s.done < s.task.length) {
         // Resume a short transfer; an unaligned remainder must go buffered.
         if (s.fd == req.file().direct_fd() && (s.task.offset + s.done) % req.file().offset_align() != 0)
@@ -398,6 +417,7 @@ class UringBackend final : public Backend {
   }
 
   static constexpr int kMaxEnterFailures = 16;
+  static constexpr int kMaxRetries = 1000;
 
   void fail_withdrawn(const IOError &e) {
     bool wake_withdrawn = false;
@@ -495,6 +515,11 @@ class MultiRingBackend final : public Backend {
 void inject_uring_enter_failures(int count, int err) {
   injected_enter_errno.store(err);
   injected_enter_failures.store(count);
+}
+
+void inject_uring_results(int count, int res) {
+  injected_result.store(res);
+  injected_results.store(count);
 }
 
 std::unique_ptr<Backend> make_uring_backend(int rings, int queue_depth, uint64_t block_size) {

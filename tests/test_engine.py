@@ -812,3 +812,26 @@ def test_a_ring_refusing_its_share_fails_the_request_not_the_submission(tmp_path
         assert info.value.errno == errno.EBADF and info.value.filename == path
         np.testing.assert_array_equal(out[:64 << 10], data[:64 << 10])  # ring 0's first block
 
+
+def test_eagain_completions_back_off_and_fail_after_a_bound(tmp_path) -> None:
+    """io_uring completions of -EAGAIN were resubmitted at once, forever: a few are still
+    retried, but a task that keeps getting them fails with EAGAIN."""
+    from tensorferry import _native
+    _require_io_uring()
+    path = str(tmp_path / "data")
+    data = random_bytes(4096)
+    data.tofile(path)
+    out = np.zeros_like(data)
+    with tensorferry.Engine(backend="io_uring", threads=1, direct=False) as e:
+        try:
+            _native._inject_uring_results(5, -errno.EAGAIN)
+            e.read(out, path)
+            np.testing.assert_array_equal(out, data)
+            _native._inject_uring_results(5000, -errno.EAGAIN)
+            with pytest.raises(TensorferryIOError) as info:
+                e.pread(out, path).result(timeout=60)
+            assert info.value.errno == errno.EAGAIN and info.value.filename == path
+        finally:
+            _native._inject_uring_results(0, 0)
+        e.read(out, path)  # the engine still works
+
