@@ -67,13 +67,18 @@ const char *kind_of(mode_t mode) {
   return "an unusual file";
 }
 
-// Refuses (closing `fd`) a FIFO or socket in place of a file.
+// Refuses (closing `fd`) a FIFO, socket or character device in place of a file: positional
+// I/O cannot serve a stream, and io_uring would ignore the offset of a character device's.
 void refuse_stream(int fd, const std::string &path) {
   struct stat st;
-  const int err = fstat(fd, &st) != 0 ? errno : S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) ? EINVAL : 0;
-  if (err == 0) return;
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw IOError{err, path, "fstat"};
+  }
+  if (!S_ISFIFO(st.st_mode) && !S_ISSOCK(st.st_mode) && !S_ISCHR(st.st_mode)) return;
   ::close(fd);
-  throw IOError{err, path, err == EINVAL ? "open: a FIFO or socket, not a file" : "fstat"};
+  throw IOError{EINVAL, path, std::string("open: ") + kind_of(st.st_mode) + ", not a file"};
 }
 
 // Another process holds a lease on the file (Samba, an NFS server), which a non-blocking

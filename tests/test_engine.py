@@ -835,3 +835,15 @@ def test_eagain_completions_back_off_and_fail_after_a_bound(tmp_path) -> None:
             _native._inject_uring_results(0, 0)
         e.read(out, path)  # the engine still works
 
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/null"])
+def test_a_character_device_is_refused_as_a_file(engine: Engine, device: str) -> None:
+    """Positional I/O cannot serve a character device (a terminal is a stream, and io_uring
+    ignores the offset): opened by path, one is refused as a FIFO is, naming it."""
+    if not os.path.exists(device):
+        pytest.skip(f"no {device}")
+    with pytest.raises(TensorferryIOError, match="a character device") as info:
+        engine.read(np.zeros(4096, np.uint8), device, offset=8192)
+    assert info.value.errno == errno.EINVAL and info.value.filename == device
+    with pytest.raises(TensorferryIOError, match="a character device"):
+        tensorferry.open(device, "r+")
