@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <stdexcept>
 
 #include "crc32c.hpp"
 #include "engine.hpp"
@@ -198,11 +199,21 @@ NB_MODULE(_native, m) {
   }, "address"_a, "nbytes"_a, nb::call_guard<nb::gil_scoped_release>(),
         "TFRecord's masked CRC-32C of a memory range.");
 
-  m.def("tfrecord_ranges", [](const std::string &path) {
+  m.def("tfrecord_ranges", [](const nb::bytes &path) {
     tf::TfrecordRanges ranges;
+    std::string framing_error;
     {
       nb::gil_scoped_release unlocked;
-      ranges = tf::scan_tfrecord(path);
+      try {
+        ranges = tf::scan_tfrecord(fs_path(path));
+      } catch (const std::invalid_argument &e) {
+        framing_error = e.what();
+      }
+    }
+    // The message names the file, which need not be UTF-8: decoded as os.fsdecode would.
+    if (!framing_error.empty()) {
+      PyErr_SetObject(PyExc_ValueError, fs_str(framing_error).ptr());
+      throw nb::python_error();
     }
     return std::make_tuple(ranges.offsets, ranges.lengths);
   }, "path"_a,

@@ -793,3 +793,21 @@ def test_an_unseeded_shuffle_in_a_cluster_warns(tmp_path, monkeypatch) -> None:
         make_dataset(path, record_bytes=64, shuffle=True, shard=(0, 2))
         monkeypatch.delenv("TF_CONFIG")
         make_dataset(path, record_bytes=64, shuffle=True)
+
+
+def test_a_tfrecord_file_whose_name_is_not_utf8(tmp_path) -> None:
+    """The framing scan took its path as a strict UTF-8 str: a name os.listdir gives
+    surrogate-escaped could not be listed. It goes as bytes, and errors still name it."""
+    data = payloads(10, seed=2)
+    name = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"caf\xe9.tfrecord"))
+    with tf.io.TFRecordWriter(os.fsencode(name)) as w:
+        for d in data:
+            w.write(d)
+    assert [length - 4 for _, _, length in tfrecord_records(name)] == [len(d) for d in data]
+    assert [x.numpy() for x in make_dataset([name], tfrecord=True)] == data
+    bad = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"bad\xff.tfrecord"))
+    with open(bad, "wb") as f:
+        f.write(b"x" * 40)
+    with pytest.raises(ValueError, match="length CRC") as info:
+        make_dataset([bad], tfrecord=True)
+    assert bad in str(info.value)

@@ -60,7 +60,8 @@ def tfrecord_records(path: str) -> list[tuple[str, int, int]]:
     Each range covers the record's data and its CRC footer. A truncated file or a
     length whose CRC is wrong raises ValueError naming the file and offset.
     """
-    offsets, lengths = _native.tfrecord_ranges(os.fspath(path))
+    # As bytes: a name need not be UTF-8 (os.listdir gives such a name surrogate-escaped).
+    offsets, lengths = _native.tfrecord_ranges(os.fsencode(path))
     return [(path, offset, length) for offset, length in zip(offsets, lengths)]
 
 
@@ -141,7 +142,7 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         # one per record when the cache is cold: files are scanned at once (the scan
         # releases the GIL). 8 files of 256 records, cold: 0.20-0.27 s one by one.
         with ThreadPool(max_workers=min(MAX_SCANS, len(paths))) as pool:
-            ranges = list(pool.map(_native.tfrecord_ranges, paths))
+            ranges = list(pool.map(_native.tfrecord_ranges, [os.fsencode(p) for p in paths]))
     elif record_bytes is not None:
         ranges = []
         for p in paths:
@@ -302,7 +303,8 @@ def _read_ops(engine: Engine, files: list[str], record_bytes: int | None, tfreco
 
     @tf.autograph.experimental.do_not_convert  # plain op calls: nothing to convert
     def start(file_numbers: tf.Tensor, offsets: tf.Tensor, lengths: tf.Tensor) -> tuple[tf.Tensor, ...]:
-        paths = tf.gather(tf.constant(files, tf.string), file_numbers)
+        # As bytes: a name need not be UTF-8.
+        paths = tf.gather(tf.constant([os.fsencode(f) for f in files], tf.string), file_numbers)
         tickets = tf.ensure_shape(ops.tensorferry_start_reads(paths, offsets, lengths, **attrs), file_numbers.shape)
         return tickets, paths, offsets, lengths
 
