@@ -38,10 +38,12 @@ _SCALARS = (bool, int, float, str, type(None))
 
 def _storage_key(t: torch.Tensor) -> Any:
     """What makes two tensors one: the same memory seen the same way. ``state_dict()``
-    returns a new tensor object per entry, so object identity misses tied weights."""
+    returns a new tensor object per entry, so object identity misses tied weights. A lazy
+    conjugate or negation (``x.conj()``, ``x.conj().imag``) sees the same memory another way."""
     if t.numel() == 0:
         return ("object", id(t))
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride(),
+            t.is_conj(), t.is_neg())
 
 
 def _check_savable(tensor: torch.Tensor, where: str) -> None:
@@ -219,7 +221,8 @@ def resolve_map_location(map_location: MapLocation) -> str | torch.device | None
     if isinstance(map_location, Mapping):
         return map_location.get("cpu", None)
     if callable(map_location):
-        return map_location(torch.UntypedStorage(0), "cpu").device
+        moved = map_location(torch.UntypedStorage(0), "cpu")
+        return None if moved is None else moved.device  # None: torch.load's default placement
     raise TypeError(f"map_location must be a device, a device name, a dict of location names or torch.load's "
                     f"callable, not a {type(map_location).__name__}")
 
