@@ -204,6 +204,16 @@ def test_verify_catches_a_missing_file(damaged: Path) -> None:
     assert "FAILED" in result.stdout and victim.name in result.stdout and victim.name in result.stderr
 
 
+def test_verify_of_a_damaged_single_file_names_it_once(tmp_path: Path) -> None:
+    """A single file whose header cannot be read: its problem line read
+    "g.safetensors: /path/g.safetensors: header length ...", the name twice."""
+    bad = tmp_path / "g.safetensors"
+    bad.write_bytes((200 << 20).to_bytes(8, "little") + b"{}")
+    result = run("verify", bad)
+    problems = [line.strip() for line in result.stdout.splitlines() if "header length" in line]
+    assert result.returncode == 1 and problems == [f"{bad}: header length 209715200 exceeds the 104857600-byte cap"]
+
+
 def _bf16_equal(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and np.array_equal(a.view(np.uint16), b.view(np.uint16))
 

@@ -89,7 +89,8 @@ class SafetensorsFile(Layout):
             with self._reader() as reader:
                 problems = trailing_bytes(reader, name)
         except CorruptCheckpointError as exc:
-            return Verification([name], None, [f"{name}: {exc}"], "")
+            problem = str(exc)  # names the file already where it says where in it
+            return Verification([name], None, [problem if problem.startswith(self.path) else f"{name}: {problem}"], "")
         found = verify_files(os.path.dirname(self.path) or ".", [name], progress,
                              lambda file: self._reader(verify=True))
         return Verification(found.files, found.nbytes, problems + found.problems, found.checked)
