@@ -370,10 +370,10 @@ class ShardWriter:
             stream.seek(end)
             return
         data = [_Streamer._bytes_of(e) for e in entries]
-        stream.write(header.encode({e.name: digest(d) for e, d in zip(entries, data)}))
+        _write_all(stream, header.encode({e.name: digest(d) for e, d in zip(entries, data)}))
         for d in data:
             if d.nbytes:
-                stream.write(d)
+                _write_all(stream, d)
 
     def _open_for_write(self) -> tuple[File, int | None]:
         """The file to write; for an atomic write, its temporary with the lock that holds
@@ -421,6 +421,20 @@ def _rewritable(stream: Any) -> bool:
     own writing (passing each write on, say) gets the bytes in order."""
     kind = type(stream)
     return isinstance(stream, io.BytesIO) and kind.write is io.BytesIO.write and kind.seek is io.BytesIO.seek
+
+
+def _write_all(stream: Any, data: Any) -> None:
+    """``stream.write(data)`` until all of it is written: a raw stream (``io.RawIOBase``,
+    a socket's file) may take part and say how much, where a buffered one takes it all
+    (or, like many file-likes, returns None)."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        taken = stream.write(view)
+        if taken is None or taken >= view.nbytes:
+            return
+        if taken <= 0:
+            raise TensorferryIOError(errno.EIO, f"the stream took none of the {view.nbytes} bytes left to write")
+        view = view[taken:]
 
 
 def _write_hashing(stream: Any, data: np.ndarray) -> str:

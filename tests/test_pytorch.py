@@ -932,6 +932,44 @@ def test_dcp_load_errors(tmp_path) -> None:
         dcp.load({"w": torch.zeros(64, 64), "b": torch.zeros(64)}, storage_reader=DCPReader(tmp_path / "c"))
 
 
+def test_dcp_saves_an_entry_named_like_the_safetensors_header(tmp_path) -> None:
+    """A state-dict key "__metadata__", which torch's FileSystemWriter saves: DCPWriter
+    failed in write_data, after planning, as the safetensors header's own name."""
+    state = {"__metadata__": torch.arange(2.0), "w": torch.ones(3), "m": {"__metadata__": torch.full((2,), 5.0)}}
+    dcp.save(state, storage_writer=DCPWriter(tmp_path / "c"))
+    dest = {"__metadata__": torch.zeros(2), "w": torch.zeros(3), "m": {"__metadata__": torch.zeros(2)}}
+    dcp.load(dest, storage_reader=DCPReader(tmp_path / "c"))
+    assert torch.equal(dest["__metadata__"], state["__metadata__"])
+    assert torch.equal(dest["m"]["__metadata__"], state["m"]["__metadata__"])
+    whole = load_checkpoint(tmp_path / "c")
+    assert set(whole) == {"__metadata__", "w", "m.__metadata__"}
+    assert torch.equal(whole["__metadata__"], torch.arange(2.0))
+
+
+def test_save_to_a_raw_stream_that_takes_a_few_bytes_a_call(tmp_path) -> None:
+    """A raw stream (io.RawIOBase) may take part of a write and say how much: save
+    ignored what write() returned, and the file came out short, without an error."""
+    import io
+
+    class Trickle(io.RawIOBase):
+        def __init__(self) -> None:
+            self.taken = bytearray()
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data) -> int:
+            part = bytes(memoryview(data).cast("B")[:7])
+            self.taken += part
+            return len(part)
+
+    state = {"w": torch.randn(50, 3), "step": 4}
+    stream = Trickle()
+    save(state, stream)
+    back = load(io.BytesIO(bytes(stream.taken)))
+    assert torch.equal(back["w"], state["w"]) and back["step"] == 4
+
+
 def test_checkpointer_single_process(tmp_path) -> None:
     model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -87,7 +87,8 @@ def _item_key(item: WriteItem) -> str:
     a shard of a larger tensor (so that a consolidated view can be rebuilt)."""
     index = item.index
     if item.type != WriteItemType.SHARD or index.offset is None:
-        return index.fqn
+        # safetensors keeps "__metadata__" for its header's own; "@" and no offsets is no chunk's name.
+        return index.fqn if index.fqn != "__metadata__" else f"{index.fqn}@"
     return f"{index.fqn}@{','.join(str(int(o)) for o in index.offset)}"
 
 
