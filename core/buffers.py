@@ -137,6 +137,7 @@ class PinnedPool:
         self.max_cached_bytes = max_cached_bytes
         self.page_locked = lock
         self._free: dict[int, list[np.ndarray]] = {}
+        self._leased: set[int] = set()  # addresses of the buffers handed out and not yet given back
         self._cached = 0
         self._lock = threading.Lock()
         self._register = register
@@ -185,12 +186,15 @@ class PinnedPool:
         ``exact``, into a buffer of ``nbytes`` rounded up to the page, which only a request
         of the same rounded size reuses: for memory that is mostly handed away, where a
         size class would cost up to twice the memory)."""
+        if nbytes < 0:
+            raise ValueError(f"cannot acquire a buffer of {nbytes} bytes")
         size = round_up(max(nbytes, 1), 4096) if exact else self.size_class(nbytes)
         with self._lock:
             free = self._free.get(size)
             if free:
                 base = free.pop()
                 self._cached -= size
+                self._leased.add(base.ctypes.data)
                 return base[:nbytes]
         if self.page_locked:
             base = alloc_pinned(size)
@@ -201,13 +205,19 @@ class PinnedPool:
             _native.populate(base.ctypes.data, base.nbytes)
         with self._lock:
             self._ensure_registered(base)
+            self._leased.add(base.ctypes.data)
         return base[:nbytes]
 
     def release(self, buffer: np.ndarray) -> None:
-        """Returns a buffer from :meth:`acquire` to the pool (dropped if the pool is full)."""
+        """Returns a buffer from :meth:`acquire` to the pool (dropped if the pool is full).
+        One released twice, or never acquired here, is a ``ValueError``: cached twice, it
+        would be handed to two users at once."""
         base = pool_buffer(buffer)
         size = base.nbytes
         with self._lock:
+            if base.ctypes.data not in self._leased:
+                raise ValueError("release() of a buffer this pool did not hand out, or has back already")
+            self._leased.discard(base.ctypes.data)
             if self._cached + size <= self.max_cached_bytes:
                 self._ensure_registered(base)
                 self._free.setdefault(size, []).append(base)

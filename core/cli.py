@@ -234,6 +234,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     data = {"directory": directory, **result.to_json()}
+    emit(args, data, _tune_text(result, directory))  # first: a search of minutes is not lost to a bad -o path
     if args.output:
         with open(args.output, "w") as f:
             json.dump(data, f, indent=2)
@@ -242,7 +243,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if plt is not None:
         _plot_tune(plt, result, directory, args.plot)
         note(args, f"wrote {args.plot}")
-    emit(args, data, _tune_text(result, directory))
     return EXIT_OK
 
 

@@ -80,6 +80,22 @@ print("ok")
 """, tmp_path=tmp_path)
 
 
+def test_pool_refuses_what_would_hand_one_buffer_to_two_users() -> None:
+    """A buffer released twice was cached twice, and the next two acquires returned the
+    same memory; a negative size gave a buffer of the wrong size (base[:-5])."""
+    pool = tensorferry.PinnedPool(lock=False)
+    buffer = pool.acquire(100)
+    pool.release(buffer)
+    with pytest.raises(ValueError, match="did not hand out, or has back already"):
+        pool.release(buffer)
+    with pytest.raises(ValueError, match="did not hand out"):
+        pool.release(np.zeros(10, np.uint8))
+    first, second = pool.acquire(100), pool.acquire(100)
+    assert first.ctypes.data != second.ctypes.data and pool.cached_bytes == 0
+    with pytest.raises(ValueError, match="-5 bytes"):
+        pool.acquire(-5)
+
+
 def test_pool_reuses_and_bounds() -> None:
     pool = tensorferry.PinnedPool(max_cached_bytes=1 << 20)
     a = pool.acquire(300_000)

@@ -387,6 +387,17 @@ def test_tune_small_finds_a_valid_config(tmp_path: Path) -> None:
         engine.write(np.ones(1 << 16, np.uint8), target / "check.bin")
 
 
+def test_tune_prints_its_result_even_where_the_output_file_cannot_be_written(tmp_path: Path) -> None:
+    """tune -o into a missing folder: the file was written before the result was
+    printed, so the error left nothing of a search that can take minutes."""
+    target = tmp_path / "drive"
+    target.mkdir()
+    result = run("tune", target, "--size", "1M", "--max-seconds", "1", "--backends", "threads", "-q",
+                 "-o", tmp_path / "missing" / "tuned.json")
+    assert result.returncode == 2 and "No such file or directory" in result.stderr
+    assert "best setting for" in result.stdout and "backend threads" in result.stdout
+
+
 def test_bench_small_reports_every_contender(tmp_path: Path) -> None:
     result = run_json("bench", tmp_path, "--size", "4M", "--count", "4", "--backends", "threads")
     names = {r["name"] for r in result["results"]}
