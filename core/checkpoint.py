@@ -776,8 +776,15 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int, *, remove_unfinis
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     removed = remove_checkpoints(list_checkpoints(root)[:-keep_last], wait=wait)
     if remove_unfinished:
-        removed += remove_stale_temporaries(root, keep=recoverable_checkpoints(root).values())
+        removed += remove_leftovers(root)
     return removed
+
+
+def remove_leftovers(root: str | os.PathLike) -> list[str]:
+    """Removes what killed saves and prunes left directly under ``root``: temporaries no
+    running save holds, but not an old checkpoint an interrupted overwrite moved aside
+    (:func:`recoverable_checkpoints`: it is the checkpoint); returns what went."""
+    return remove_stale_temporaries(root, keep=recoverable_checkpoints(root).values())
 
 
 def remove_checkpoints(paths: Iterable[str], *, wait: bool = True) -> list[str]:
@@ -883,5 +890,6 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
 __all__ = ["MANIFEST", "Committed", "PendingCheckpoint", "build_manifest", "committed_checkpoints",
            "encode_manifest", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "open_shard",
            "prune_checkpoints", "read_manifest", "read_manifest_file", "read_other_file", "recoverable_checkpoints",
-           "refuse_dcp_folder_without_metadata", "remove_checkpoints", "resolve_checkpoint", "save_checkpoint",
+           "refuse_dcp_folder_without_metadata", "remove_checkpoints", "remove_leftovers", "resolve_checkpoint",
+           "save_checkpoint",
            "verify_checkpoint", "verify_shard", "digest", "write_durably"]

@@ -129,7 +129,7 @@ def temporary_stem(name: str) -> str:
     room = NAME_MAX - len(TMP_MARKER) - _TAIL_ROOM
     if len(encoded) <= room:
         return name
-    # Whole characters only: the native open takes no lone surrogates.
+    # Whole characters only: a name cut inside one would read, and list, with escapes in it.
     return encoded[:room].decode(sys.getfilesystemencoding(), "ignore")
 
 

@@ -16,12 +16,11 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from ...checkpoint import committed_checkpoints, read_manifest, recoverable_checkpoints, remove_checkpoints
+from ...checkpoint import committed_checkpoints, read_manifest, remove_checkpoints, remove_leftovers
 from ...errors import CheckpointNotFoundError, RetentionWarning, TensorferryError, TensorferryIOError
 from ...engine import Engine, absolute_local_path
 from ...layouts.dcp import written_by_torch
 from ...shard import ShardWriter, gc_paused, write_order
-from ...temporaries import remove_stale_temporaries
 from .dcp import DCPReader, DCPWriter
 from .serialization import TORCH_FORMAT
 from .staging import DeviceToHost
@@ -226,8 +225,7 @@ class FSDPCheckpointer:
         try:
             if self.keep_last is not None:
                 remove_checkpoints([path for _, path in self._steps()[:-self.keep_last]], wait=False)
-            # What killed saves and prunes left here: no later save to their names comes to remove them.
-            remove_stale_temporaries(self.checkpoint_dir, keep=recoverable_checkpoints(self.checkpoint_dir).values())
+            remove_leftovers(self.checkpoint_dir)  # no later save to their names comes to remove them
         except OSError as exc:
             warnings.warn(f"{self.checkpoint_dir}: retention after the save failed: {exc}", RetentionWarning,
                           stacklevel=3)
