@@ -881,6 +881,35 @@ def test_dcp_partial_load_reads_only_what_the_state_asks_for(tmp_path) -> None:
         dcp.load(part, storage_reader=DCPReader(tmp_path / "c"))
 
 
+@pytest.mark.parametrize("read_ahead", [0, "64K", None])
+def test_dcp_load_reads_ahead_while_torch_plans(tmp_path, monkeypatch, read_ahead) -> None:
+    """The shard files are read ahead from when the reader is set up until read_data knows
+    where their bytes go. What was read ahead (all of it, part, nothing) lands where the
+    plan puts it, for whole, cast and partial loads alike; nothing stays open or leased."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from tensorferry.shard import _pool, _ReadAhead
+    monkeypatch.setattr(_ReadAhead, "PIECE", 16 << 10)  # tensors across the ends of pieces
+    state = {"model": {f"t{i}": random_tensor(torch.float32, (64, 33 + i), i) for i in range(12)},
+             "half": random_tensor(torch.bfloat16, (300,), 99), "meta": {"step": 4}}
+    dcp.save(state, storage_writer=DCPWriter(tmp_path / "c"))
+    leases = len(_pool._leased)
+    looked_at = DCPReader(tmp_path / "c", read_ahead=read_ahead)
+    assert "model.t0" in looked_at.read_metadata().state_dict_metadata
+    assert looked_at._opened == {}  # only looked at: nothing read ahead
+    whole = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+             "half": torch.zeros(300), "meta": {"step": 0}}  # "half" cast to float32 on the way
+    reader = DCPReader(tmp_path / "c", read_ahead=read_ahead)
+    dcp.load(whole, storage_reader=reader)
+    assert whole["meta"] == {"step": 4} and same(whole["half"], state["half"].float())
+    assert all(same(whole["model"][k], v) for k, v in state["model"].items())
+    assert reader._opened == {}
+    part = {"model": {k: torch.zeros_like(state["model"][k]) for k in ("t3", "t11")}}
+    dcp.load(part, storage_reader=DCPReader(tmp_path / "c", read_ahead=read_ahead),
+             planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert all(same(v, state["model"][k]) for k, v in part["model"].items())
+    assert len(_pool._leased) == leases
+
+
 def test_dcp_refuses_to_overwrite(tmp_path) -> None:
     dcp.save({"x": torch.ones(3)}, storage_writer=DCPWriter(tmp_path / "c"))
     with pytest.raises(CheckpointException, match="exists"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tensorferry import CorruptCheckpointError, ShardReader, ShardWriter
-from tensorferry.shard import ALIGNMENT, _StagedReads
+from tensorferry.shard import ALIGNMENT, _pool, _ReadAhead, _StagedReads
 
 # Odd sizes, so that tensors start at every phase of a page in the file.
 SIZES = [1, 3000, 4096, 4097, 65_536 + 77, 300_001, 1 << 20, 0, 2_500_000]
@@ -174,3 +174,65 @@ def test_large_arrays_after_an_odd_sized_one_are_written_intact(tmp_path, phase:
         got = r.read_many()
     np.testing.assert_array_equal(got["small"], small)
     np.testing.assert_array_equal(got["big"], big)
+
+
+def _leases() -> int:
+    return len(_pool._leased)
+
+
+@pytest.mark.parametrize("piece", [ALIGNMENT, 64 << 10, _ReadAhead.PIECE])
+@pytest.mark.parametrize("ahead", [1, 300_000, 1 << 30])
+@pytest.mark.parametrize("phase", [64, 0])
+def test_tensors_read_ahead_get_every_byte(stored, monkeypatch, piece: int, ahead: int, phase: int) -> None:
+    """A read started before its destinations are known (a DCP load's, while torch plans):
+    the tensors lying wholly in it come from its buffers, across the ends of its pieces,
+    into aligned and misaligned memory alike; the rest are read as before."""
+    monkeypatch.setattr(_ReadAhead, "PIECE", piece)
+    path, arrays = stored
+    leases = _leases()
+    with ShardReader(path) as r:
+        r.read_ahead(ahead)
+        ends = {n: r.data_start + r.info(n).end for n in arrays}
+        phases = {n: (r.data_start + r.info(n).begin + phase) % ALIGNMENT for n in arrays}
+        out = {name: at_phase(a.nbytes, phases[name]) for name, a in arrays.items()}
+        covered = {n for n in arrays if r._ahead.covers(ends[n] - arrays[n].nbytes, ends[n])}
+        assert covered == {n for n in arrays if arrays[n].nbytes and ends[n] <= r.data_start + ahead}
+        got = r.read_many([], out)
+        assert r._ahead is None  # taken by the read, its buffers given back
+    for name, a in arrays.items():
+        assert got[name] is out[name]
+        np.testing.assert_array_equal(out[name], a)
+    assert _leases() == leases
+
+
+def test_damage_in_what_was_read_ahead_is_caught(stored, monkeypatch) -> None:
+    monkeypatch.setattr(_ReadAhead, "PIECE", 64 << 10)
+    path, arrays = stored
+    with ShardReader(path) as r:
+        at = r.data_start + r.info("t5").begin + 1000
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    leases = _leases()
+    with ShardReader(path) as r:
+        r.read_ahead(1 << 30)
+        with pytest.raises(CorruptCheckpointError, match="'t5'"):
+            r.read_many([], {name: at_phase(a.nbytes, 64) for name, a in arrays.items()})
+    assert _leases() == leases
+
+
+def test_what_no_read_takes_is_given_back(stored) -> None:
+    """Read ahead for a plan that wants little of it, or nothing: the pieces it needs
+    nothing from are cancelled, and every buffer goes back to the pool."""
+    path, arrays = stored
+    leases = _leases()
+    with ShardReader(path) as r:
+        r.read_ahead(1 << 30)
+        out = {"t8": at_phase(arrays["t8"].nbytes, 64)}
+        r.read_many(["t1"], out)  # t1 into new memory: not from the read-ahead
+        np.testing.assert_array_equal(out["t8"], arrays["t8"])
+    with ShardReader(path) as r:
+        r.read_ahead(1 << 30)  # and never read
+    assert _leases() == leases
