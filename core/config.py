@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import os
 import re
 from typing import Any, Iterator, Mapping
@@ -26,6 +27,18 @@ def parse_size(value: int | str, name: str = "size") -> int:
     if not match:
         raise ConfigError(f"{name}: cannot read {value!r} as a byte count (examples: 4096, 1M, 2GiB)")
     return int(match.group(1)) * _SIZE_UNITS[match.group(2)]
+
+
+def _parse_count(value: Any, name: str) -> int:
+    """Reads a count: an integer (numpy's too) or its digits (``"8"``). A float is refused,
+    even ``8.0``, as :func:`parse_size` refuses one (``int()`` made 4.9 into 4 unsaid); a
+    bool too."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    try:
+        return int(value) if isinstance(value, str) else operator.index(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
 
 
 def _parse_bool(value: Any, name: str) -> bool:
@@ -78,11 +91,7 @@ class IOConfig:
         else:
             object.__setattr__(self, "use_gds", None)
         for name in ("queue_depth", "threads"):
-            value = getattr(self, name)
-            try:
-                object.__setattr__(self, name, int(value))
-            except (TypeError, ValueError):
-                raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
+            object.__setattr__(self, name, _parse_count(getattr(self, name), name))
         if not 4096 <= self.block_size <= 1 << 30:
             raise ConfigError(f"block_size: {self.block_size} is outside 4 KiB .. 1 GiB")
         if not 1 <= self.queue_depth <= 4096:

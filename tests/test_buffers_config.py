@@ -138,6 +138,23 @@ def test_config_defaults_and_validation() -> None:
         tensorferry.Engine(queue_depth=-1)
 
 
+def test_config_refuses_counts_that_are_not_whole_numbers() -> None:
+    """queue_depth=4.9 and threads=2.5 were cut to 4 and 2 by int(), unsaid, from keywords,
+    the environment and DeepSpeed's section alike. A float is refused, even 4.0, as
+    block_size refuses one; digits and numpy's integers are counts."""
+    for name in ("queue_depth", "threads"):
+        for bad in (4.9, 4.0, np.float64(4.0), True, "4.9"):
+            with pytest.raises(ConfigError, match=f"{name}: expected an integer"):
+                IOConfig(**{name: bad})
+        assert getattr(IOConfig(**{name: np.int64(4)}), name) == getattr(IOConfig(**{name: " 4 "}), name) == 4
+    with pytest.raises(ConfigError, match="block_size: cannot read 4096.0"):
+        IOConfig(block_size=4096.0)
+    with pytest.raises(ConfigError, match="queue_depth: expected an integer, got 8.5"):
+        IOConfig.from_deepspeed({"aio": {"queue_depth": 8.5}})
+    with pytest.raises(ConfigError, match="threads: expected an integer, got '2.5'"):
+        IOConfig.from_env(environ={"TENSORFERRY_THREADS": "2.5"})
+
+
 def test_config_from_environment() -> None:
     env = {"TENSORFERRY_BLOCK_SIZE": "2MiB", "TENSORFERRY_THREADS": "8", "TENSORFERRY_DIRECT": "0",
            "TENSORFERRY_BACKEND": "threads"}
