@@ -121,18 +121,18 @@ class IOConfig:
 
     @classmethod
     def from_deepspeed(cls, config: Mapping[str, Any]) -> "IOConfig":
-        """Reads DeepSpeed's ``"aio"`` section (or a whole DeepSpeed config holding one).
+        """Reads DeepSpeed's ``"aio"`` section, given alone or in the whole DeepSpeed config.
 
         ``block_size``, ``queue_depth``, ``thread_count`` (or ``intra_op_parallelism``)
         and ``use_gds`` carry over (``use_gds: true`` makes the engine require GPUDirect
         Storage, refusing to start where it cannot run). ``single_submit`` and ``overlap_events`` are
         accepted and have no counterpart: submission here is always batched and
-        always overlapped.
+        always overlapped. A whole config (one with ``"train_batch_size"``,
+        ``"zero_optimization"`` or another of DeepSpeed's top-level settings) without an
+        ``"aio"`` section gives the defaults, as DeepSpeed reads it.
         """
-        section = config.get("aio", config)
-        known = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism",
-                 "single_submit", "overlap_events", "use_gds"}
-        unknown = set(section) - known
+        section = _deepspeed_aio_section(config)
+        unknown = set(section) - _DEEPSPEED_AIO_KEYS
         if unknown:
             raise ConfigError(f"unknown DeepSpeed aio setting(s): {', '.join(sorted(unknown))}")
         changes: dict[str, Any] = {}
@@ -155,6 +155,34 @@ class IOConfig:
         return {"aio": {"block_size": self.block_size, "queue_depth": self.queue_depth,
                         "intra_op_parallelism": self.threads, "single_submit": False,
                         "overlap_events": True, "use_gds": self.use_gds}}
+
+
+_DEEPSPEED_AIO_KEYS = frozenset({"block_size", "queue_depth", "thread_count", "intra_op_parallelism",
+                                  "single_submit", "overlap_events", "use_gds"})
+# DeepSpeed's own top-level settings (deepspeed/runtime/constants.py and its sections'):
+# a dict with one of them is a whole config, whose other keys are none of the aio section's.
+_DEEPSPEED_TOP_LEVEL_KEYS = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler",
+    "fp16", "bf16", "bfloat16", "amp", "torch_autocast", "zero_optimization", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "gradient_clipping", "prescale_gradients", "gradient_predivide_factor",
+    "communication_data_type", "seq_parallel_communication_data_type", "steps_per_print", "wall_clock_breakdown",
+    "memory_breakdown", "dump_state", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb",
+    "csv_monitor", "comms_logger", "checkpoint", "data_types", "sparse_attention", "pipeline", "elasticity",
+    "compression_training", "data_efficiency", "curriculum_learning", "autotuning", "nebula", "hybrid_engine",
+    "weight_quantization", "compile", "dataloader_drop_last", "disable_allgather",
+})
+
+
+def _deepspeed_aio_section(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The ``"aio"`` section of a whole DeepSpeed config (empty where it has none, or a
+    null one, as DeepSpeed takes it), or ``config`` itself where it is a bare section."""
+    if "aio" not in config and not set(config) & _DEEPSPEED_TOP_LEVEL_KEYS:
+        return config
+    stray = sorted(set(config) & _DEEPSPEED_AIO_KEYS)
+    if stray:  # DeepSpeed reads them only inside "aio": taken here, this engine would differ from its
+        raise ConfigError(f"aio setting(s) {', '.join(stray)} at the top of a whole DeepSpeed config: "
+                          "they belong in its \"aio\" section")
+    return config.get("aio") or {}
 
 
 _default: IOConfig | None = None

@@ -186,6 +186,24 @@ def test_config_from_deepspeed() -> None:
         IOConfig.from_deepspeed({"aio": {"overlap_events": "sometimes"}})
 
 
+def test_config_from_a_whole_deepspeed_config() -> None:
+    """The whole config a DeepSpeed run holds (ds_config.json) was read as an aio section:
+    without an "aio" section its other settings were "unknown DeepSpeed aio settings".
+    It gives the defaults, as DeepSpeed reads it; its "aio" section is read as given
+    alone, unknown keys in it still refused."""
+    whole = {"train_batch_size": 32, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+             "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}
+    assert IOConfig.from_deepspeed(whole) == IOConfig.from_deepspeed({**whole, "aio": None}) == IOConfig()
+    with_aio = {**whole, "aio": {"block_size": 4 << 20, "queue_depth": 16, "intra_op_parallelism": 2}}
+    assert IOConfig.from_deepspeed(with_aio) == IOConfig(block_size=4 << 20, queue_depth=16, threads=2)
+    with pytest.raises(ConfigError, match="unknown DeepSpeed aio setting.*: blocksize"):
+        IOConfig.from_deepspeed({**whole, "aio": {"blocksize": 1}})
+    with pytest.raises(ConfigError, match=r"aio setting\(s\) queue_depth at the top of a whole DeepSpeed config"):
+        IOConfig.from_deepspeed({**whole, "queue_depth": 16})  # DeepSpeed's own aio would not have it
+    with pytest.raises(ConfigError, match="unknown DeepSpeed aio setting.*: train_batchsize"):
+        IOConfig.from_deepspeed({"train_batchsize": 32, "queue_depth": 16})  # a bare section, as before
+
+
 def test_import_needs_numpy_only() -> None:
     import subprocess
     import sys
