@@ -231,7 +231,6 @@ def refuse_existing(directory: str | os.PathLike, hint: str = "pass overwrite=Tr
 
 
 OLD_TAIL = "old-"
-OLD_MARKER = f"{TMP_MARKER}{OLD_TAIL}"
 _RENAME_EXCHANGE = 2
 _libc = None
 
@@ -258,7 +257,9 @@ def recoverable_checkpoints(root: str | os.PathLike) -> dict[str, str]:
     """Old checkpoints an overwrite moved aside (``<name>.tmp-old-<token>``, complete)
     whose own name holds nothing, by that name (one too long to fit in a temporary's, by
     its first bytes: :func:`temporary_stem`): an overwrite without an atomic exchange was
-    interrupted between its two renames, and this is the checkpoint."""
+    interrupted between its two renames, and this is the checkpoint. A temporary of such
+    an aside (``<name>.tmp-old-<token>.tmp-pruned-<token>``: pruned, its files not yet
+    freed) is none."""
     root = local_path(root)
     found: dict[str, str] = {}
     try:
@@ -267,8 +268,10 @@ def recoverable_checkpoints(root: str | os.PathLike) -> dict[str, str]:
         return found
     taken = {temporary_stem(entry.name) for entry in entries}
     for entry in entries:
-        name, marker, _ = entry.name.rpartition(OLD_MARKER)
-        if not marker or not name or name in taken:
+        # The first marker: a stem holds none (refuse_temporary_marker), and a later one
+        # makes a temporary of the aside, what its prune left.
+        name, _, tail = entry.name.partition(TMP_MARKER)
+        if not name or not tail.startswith(OLD_TAIL) or TMP_MARKER in tail or name in taken:
             continue
         if os.path.isfile(os.path.join(entry.path, MANIFEST)):
             found[name] = entry.path

@@ -312,6 +312,39 @@ def test_an_overwrite_killed_at_any_step_leaves_a_complete_checkpoint(tmp_path, 
     pytest.fail("the save was killed at every step tried: more steps than expected")
 
 
+def test_a_pruned_checkpoint_that_an_overwrite_had_left_aside_is_no_checkpoint(tmp_path) -> None:
+    """An overwrite interrupted between its two renames leaves step_1 as
+    step_1.tmp-old-<token>, the checkpoint still. Pruning it renames it to
+    step_1.tmp-old-<token>.tmp-pruned-<token> and frees it in the background; where that
+    was killed (or had not finished), the folder was read as step_1 again: listed, loaded,
+    kept by clean and remove_unfinished as the checkpoint, and a new save to step_1 refused
+    as "moved aside by an interrupted overwrite"."""
+    from tensorferry.checkpoint import OLD_TAIL
+    from tensorferry.errors import CheckpointNotFoundError
+    from tensorferry.temporaries import aside_name
+
+    def left_by_a_killed_prune(name: str) -> str:
+        tensorferry.save_checkpoint(tmp_path / name, {"x": np.arange(3)})
+        aside = temporary_name(str(tmp_path / name), OLD_TAIL + "0123abcd")
+        os.rename(tmp_path / name, aside)  # the overwrite, killed between its renames
+        assert tensorferry.list_checkpoints(tmp_path)[0] == aside, "the checkpoint, until pruned"
+        pruned = aside_name(aside, "pruned")  # the prune's own rename (remove_checkpoints)
+        os.rename(aside, pruned)
+        return pruned
+
+    tensorferry.save_checkpoint(tmp_path / "step_2", {"x": np.arange(4)})
+    pruned = left_by_a_killed_prune("step_1")
+    assert tensorferry.list_checkpoints(tmp_path) == [str(tmp_path / "step_2")]
+    for path in (tmp_path / "step_1", pruned):
+        with pytest.raises(CheckpointNotFoundError):
+            tensorferry.load_checkpoint(path)
+    assert tensorferry.prune_checkpoints(tmp_path, keep_last=5, remove_unfinished=True) == [pruned]
+    pruned = left_by_a_killed_prune("step_1")
+    tensorferry.save_checkpoint(tmp_path / "step_1", {"x": np.arange(5)})  # removes it, as any leftover of step_1
+    assert sorted(os.listdir(tmp_path)) == ["step_1", "step_2"]
+    assert np.array_equal(tensorferry.load_checkpoint(tmp_path / "step_1")["x"], np.arange(5))
+
+
 def test_a_damaged_sibling_is_skipped_with_a_warning(tmp_path) -> None:
     from tensorferry.errors import CheckpointSkippedWarning
     for step in (1, 2):
