@@ -868,6 +868,29 @@ def test_arrays_restore_as_python_numbers_where_the_target_has_them(tmp_path):
         ckptr.restore(tmp_path / "c", args=FerryRestore({**target, "v": 0}))
 
 
+def test_numbers_restore_as_python_numbers_of_the_targets_type(tmp_path):
+    """A Python number saved as a leaf (step=3) restored into a Python number of another
+    type (a target of 1.0) came back as saved, an int, where Orbax's StandardCheckpointer
+    casts it to the target's type, as it casts a 0-d array; a number that type cannot
+    hold is an error naming the leaf."""
+    saved = {"step": 3, "lr": 2.5, "flag": True, "count": 4}
+    target = {"step": 1.0, "lr": 0, "flag": 0.0, "count": False}
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    ckptr.save(tmp_path / "c", args=FerrySave(saved))
+    ours = ckptr.restore(tmp_path / "c", args=FerryRestore(target))
+    orbax_own = ocp.StandardCheckpointer()
+    orbax_own.save(tmp_path / "orbax", saved)
+    orbax_own.wait_until_finished()
+    theirs = orbax_own.restore(tmp_path / "orbax", target)
+    for name in saved:
+        assert type(ours[name]) is type(theirs[name]) is type(target[name]) and ours[name] == theirs[name], name
+    assert ours == {"step": 3.0, "lr": 2, "flag": 1.0, "count": True}
+    ckptr.save(tmp_path / "nan", args=FerrySave({"loss": float("nan"), "best": jnp.array(float("inf"))}))
+    for leaf in ("loss", "best"):
+        with pytest.raises(ValueError, match=rf"\['{leaf}'\]: saved as .*, which the target's int cannot hold"):
+            ckptr.restore(tmp_path / "nan", args=FerryRestore({"loss": 0.0, "best": 0.0, leaf: 0}))
+
+
 def test_inspect_json_of_non_finite_numbers_is_valid_json(tmp_path):
     """`tensorferry inspect --json` printed a NaN number leaf as a bare NaN, which strict
     JSON parsers refuse; such numbers are listed as adapters.pytorch.save's structure

@@ -635,8 +635,14 @@ def _scalar_as(value: Any, target: Any, name: str) -> Any:
     """A Python number saved as a leaf, as the target asks for it: where the target is
     an array (abstract or concrete), an array of its dtype, on its sharding (as
     ``jax.eval_shape`` of an init that returns ``step=0`` asks for a step), so that the
-    restored tree has the types the target has; as saved otherwise."""
-    if isinstance(value, (str, type(None))) or not (hasattr(target, "shape") and hasattr(target, "dtype")):
+    restored tree has the types the target has; where it is a Python number, a number of
+    its type (as Orbax casts it); as saved otherwise."""
+    if isinstance(value, (str, type(None))):
+        return value
+    number = _python_number_type(target)
+    if number is not None:
+        return _as_python_number(value, number, name)
+    if not (hasattr(target, "shape") and hasattr(target, "dtype")):
         return value
     if tuple(target.shape) != ():
         raise ValueError(f"{name}: saved as the number {value!r}, the target has shape {tuple(target.shape)}")
@@ -645,6 +651,20 @@ def _scalar_as(value: Any, target: Any, name: str) -> Any:
         return array if isinstance(target, np.ndarray) else array[()]
     sharding = getattr(target, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.device_put(array, sharding)
+
+
+def _python_number_type(target: Any) -> type | None:
+    """The type of a target that is a Python number (bool, int, float), which asks for one
+    back; None for any other (np.float64 is a float too, but numpy's)."""
+    return type(target) if isinstance(target, (int, float)) and not isinstance(target, np.generic) else None
+
+
+def _as_python_number(value: Any, number: type, name: str) -> Any:
+    """``value`` cast to ``number`` as Orbax's restore casts it (2.5 into an int is 2)."""
+    try:
+        return number(value)
+    except (OverflowError, ValueError):  # nan or inf into an int
+        raise ValueError(f"{name}: saved as {value!r}, which the target's {number.__name__} cannot hold") from None
 
 
 def _saved_names(ckpt: _Checkpoint, paths: Sequence[tuple]) -> list[str]:
@@ -742,8 +762,7 @@ def _array_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _
         raise ValueError(f"{name}: saved with shape {leaf.shape}, the target has {shape}")
     dtype = np.dtype(getattr(target, "dtype", to_numpy_dtype(leaf.dtype)))
     itemsize = to_numpy_dtype(leaf.dtype).itemsize
-    # A Python number asks for one back, of its type, as Orbax casts (np.float64 is a float too).
-    number = type(target) if isinstance(target, (int, float)) and not isinstance(target, np.generic) else None
+    number = _python_number_type(target)
     if number is not None and shape != ():
         raise ValueError(f"{name}: saved with shape {shape}, the target is the number {target!r}")
     if isinstance(target, (np.ndarray, np.generic)) or (target is not None and not hasattr(target, "sharding")
@@ -752,7 +771,7 @@ def _array_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _
 
         def finish_host(started: dict[Box, Callable[[], np.ndarray]]) -> Any:
             array = started[whole]().astype(dtype, copy=False)
-            return array if number is None else number(array.item())
+            return array if number is None else _as_python_number(array.item(), number, name)
 
         return _LeafRead(ckpt, name, [whole], math.prod(shape) * itemsize, finish_host)
     sharding = getattr(target, "sharding", None)
@@ -801,9 +820,9 @@ class FerryRestore(checkpoint_args.CheckpointArgs):
     """Restore arguments: ``item`` is the target tree (abstract or concrete) or None.
 
     A number saved as a leaf (``step=0``) comes back as an array of the target's dtype and
-    sharding where the target leaf is an array (``jax.eval_shape``'s ``ShapeDtypeStruct``),
-    as saved where it is a number; a 0-d array saved comes back as a number of the target's
-    type where that is a Python number (as Orbax casts it).
+    sharding where the target leaf is an array (``jax.eval_shape``'s ``ShapeDtypeStruct``);
+    a number or a 0-d array saved comes back as a number of the target's type where that
+    is a Python number (as Orbax casts it: 2.5 into ``0`` is ``2``).
 
     ``mmap=True`` maps the stored chunks restored whole (those saved with the target's
     sharding) instead of reading them into new memory, as
