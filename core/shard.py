@@ -38,7 +38,7 @@ from .errors import CorruptCheckpointError, DurabilityWarning, TensorferryIOErro
 from .pools import ThreadPool
 from .schema import (ORBAX_STEP_MARKER, PART_FILE, STEP_NUMBER, check_tensor_entry, hub_cache_hint,
                      parse_json)
-from .streams import STREAM_PIECE, fill_from, read_exactly, remaining_bytes, stream_name
+from .streams import STREAM_PIECE, fill_from, naming_stream_errors, read_exactly, remaining_bytes, stream_name
 from .temporaries import (NEW_TEMPORARY_TRIES, discard_later, hold_new, refuse_temporary_marker, release,
                           remove_stale_temporaries, set_aside, temporary_name)
 
@@ -429,11 +429,13 @@ def _write_all(stream: Any, data: Any) -> None:
     (or, like many file-likes, returns None)."""
     view = memoryview(data).cast("B")
     while view.nbytes:
-        taken = stream.write(view)
+        with naming_stream_errors(stream, "writing to"):
+            taken = stream.write(view)
         if taken is None or taken >= view.nbytes:
             return
         if taken <= 0:
-            raise TensorferryIOError(errno.EIO, f"the stream took none of the {view.nbytes} bytes left to write")
+            raise TensorferryIOError(errno.EIO, f"the stream took none of the {view.nbytes} bytes left to write",
+                                     stream_name(stream))
         view = view[taken:]
 
 

@@ -8,6 +8,7 @@ file it is; any other stream is read once into new memory by
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import stat
@@ -28,6 +29,25 @@ def stream_name(stream: Any) -> str:
     """What errors call a stream: its ``name`` where it has one (a file's path)."""
     name = getattr(stream, "name", None)
     return name if isinstance(name, str) else f"<{type(stream).__name__}>"
+
+
+@contextlib.contextmanager
+def naming_stream_errors(stream: Any, doing: str) -> Iterator[None]:
+    """An ``OSError`` the caller's ``stream`` raises in the block (a full disk, a dropped
+    connection) as a :class:`TensorferryIOError` naming the stream, with its errno (EIO
+    where it has none) and the stream's own error as ``__cause__``: alone it named
+    nothing ("[Errno 28] No space left on device"). ``io.UnsupportedOperation`` (a stream
+    not open for what was asked) keeps its type, the stream named. ``doing`` is what was
+    asked of the stream: "reading", "writing to"."""
+    try:
+        yield
+    except TensorferryIOError:
+        raise
+    except io.UnsupportedOperation as exc:
+        raise io.UnsupportedOperation(f"{stream_name(stream)}: {exc}") from exc
+    except OSError as exc:
+        raise TensorferryIOError(exc.errno or errno.EIO, f"{doing} the stream failed: {exc.strerror or exc}",
+                                 stream_name(stream)) from exc
 
 
 @contextlib.contextmanager
@@ -127,16 +147,17 @@ def fill_from(stream: Any, buffer: Any) -> int:
     target = memoryview(buffer).cast("B")
     readinto = getattr(stream, "readinto", None)
     filled = 0
-    while filled < len(target):
-        if readinto is not None:
-            n = readinto(target[filled:]) or 0
-        else:
-            piece = stream.read(len(target) - filled)
-            n = len(piece)
-            target[filled:filled + n] = piece
-        if not n:
-            break
-        filled += n
+    with naming_stream_errors(stream, "reading"):
+        while filled < len(target):
+            if readinto is not None:
+                n = readinto(target[filled:]) or 0
+            else:
+                piece = stream.read(len(target) - filled)
+                n = len(piece)
+                target[filled:filled + n] = piece
+            if not n:
+                break
+            filled += n
     return filled
 
 
@@ -153,5 +174,5 @@ def require(stream: Any, method: str, verb: str) -> None:
                         f"with {method}()")
 
 
-__all__ = ["STREAM_PIECE", "file_behind", "fill_from", "is_stream", "read_exactly", "remaining_bytes",
-           "require", "stream_name"]
+__all__ = ["STREAM_PIECE", "file_behind", "fill_from", "is_stream", "naming_stream_errors", "read_exactly",
+           "remaining_bytes", "require", "stream_name"]

@@ -999,6 +999,50 @@ def test_save_to_a_raw_stream_that_takes_a_few_bytes_a_call(tmp_path) -> None:
     assert torch.equal(back["w"], state["w"]) and back["step"] == 4
 
 
+def test_errors_of_the_callers_own_stream_name_it(tmp_path) -> None:
+    """An OSError that the caller's stream raised (a full disk or a refused upload behind
+    it, a dropped connection) came through alone, naming nothing: "[Errno 28] No space left
+    on device". It is a TensorferryIOError naming the stream, with its errno (EIO where it
+    had none) and the stream's own error as __cause__."""
+    import io
+
+    class Upload(io.RawIOBase):
+        name = "/mnt/bucket/model.safetensors"
+
+        def __init__(self, error: OSError) -> None:
+            self.error = error
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data) -> int:
+            raise self.error
+
+    class Download(io.RawIOBase):
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer) -> int:
+            raise OSError(errno.ECONNRESET, "Connection reset by peer")
+
+    state = {"w": torch.ones(3)}
+    full = OSError(errno.ENOSPC, "No space left on device")
+    named = r"\[Errno 28\] writing to the stream failed: No space left on device: '/mnt/bucket/model.safetensors'"
+    with pytest.raises(tensorferry.TensorferryIOError, match=named) as caught:
+        save(state, Upload(full))
+    assert caught.value.errno == errno.ENOSPC and caught.value.__cause__ is full
+    with pytest.raises(tensorferry.TensorferryIOError, match="writing to the stream failed: upload refused") as caught:
+        save(state, Upload(OSError("upload refused")))
+    assert caught.value.errno == errno.EIO and caught.value.filename == Upload.name
+    with pytest.raises(tensorferry.TensorferryIOError, match="reading the stream failed: Connection reset by peer: "
+                                                             "'<Download>'") as caught:
+        load(Download())
+    assert caught.value.errno == errno.ECONNRESET and isinstance(caught.value.__cause__, ConnectionResetError)
+    (tmp_path / "read_only").write_bytes(b"")
+    with open(tmp_path / "read_only", "rb") as f, pytest.raises(io.UnsupportedOperation, match=str(tmp_path)):
+        save(state, f)  # not open for writing: the type a file gives, the file named
+
+
 def test_checkpointer_single_process(tmp_path) -> None:
     model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
