@@ -824,7 +824,9 @@ class _StagedReads:
         self.reader = reader
         self.targets = sorted(targets, key=lambda nt: reader.tensors[nt[0]].begin)
         self.ahead = ahead
-        self.ahead_landings = [] if ahead is None else ahead.landings(from_ahead)
+        self.ahead_landings = [] if ahead is None else ahead.parts(from_ahead)
+        if ahead is not None:
+            ahead.cancel_except(number for number, _ in self.ahead_landings)
 
     def _pieces(self) -> Iterable[tuple[int, int, list[tuple[str, np.ndarray, int, int, int]]]]:
         """``(file start, file end, parts)``, the start rounded down to a page; each part
@@ -870,13 +872,15 @@ class _StagedReads:
             for slot in slots:
                 _pool.release(slot)
 
-    def _land_ahead(self, hashers: dict[str, Any]) -> None:
-        """The tensors the read-ahead holds, each piece's buffer given back once landed."""
+    def _land_ahead(self, hashers: dict[str, Any], *, drop: bool = True) -> None:
+        """The tensors the read-ahead holds; with ``drop``, each piece's buffer given back
+        once landed (not where later boxes may want the same piece)."""
         landings, self.ahead_landings = self.ahead_landings, []
         for number, parts in landings:
             future, slot = self.ahead.piece(number)
             self._land(future, slot, parts, hashers)
-            self.ahead.drop(number)
+            if drop:
+                self.ahead.drop(number)
 
     def _land(self, future: IOFuture, slot: np.ndarray, parts: list, hashers: dict[str, Any]) -> None:
         future.result()
@@ -940,7 +944,11 @@ class _ReadAhead:
             for at in range(self.start, stop, self.PIECE):
                 length = min(self.PIECE, stop - at)
                 slot = _pool.acquire(self.PIECE)
-                self._pieces.append((reader.engine.pread(slot, reader._file, at, length), slot))
+                try:
+                    self._pieces.append((reader.engine.pread(slot, reader._file, at, length), slot))
+                except BaseException:
+                    _pool.release(slot)
+                    raise
                 self.end = at + length
         except BaseException:
             self.close()
@@ -950,10 +958,9 @@ class _ReadAhead:
         """Whether file bytes ``[begin, end)`` all lie in the read-ahead (and are some)."""
         return self.start <= begin < end <= self.end
 
-    def landings(self, targets: Iterable[tuple[str, np.ndarray, int]]) -> list[tuple[int, list]]:
+    def parts(self, targets: Iterable[tuple[str, np.ndarray, int]]) -> list[tuple[int, list]]:
         """``(piece number, parts)`` in file order, for the ``(name, view, first byte in
-        the file)`` targets (all covered), each part as :class:`_StagedReads` lands it;
-        the pieces none of them needs are cancelled."""
+        the file)`` targets (all covered), each part as :class:`_StagedReads` lands it."""
         per_piece: dict[int, list[tuple[str, np.ndarray, int, int, int]]] = {}
         for name, view, begin in targets:
             done = 0
@@ -962,10 +969,14 @@ class _ReadAhead:
                 take = min(view.nbytes - done, self.PIECE - at)
                 per_piece.setdefault(number, []).append((name, view, done, at, take))
                 done += take
-        for number, piece in enumerate(self._pieces):
-            if number not in per_piece and piece is not None:
-                piece[0].cancel()
         return sorted(per_piece.items())
+
+    def cancel_except(self, needed: Iterable[int]) -> None:
+        """Cancels the pieces not ``needed`` (their buffers go back with :meth:`close`)."""
+        needed = set(needed)
+        for number, piece in enumerate(self._pieces):
+            if number not in needed and piece is not None:
+                piece[0].cancel()
 
     def piece(self, number: int) -> tuple[IOFuture, np.ndarray]:
         return self._pieces[number]
@@ -1544,6 +1555,10 @@ class ShardReader:
         dtype = to_numpy_dtype(t.dtype)
         shape = t.shape
         offsets, lengths = tuple(int(o) for o in offsets), tuple(int(n) for n in lengths)
+        if self._ahead is not None and lengths == shape and t.nbytes and not any(offsets):
+            box = self._whole_from_ahead(name, out, dtype)
+            if box is not None:
+                return box
         if out is None and lengths == shape and t.nbytes and not any(offsets):
             # The whole tensor into new memory, the common case of a restore: one read, no
             # box arithmetic (which cost a JAX restore of 4096 leaves more than its reads).
@@ -1583,6 +1598,32 @@ class ShardReader:
             return item_aligned(box) if dest is None else _copy_items(box, dest)
 
         return BoxRead(self.pread(name, buffer, first * itemsize), whole, assemble)
+
+    def _whole_from_ahead(self, name: str, out: Any, dtype: np.dtype) -> BoxRead | None:
+        """Tensor ``name`` whole, copied (and verified) now from the read-ahead into ``out``
+        or new memory, where the read-ahead holds it and ``out`` is contiguous; else None.
+        A box read of a DCP load goes this way: a CUDA target's (through pinned memory), or
+        one of another dtype; the pieces stay for the boxes after it."""
+        t, ahead = self.tensors[name], self._ahead
+        begin = self.data_start + t.begin
+        if not ahead.covers(begin, begin + t.nbytes):
+            return None
+        dest = self._box_destination(name, out, t.shape, dtype)
+        if dest is not None and not dest.flags.c_contiguous:
+            return None
+        buffer = self.buffer_for(name, 0, t.nbytes) if dest is None else byte_view(dest, writable=True)
+        staged, hashers = _StagedReads(self, []), {}
+        for number, parts in ahead.parts([(name, buffer, begin)]):
+            staged._land(*ahead.piece(number), parts, hashers)
+        box = item_aligned(buffer.view(dtype).reshape(t.shape)) if dest is None else dest
+        return BoxRead(IOFuture.completed(t.nbytes), True, lambda: box)
+
+    def end_read_ahead(self) -> None:
+        """Gives back the buffers of :meth:`read_ahead` now, what no read took cancelled
+        (as :meth:`close` does; for a load whose remaining reads want nothing from them)."""
+        ahead = self._take_ahead()
+        if ahead is not None:
+            ahead.close()
 
     def _box_destination(self, name: str, out: Any, lengths: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
         """``out`` of :meth:`read_box` as an array of shape ``lengths`` and the stored item size."""
@@ -1637,9 +1678,7 @@ class ShardReader:
         return self._corrupt(f"checksum mismatch in tensor {name!r}: the data is corrupt")
 
     def close(self) -> None:
-        ahead = self._take_ahead()
-        if ahead is not None:
-            ahead.close()
+        self.end_read_ahead()
         self._file.close()
 
     def __enter__(self) -> "ShardReader":

@@ -910,6 +910,43 @@ def test_dcp_load_reads_ahead_while_torch_plans(tmp_path, monkeypatch, read_ahea
     assert len(_pool._leased) == leases
 
 
+def test_dcp_read_ahead_of_a_load_whose_planning_failed(tmp_path) -> None:
+    """torch calls no method of the reader after a failed planning (a key the checkpoint
+    lacks): what it read ahead goes with the reader, or with its next load, which reads
+    the folder as it is now (rewritten meanwhile), not what the failed one read."""
+    from tensorferry.shard import _pool
+    leases = len(_pool._leased)
+    dcp.save({"w": torch.ones(1000)}, storage_writer=DCPWriter(tmp_path / "c"))
+    reader = DCPReader(tmp_path / "c")
+    with pytest.raises(CheckpointException, match="missing"):
+        dcp.load({"w": torch.zeros(1000), "missing": torch.zeros(2)}, storage_reader=reader)
+    assert reader._opened and len(_pool._leased) > leases
+    dcp.save({"w": torch.full((1000,), 2.0)}, storage_writer=DCPWriter(tmp_path / "c", overwrite=True))
+    again = {"w": torch.zeros(1000)}
+    dcp.load(again, storage_reader=reader)
+    assert torch.equal(again["w"], torch.full((1000,), 2.0))
+    with pytest.raises(CheckpointException, match="missing"):
+        dcp.load({"w": torch.zeros(1000), "missing": torch.zeros(2)}, storage_reader=reader)
+    del reader
+    gc.collect()
+    assert len(_pool._leased) == leases
+
+
+def test_dcp_partial_load_needs_only_the_files_it_reads(tmp_path) -> None:
+    """A shard file the plan does not need may be missing (or damaged): read ahead or not."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    state = {f"t{i}": torch.full((1000,), float(i)) for i in range(8)}
+    dcp.save(state, storage_writer=DCPWriter(tmp_path / "c", files_per_rank=4))
+    holder = tensorferry.read_manifest(tmp_path / "c")["metadata"]["dcp_items"]["tensors"]["t0"]["chunks"][0][0]
+    others = sorted(f for f in os.listdir(tmp_path / "c") if f.endswith(".safetensors") and f != holder)
+    os.unlink(tmp_path / "c" / others[0])
+    for read_ahead in (0, None):
+        part = {"t0": torch.zeros(1000)}
+        dcp.load(part, storage_reader=DCPReader(tmp_path / "c", read_ahead=read_ahead),
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
+        assert torch.equal(part["t0"], state["t0"])
+
+
 def test_dcp_refuses_to_overwrite(tmp_path) -> None:
     dcp.save({"x": torch.ones(3)}, storage_writer=DCPWriter(tmp_path / "c"))
     with pytest.raises(CheckpointException, match="exists"):

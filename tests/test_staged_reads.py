@@ -236,3 +236,47 @@ def test_what_no_read_takes_is_given_back(stored) -> None:
     with ShardReader(path) as r:
         r.read_ahead(1 << 30)  # and never read
     assert _leases() == leases
+
+
+@pytest.mark.parametrize("into", ["new memory", "out"])
+def test_whole_boxes_come_from_what_was_read_ahead(stored, into: str) -> None:
+    """A box read of a whole tensor (a DCP load's into a CUDA target, through pinned
+    memory, or into another dtype) is copied from the read-ahead, verified, not read
+    again: the file rewritten after the read-ahead landed does not show."""
+    path, arrays = stored
+    leases = _leases()
+    with ShardReader(path) as r:
+        r.read_ahead(1 << 30)
+        for number in range(len(r._ahead._pieces)):
+            r._ahead.piece(number)[0].result()
+        with open(path, "r+b") as f:  # same size and header, other data
+            f.seek(r.data_start)
+            f.write(bytes(r.size - r.data_start))
+        for name, a in arrays.items():
+            out = None if into == "new memory" else at_phase(a.nbytes, 64)
+            box = r.read_box(name, [0], [a.nbytes], out=out).result()
+            assert out is None or box is out
+            np.testing.assert_array_equal(box, a)
+        r.end_read_ahead()
+        assert r._ahead is None
+    assert _leases() == leases
+
+
+def test_an_interrupted_read_ahead_gives_its_buffers_back(stored, monkeypatch) -> None:
+    from tensorferry.engine import Engine
+    path, _ = stored
+    monkeypatch.setattr(_ReadAhead, "PIECE", ALIGNMENT)
+    pread, calls = Engine.pread, []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return pread(self, *args, **kwargs)
+
+    leases = _leases()
+    with ShardReader(path) as r:
+        monkeypatch.setattr(Engine, "pread", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            r.read_ahead(1 << 20)
+    assert _leases() == leases

@@ -27,6 +27,7 @@ import io
 import math
 import os
 import pickle
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -342,7 +343,10 @@ class DCPReader(StorageReader):
         self.verify = verify
         self.read_ahead = default_read_ahead() if read_ahead is None else parse_size(read_ahead, "read_ahead")
         self._torchs: StorageReader | None = None
-        self._opened: dict[str, ShardReader] = {}  # shard files opened (and read ahead) before read_data
+        # Shard files opened (and read ahead) before read_data; closed by it, by the next
+        # load's set-up, or with the reader: torch calls nothing on a load whose planning failed.
+        self._opened: dict[str, ShardReader] = {}
+        weakref.finalize(self, _close_readers, self._opened)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -353,9 +357,7 @@ class DCPReader(StorageReader):
         self._close_opened()
 
     def _close_opened(self) -> None:
-        opened, self._opened = self._opened, {}
-        for reader in opened.values():
-            reader.close()
+        _close_readers(self._opened)
 
     def _torch_folder(self) -> StorageReader | None:
         """torch's reader, for a folder of torch's FileSystemWriter (a ``.metadata``, no
@@ -370,6 +372,7 @@ class DCPReader(StorageReader):
 
     @gc_paused()
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self._close_opened()  # a new load: what an earlier one read ahead may be stale
         if self._torch_folder() is not None:
             return self._torchs.read_metadata()
         self._manifest = read_manifest(self.path)
@@ -382,6 +385,7 @@ class DCPReader(StorageReader):
 
     @gc_paused()
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._close_opened()
         if self._torch_folder() is not None:
             return self._torchs.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         if not hasattr(self, "_manifest"):
@@ -402,7 +406,7 @@ class DCPReader(StorageReader):
         which callers also use only to look at a checkpoint. At most ``read_ahead`` bytes,
         in the order read_data reads files: this rank's own, as a save at the same world
         size wrote them (what FSDP reads back), else the order of the saved items."""
-        if self.read_ahead <= 0 or self._opened:
+        if self.read_ahead <= 0:
             return
         files = list(dict.fromkeys(chunk[0] for entry in self._manifest["metadata"][ITEMS_KEY]["tensors"].values()
                                    for chunk in entry["chunks"]))
@@ -413,9 +417,16 @@ class DCPReader(StorageReader):
         for name in files:
             if budget <= 0:
                 break
-            reader = self._opened[name] = open_shard(self.path, self._manifest, name, engine=self.engine,
-                                                     verify=self.verify)
-            reader.read_ahead(budget)
+            try:
+                reader = open_shard(self.path, self._manifest, name, engine=self.engine, verify=self.verify)
+            except Exception:  # missing or damaged: read_data says so if the plan needs this file
+                continue
+            self._opened[name] = reader
+            try:
+                reader.read_ahead(budget)
+            except Exception:  # no buffers (ENOMEM): the load reads as it would without
+                reader.end_read_ahead()
+                break
             budget -= reader.size - reader.data_start
 
     def _place(self, index: Any) -> tuple[str, str]:
@@ -456,6 +467,9 @@ class DCPReader(StorageReader):
                         whole.setdefault(name, {})[key] = (item, target)
                     else:
                         started.append((item, _start_read(reader, key, item, planner, target)))
+            for name, reader in readers.items():
+                if name not in whole:  # box reads only, each served as it started
+                    reader.end_read_ahead()
             for name, entries in whole.items():
                 # A stored chunk read whole into CPU memory of its dtype (the usual restore):
                 # the file's chunks together, in few large requests (ShardReader.read_many).
@@ -476,6 +490,11 @@ class DCPReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return os.path.isfile(os.path.join(os.fspath(checkpoint_id), MANIFEST))
+
+
+def _close_readers(readers: dict[str, ShardReader]) -> None:
+    while readers:
+        readers.popitem()[1].close()
 
 
 def _place_key(index: Any) -> tuple[str, tuple[int, ...] | None]:
