@@ -849,6 +849,16 @@ def test_a_target_without_some_saved_leaves_is_refused_unless_partial(tmp_path):
         assert_same({"params": saved["params"], "step": 7}, partial["state"])
 
 
+def restored_by_us_and_by_orbax(ckptr, tmp_path, saved, target):
+    """``saved`` restored into ``target`` through ``ckptr`` and through Orbax's own StandardCheckpointer."""
+    ckptr.save(tmp_path / "c", args=FerrySave(saved))
+    ours = ckptr.restore(tmp_path / "c", args=FerryRestore(target))
+    orbax_own = ocp.StandardCheckpointer()
+    orbax_own.save(tmp_path / "orbax", saved)
+    orbax_own.wait_until_finished()
+    return ours, orbax_own.restore(tmp_path / "orbax", target)
+
+
 def test_arrays_restore_as_python_numbers_where_the_target_has_them(tmp_path):
     """A 0-d array (jax's or numpy's) restored into a Python number comes back as a number
     of the target's type, as Orbax's StandardCheckpointHandler returns it; a larger
@@ -856,12 +866,7 @@ def test_arrays_restore_as_python_numbers_where_the_target_has_them(tmp_path):
     saved = {"step": jnp.array(5), "lr": np.float32(0.5), "scale": jnp.array(1.5), "v": jnp.arange(3)}
     target = {"step": 0, "lr": 0.0, "scale": 0, "v": jax.ShapeDtypeStruct((3,), jnp.int32)}
     ckptr = ocp.Checkpointer(FerryCheckpointHandler())
-    ckptr.save(tmp_path / "c", args=FerrySave(saved))
-    ours = ckptr.restore(tmp_path / "c", args=FerryRestore(target))
-    orbax_own = ocp.StandardCheckpointer()
-    orbax_own.save(tmp_path / "orbax", saved)
-    orbax_own.wait_until_finished()
-    theirs = orbax_own.restore(tmp_path / "orbax", target)
+    ours, theirs = restored_by_us_and_by_orbax(ckptr, tmp_path, saved, target)
     for name in ("step", "lr", "scale"):
         assert type(ours[name]) is type(theirs[name]) is type(target[name]) and ours[name] == theirs[name], name
     with pytest.raises(ValueError, match=r"\['v'\]: saved with shape \(3,\), the target is the number 0"):
@@ -876,12 +881,7 @@ def test_numbers_restore_as_python_numbers_of_the_targets_type(tmp_path):
     saved = {"step": 3, "lr": 2.5, "flag": True, "count": 4}
     target = {"step": 1.0, "lr": 0, "flag": 0.0, "count": False}
     ckptr = ocp.Checkpointer(FerryCheckpointHandler())
-    ckptr.save(tmp_path / "c", args=FerrySave(saved))
-    ours = ckptr.restore(tmp_path / "c", args=FerryRestore(target))
-    orbax_own = ocp.StandardCheckpointer()
-    orbax_own.save(tmp_path / "orbax", saved)
-    orbax_own.wait_until_finished()
-    theirs = orbax_own.restore(tmp_path / "orbax", target)
+    ours, theirs = restored_by_us_and_by_orbax(ckptr, tmp_path, saved, target)
     for name in saved:
         assert type(ours[name]) is type(theirs[name]) is type(target[name]) and ours[name] == theirs[name], name
     assert ours == {"step": 3.0, "lr": 2, "flag": 1.0, "count": True}
