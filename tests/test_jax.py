@@ -646,6 +646,78 @@ def test_two_processes(tmp_path):
     assert "process-0.safetensors" in outputs[0] and "process-1.json" in outputs[0]
 
 
+
+_PROCESS_LOCAL = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+path, pid, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tensorferry.adapters.jax import FerryCheckpointHandler, FerryRestore, FerrySave, handler
+from tensorferry.errors import CorruptCheckpointError
+
+everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("p",)), P())
+replicated = jax.make_array_from_callback((3,), everywhere, lambda i: np.arange(3, dtype=np.float32))
+process_0 = Mesh(np.array([d for d in jax.devices() if d.process_index == 0]), ("s",))
+local = {"rng": jax.random.key_data(jax.random.fold_in(jax.random.key(0), pid)),
+         "seen": jnp.full((3,), float(pid)),
+         "key": jax.random.key(0),  # the same on every process, yet each process's own
+         "local_mesh": jax.device_put(np.arange(8.0), NamedSharding(Mesh(np.array(jax.local_devices()), ("l",)),
+                                                                     P("l"))),
+         "stage": jax.make_array_from_callback((8,), NamedSharding(process_0, P("s")), lambda i: np.zeros(8)[i],
+                                               dtype=np.float32)}
+ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+for name, value in local.items():
+    where = "the devices of process 0" if name == "stage" and pid == 1 else "this process's devices"
+    with pytest.raises(ValueError, match=rf"^\['{name}'\]: a jax.Array on {where} alone .* in a job of 2 processes"):
+        ckptr.save(f"{path}/{name}", args=FerrySave({"replicated": replicated, name: value}))
+
+# A global array replicated over every process's devices is saved, and so is the remedy the error names.
+rows = NamedSharding(Mesh(np.array(jax.devices()).reshape(jax.process_count(), -1), ("p", "d")), P("p"))
+per_process = jax.make_array_from_process_local_data(rows, np.asarray(local["seen"])[None])
+ckptr.save(f"{path}/global", args=FerrySave({"replicated": replicated, "per_process": per_process}))
+target = {"replicated": jax.ShapeDtypeStruct((3,), np.float32, sharding=everywhere),
+          "per_process": jax.ShapeDtypeStruct((2, 3), np.float32, sharding=rows)}
+restored = ckptr.restore(f"{path}/global", args=FerryRestore(target))
+np.testing.assert_array_equal(np.asarray(restored["replicated"].addressable_data(0)), np.arange(3))
+for shard in restored["per_process"].addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), [[pid] * 3])
+
+# As a save before the refusal wrote it: each process's own under one chunk name.
+refuse, handler._refuse_process_local = handler._refuse_process_local, lambda name, value: None
+ckptr.save(f"{path}/old", args=FerrySave({"replicated": replicated, "seen": local["seen"]}))
+handler._refuse_process_local = refuse
+both = {"replicated": target["replicated"], "seen": jax.ShapeDtypeStruct((3,), np.float32)}
+for args in [(), (FerryRestore(both),)]:  # without a target, and with one
+    with pytest.raises(CorruptCheckpointError, match=r"leaf \['seen'\] has its box at offsets \[0\] of size \[3\] "
+                                                     r"saved twice.*process-0.*process-1"):
+        ckptr.restore(f"{path}/old", *args)
+partial = ckptr.restore(f"{path}/old", args=FerryRestore({"replicated": both["replicated"]}, partial_restore=True))
+np.testing.assert_array_equal(np.asarray(partial["replicated"].addressable_data(0)), np.arange(3))
+print("OK", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_process_local_arrays_are_refused_by_the_save_and_by_the_restore(tmp_path):
+    """Each process's own array (a key folded with the process index, ``jnp.full(3, pid)``)
+    was saved by every process under one chunk name, and restored everywhere as process
+    0's, silently: the save now refuses it on every process, naming the leaf, as Orbax
+    refuses a "host local" array, and a restore of a step saved so refuses the leaf."""
+    from conftest import free_ports, run_processes
+
+    (port,) = free_ports(1)
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    outputs = run_processes(_PROCESS_LOCAL, [([str(tmp_path), str(i), str(port)], env) for i in range(2)], timeout=90)
+    assert all("OK" in out for out in outputs)
+
 def test_restore_reads_ahead_within_a_window(tmp_path, monkeypatch):
     from tensorferry.adapters.jax import handler
     # Many small leaves: each leaf's reads start while earlier leaves are still being

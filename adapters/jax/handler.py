@@ -206,10 +206,35 @@ class _Checkpoint:
                                              f"{exc})") from None
         if self.structure is None:
             raise CorruptCheckpointError(f"{directory}: no process index holds the tree structure")
+        # Refused when a restore asks for the leaf, not here, so that partial_restore can leave it out.
+        self.saved_twice: dict[str, str] = {}
+        for name, leaf in self.leaves.items():
+            by_box: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[str, str]] = {}
+            for filename, key, offsets, sizes in leaf.chunks:
+                first = by_box.setdefault((offsets, sizes), (filename, key))
+                if first != (filename, key):
+                    self.saved_twice[name] = (
+                        f"{directory}: leaf {_shown(name)} has its box at offsets {list(offsets)} of size "
+                        f"{list(sizes)} saved twice, as {first[1]!r} in {first[0]} and as {key!r} in {filename}: "
+                        "a process-local array that each process saved as its own (a save of this version "
+                        "refuses it), of which a restore cannot tell which to give; each process's value is in "
+                        "its process-i.safetensors, and FerryRestore(partial_restore=True) with a target "
+                        "lacking the leaf restores the others")
+                    break
         _check_structure(self.structure, directory, self.leaves)
         self._readers: dict[str, ShardReader] = {}
         self._whole: dict[str, WholeReads | MappedReads] = {}
         self._whole_boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[WholeReads | MappedReads, str]] = {}
+
+    def restorable(self, name: str) -> _Leaf:
+        """The saved leaf ``name``; a ``KeyError`` where none was saved, and a
+        :class:`CorruptCheckpointError` where processes saved a box of it twice."""
+        leaf = self.leaves.get(name)
+        if leaf is None:
+            raise KeyError(missing_names(self.directory, "leaf", [name], self.leaves))
+        if name in self.saved_twice:
+            raise CorruptCheckpointError(self.saved_twice[name])
+        return leaf
 
     def reader(self, filename: str) -> ShardReader:
         if filename not in self.manifests:
@@ -362,6 +387,8 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         to_copy: list[int] = []  # indices into arrays
         for name, value in found.items():
             prng_impl = None
+            if isinstance(value, jax.Array):
+                _refuse_process_local(name, value)
             if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
                 # A typed PRNG key (jax.random.key) has no dtype numpy knows: its key data
                 # (uint32, one more dimension) is stored, with the implementation's name.
@@ -506,6 +533,34 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         pass
 
 
+def _refuse_process_local(name: str, value: jax.Array) -> None:
+    """Refuses, in a job of several processes, an array on the devices of one process
+    alone: a process-local array (``jnp.full(3, pid)``, a key folded with the process
+    index, pmap's outputs) is that on every process, and each process would save its
+    own under the same chunk names, of which a restore gives every process one. Orbax
+    refuses these too ("Cannot serialize host local jax.Array", where
+    ``jax.process_count() > 1`` and the array ``is_fully_addressable``): on the process
+    holding the array that test is this one. This one refuses the array on a process
+    holding none of it as well (a pipeline stage on another process's devices), which
+    would otherwise go on to wait in Orbax's barrier for the process that refused it."""
+    count = jax.process_count()
+    if count == 1:
+        return
+    owners = {device.process_index for device in value.sharding.device_set}
+    if len(owners) != 1:
+        return
+    (owner,) = owners
+    where = "this process's devices" if owner == jax.process_index() else f"the devices of process {owner}"
+    raise ValueError(
+        f"{name or 'the item'}: a jax.Array on {where} alone ({repr(value.sharding)[:200]}) in a job of {count} "
+        "processes, which a save cannot tell from a process-local array (each process's own, which every "
+        "process would save as the whole array and a restore could not tell apart; Orbax refuses these too: "
+        "\"Cannot serialize host local jax.Array\"). Save one global array over every process's devices "
+        "instead: jax.make_array_from_process_local_data(NamedSharding(Mesh(np.array(jax.devices()).reshape("
+        "jax.process_count(), -1), ('p', 'd')), P('p')), x[None]) keeps each process's value as a row of it; a "
+        "value the same on every process can be saved as a numpy array (process 0's is written)")
+
+
 def _stored_dtype(name: str, dtype: Any) -> str:
     """The safetensors name of leaf ``name``'s dtype; the refusal names the leaf."""
     return to_safetensors_dtype(np.dtype(dtype), name or "the item")
@@ -568,7 +623,7 @@ def _host_value(ckpt: _Checkpoint, name: str) -> _LeafRead:
 
 def _as_saved(ckpt: _Checkpoint, name: str) -> _LeafRead:
     """Leaf ``name`` as it was saved: a ``jax.Array`` on its saved sharding, or a host value."""
-    leaf = ckpt.leaves[name]
+    leaf = ckpt.restorable(name)
     if leaf.kind == "scalar" or not leaf.was_jax:
         return _host_value(ckpt, name)
     data = _array_leaf_for(ckpt, name, leaf, jax.ShapeDtypeStruct(leaf.shape, to_numpy_dtype(leaf.dtype),
@@ -698,9 +753,7 @@ def _leaves_by_key_names(spec: Any, keys: tuple = (), found: dict[tuple, str] | 
 
 def _leaf_for(ckpt: _Checkpoint, name: str, target: Any) -> _LeafRead:
     """How leaf ``name`` is restored into the shape, dtype and sharding of ``target``."""
-    leaf = ckpt.leaves.get(name)
-    if leaf is None:
-        raise KeyError(missing_names(ckpt.directory, "leaf", [name], ckpt.leaves))
+    leaf = ckpt.restorable(name)
     if leaf.kind == "scalar":
         return _LeafRead(ckpt, name, [], 0, lambda started: _scalar_as(leaf.value, target, name))
     if leaf.prng_impl is not None:
