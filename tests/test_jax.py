@@ -718,6 +718,112 @@ def test_process_local_arrays_are_refused_by_the_save_and_by_the_restore(tmp_pat
     outputs = run_processes(_PROCESS_LOCAL, [([str(tmp_path), str(i), str(port)], env) for i in range(2)], timeout=90)
     assert all("OK" in out for out in outputs)
 
+
+_SAVED_BY_ONE_PROCESS = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tensorferry.adapters.jax import FerryCheckpointHandler, FerrySave
+
+full = np.arange(16 * 4, dtype=np.float32).reshape(16, 4)
+on_four = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+state = {"w": jax.make_array_from_callback(full.shape, on_four, lambda i: full[i]),
+         "keys": jax.device_put(jax.random.split(jax.random.key(1), 4), on_four),
+         "replicated": jax.make_array_from_callback(full.shape, NamedSharding(on_four.mesh, P()), lambda i: full[i]),
+         "one": jax.device_put(full[0], jax.devices()[0])}
+ocp.Checkpointer(FerryCheckpointHandler()).save(sys.argv[1], args=FerrySave(state))
+"""
+
+_NO_SHARD_ON_A_PROCESS = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+path, pid, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tensorferry.adapters.jax import FerryCheckpointHandler, FerryRestore, FerrySave, handler
+
+full = np.arange(16 * 4, dtype=np.float32).reshape(16, 4)
+key_data = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(1), 4)))
+
+
+def check(array, expected, holds):
+    assert len(array.addressable_shards) == (len(array.sharding.addressable_devices) if holds else 0)
+    for shard in array.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), expected[shard.index])
+
+
+# Pipeline stages: restored onto the devices of one process, from a step saved over both.
+stages = [Mesh(np.array([d for d in jax.devices() if d.process_index == p]), ("s",)) for p in (0, 1)]
+everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+ckptr.save(f"{path}/both", args=FerrySave({
+    "w": jax.make_array_from_callback(full.shape, everywhere, lambda i: full[i]),
+    "v": jax.make_array_from_callback(full.shape, everywhere, lambda i: full[i] + 100),
+    "r": jax.make_array_from_callback(full.shape, everywhere, lambda i: full[i] + 200), "step": 3}))
+# JAX asks a replicated sharding's callback for the data even where this process holds no shard.
+replicated = NamedSharding(stages[1], P())
+target = {"w": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=NamedSharding(stages[0], P("s"))),
+          "v": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=NamedSharding(stages[1], P(None, "s"))),
+          "r": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=replicated),
+          "step": jax.ShapeDtypeStruct((), np.int32, sharding=replicated)}
+restored = ckptr.restore(f"{path}/both", args=FerryRestore(target))
+for name, expected, holder in [("w", full, 0), ("v", full + 100, 1), ("r", full + 200, 1), ("step", np.array(3), 1)]:
+    assert (restored[name].shape, restored[name].dtype) == (expected.shape, target[name].dtype), name
+    assert restored[name].sharding == target[name].sharding, name
+    check(restored[name], expected, holds=pid == holder)
+
+# Saved by one process (devices 0-3, process 0's here), restored without a target by two:
+# on the saved mesh, one global array of which process 1 holds nothing, as the metadata says.
+as_saved = ckptr.restore(f"{path}/one")
+saved_on = NamedSharding(Mesh(np.array([d for d in jax.devices() if d.id in range(4)]), ("x",)), P("x"))
+assert as_saved["w"].sharding == saved_on and as_saved["w"].dtype == np.float32
+check(as_saved["w"], full, holds=pid == 0)
+assert as_saved["replicated"].sharding == NamedSharding(saved_on.mesh, P())
+check(as_saved["replicated"], full, holds=pid == 0)
+assert jax.dtypes.issubdtype(as_saved["keys"].dtype, jax.dtypes.prng_key) and as_saved["keys"].shape == (4,)
+check(jax.random.key_data(as_saved["keys"]), key_data, holds=pid == 0)
+assert FerryCheckpointHandler().metadata(f"{path}/one")["w"].sharding == saved_on
+# A single device's array comes back whole on every process: on its device, or the process's first.
+assert as_saved["one"].sharding.device_set == {jax.local_devices()[0]}
+np.testing.assert_array_equal(np.asarray(as_saved["one"]), full[0])
+
+handler._CALLBACK_TAKES_DTYPE = False  # as under JAX before 0.5.3, which cannot make the array
+with pytest.raises(ValueError, match=r"^\['(r|w)'\]: this process holds no device of the target's sharding"):
+    FerryCheckpointHandler().restore(f"{path}/both", args=FerryRestore(target))  # no barrier after it
+print("OK", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_restore_where_a_process_holds_no_shard_of_an_array(tmp_path):
+    """A restore onto a sharding that leaves a process without devices (pipeline stages;
+    a step saved by one process, restored without a target by two) raised on that
+    process ("If the Array has no addressable shards, `dtype` must be provided"), and the
+    other waited in Orbax's barrier: that process now reads nothing and gets the array
+    of which it holds no shard."""
+    import subprocess
+    import sys
+    from conftest import free_ports, run_processes
+
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    saved = subprocess.run([sys.executable, "-c", _SAVED_BY_ONE_PROCESS, str(tmp_path / "one")], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    (port,) = free_ports(1)
+    outputs = run_processes(_NO_SHARD_ON_A_PROCESS, [([str(tmp_path), str(i), str(port)], env) for i in range(2)],
+                            timeout=90)
+    assert all("OK" in out for out in outputs)
+
 def test_restore_reads_ahead_within_a_window(tmp_path, monkeypatch):
     from tensorferry.adapters.jax import handler
     # Many small leaves: each leaf's reads start while earlier leaves are still being

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import glob
+import inspect
 import json
 import math
 import os
@@ -478,7 +479,10 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         ones by key names, as Orbax matches them); without one, arrays come back in the
         saved structure as they were saved, as Orbax's own handlers restore: ``jax.Array``
         leaves as ``jax.Array`` on their saved mesh (onto this process's first device where
-        this run lacks that mesh's devices), numpy arrays as numpy arrays.
+        this run lacks that mesh's devices), numpy arrays as numpy arrays. A process
+        holding no device of a sharding reads nothing of that leaf and gets the global
+        array without a shard of it (a step saved by one process restored without a
+        target by two: the second holds nothing of an array saved on a mesh).
         ``args.mmap``, ``args.partial_restore``: see :class:`FerryRestore`."""
         mapped = partial = False
         if args is not None:
@@ -659,7 +663,10 @@ def _sharding_fields(sharding: Any) -> dict[str, Any]:
 def _saved_sharding(name: str, leaf: _Leaf) -> jax.sharding.Sharding:
     """The sharding a ``jax.Array`` leaf was saved with where this run has every device of
     its mesh (or its one device, where this process has it), as Orbax restores without a
-    target; otherwise this process's first device."""
+    target; otherwise this process's first device. A mesh is kept where its devices are
+    all another process's: every process must give the same sharding to one global array,
+    and the process holding none of it gets it without a shard. A single device is a
+    process-local array's, which each process gets whole."""
     record = leaf.sharding
     if record is not None:
         try:
@@ -830,6 +837,17 @@ def _array_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _
     sharding = getattr(target, "sharding", None)
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if not sharding.addressable_devices:
+        # A pipeline stage on other processes' devices, say: this process has nothing to read.
+        if not _CALLBACK_TAKES_DTYPE:
+            raise ValueError(f"{name}: this process holds no device of the target's sharding ({sharding}), "
+                             f"and JAX {jax.__version__} cannot make an array of which it holds no shard "
+                             "(jax.make_array_from_callback takes a dtype from 0.5.3 on): upgrade JAX, or "
+                             "restore onto devices of every process")
+        # JAX calls the callback once for a replicated sharding even where it has no device to put it on.
+        nothing = np.broadcast_to(np.zeros((), dtype), shape)
+        return _LeafRead(ckpt, name, [], 0, lambda started: _from_callback(shape, sharding, lambda index: nothing,
+                                                                           dtype))
     # Replicated shardings ask for the same box on several devices: it is read once.
     if sharding.is_fully_replicated:  # one device too: no need to map each device's index
         boxes = [((0,) * len(shape), shape)]
@@ -840,7 +858,7 @@ def _array_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _
     if len(boxes) == 1:  # every device's index selects the same box (one device, or replicated)
         def finish_one(started: dict[Box, Callable[[], np.ndarray]]) -> jax.Array:
             data = started[boxes[0]]().astype(dtype, copy=False)
-            return jax.make_array_from_callback(shape, sharding, lambda index: data)
+            return _from_callback(shape, sharding, lambda index: data, dtype)
 
         return _LeafRead(ckpt, name, boxes, math.prod(boxes[0][1]) * itemsize, finish_one)
 
@@ -854,9 +872,21 @@ def _array_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _
                 done[box] = read().astype(dtype, copy=False)
             return done[box]
 
-        return jax.make_array_from_callback(shape, sharding, callback)
+        return _from_callback(shape, sharding, callback, dtype)
 
     return _LeafRead(ckpt, name, boxes, sum(math.prod(sizes) for _, sizes in boxes) * itemsize, finish)
+
+
+# Without dtype= (JAX before 0.5.3) JAX takes the dtype from the first shard, and cannot
+# make an array of which this process holds none.
+_CALLBACK_TAKES_DTYPE = "dtype" in inspect.signature(jax.make_array_from_callback).parameters
+
+
+def _from_callback(shape: tuple[int, ...], sharding: jax.sharding.Sharding, callback: Any,
+                   dtype: np.dtype) -> jax.Array:
+    if _CALLBACK_TAKES_DTYPE:
+        return jax.make_array_from_callback(shape, sharding, callback, dtype=dtype)
+    return jax.make_array_from_callback(shape, sharding, callback)
 
 
 @checkpoint_args.register_with_handler(FerryCheckpointHandler, for_save=True)
