@@ -79,6 +79,7 @@ class PendingCheckpoint:
     directory: str
     token: str
     _lock: int | None = field(default=None, repr=False, compare=False)
+    _moved: bool = field(default=False, repr=False, compare=False)  # the temporary has left its name
 
     @classmethod
     def begin(cls, directory: str | os.PathLike, token: str | None = None) -> "PendingCheckpoint":
@@ -147,19 +148,8 @@ class PendingCheckpoint:
             self._committed()
         elif not overwrite:
             raise FileExistsError(f"{self.directory} exists; pass overwrite=True to replace it")
-        elif exchange(self.tmp_path, self.directory):
-            # One atomic step: the path holds the new checkpoint, the temporary name the
-            # old one, which goes (in the background) once the exchange is durable.
-            self._committed()
-            discard_later(self.tmp_path)
         else:
-            # No atomic exchange here: between the two renames the old checkpoint lives
-            # under a name that list_checkpoints and the loaders find (recoverable_checkpoints).
-            old = temporary_name(self.directory, f"{OLD_TAIL}{self.token}")
-            os.rename(self.directory, old)
-            os.rename(self.tmp_path, self.directory)
-            self._committed()
-            discard_later(old)
+            discard_later(self._replace())
         release(self._lock)
         self._lock = None
         remove_stale_temporaries(*os.path.split(self.directory))  # an old one moved aside is one now
@@ -175,14 +165,44 @@ class PendingCheckpoint:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
             return False
+        self._moved = True
         return True
+
+    def _replace(self) -> str:
+        """Puts the new checkpoint in place of the one at the path; returns the name the
+        old one now has, a fresh one, never this save's temporary name: a token may be
+        fixed (DCP's saves all write "<path>.tmp-dcp"), and the old checkpoint left there
+        while its files were freed refused the next save to the path."""
+        # The exchange leaves the old checkpoint under the name the new one had: a fresh
+        # one, taken first. The new one stays held meanwhile (the lock is on the folder).
+        swapping = aside_name(self.directory, "replaced")
+        os.rename(self.tmp_path, swapping)
+        self._moved = True
+        in_place = False
+        try:
+            if exchange(swapping, self.directory):
+                in_place = True
+                self._committed()
+                return swapping
+            # No atomic exchange here: between the two renames the old checkpoint lives
+            # under a name that list_checkpoints and the loaders find (recoverable_checkpoints).
+            old = temporary_name(self.directory, f"{OLD_TAIL}{secrets.token_hex(4)}")
+            os.rename(self.directory, old)
+            os.rename(swapping, self.directory)
+            in_place = True
+            self._committed()
+            return old
+        finally:
+            if not in_place:  # what abort() removes, under the name it took to be swapped in
+                shutil.rmtree(swapping, ignore_errors=True)
 
     def _committed(self) -> None:
         fsync_after_commit(self.directory)
 
     def abort(self) -> None:
         """Removes the temporary directory and everything in it."""
-        shutil.rmtree(self.tmp_path, ignore_errors=True)
+        if not self._moved:  # else the name may be a later save's temporary by now
+            shutil.rmtree(self.tmp_path, ignore_errors=True)
         release(self._lock)
         self._lock = None
 

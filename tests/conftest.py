@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Callable, Iterator, Mapping, Sequence
 
 import pytest
@@ -165,3 +166,22 @@ def small_tmpfs() -> Iterator[str]:
     """A 4 MiB tmpfs: a real filesystem that fills up."""
     with mounted("tmpfs", "size=4m") as path:
         yield path
+
+
+@pytest.fixture
+def discards_held_up() -> Iterator[Callable[[], None]]:
+    """The background thread that frees what saves replaced (``temporaries.discard_later``)
+    kept busy until the test calls the function given, as freeing a checkpoint of many
+    GB keeps it busy for seconds: what a save must not wait for is then surely still
+    being freed, not only on the runs where the thread happens to lag."""
+    from tensorferry import temporaries
+
+    # The pool is made at the first discard: one of a temporary of no save's.
+    temporaries.discard_later(tempfile.mkdtemp(suffix=temporaries.TMP_MARKER + "gate"))
+    gate = threading.Event()
+    temporaries._discarding[1].submit(gate.wait)
+    try:
+        yield gate.set
+    finally:
+        gate.set()
+        temporaries.wait_for_discards()

@@ -952,6 +952,29 @@ def test_a_temporary_held_only_by_garbage_is_taken_over_by_the_next_save(tmp_pat
     assert not held_here(second.tmp_path) and os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("protocol", ["exchange", "two renames"])
+def test_a_save_with_a_fixed_token_right_after_an_overwrite_finds_its_temporary_free(
+        tmp_path, monkeypatch, discards_held_up, protocol) -> None:
+    """DCPWriter's saves all write <path>.tmp-dcp. An overwrite left the checkpoint it
+    replaced under that name (or, without an atomic exchange, under <path>.tmp-old-dcp)
+    while the background thread freed its files, so the next save to the path failed
+    ("is held", or ENOTEMPTY) until they were: half the time for a few MB, always for many GB."""
+    if protocol == "two renames":
+        monkeypatch.setattr(tensorferry.checkpoint, "exchange", lambda a, b: False)  # no RENAME_EXCHANGE
+    target = str(tmp_path / "latest")
+    for value in range(3):
+        pending = tensorferry.PendingCheckpoint.begin(target, "fixed")
+        with pending.writer("x.safetensors") as writer:
+            writer.add("x", np.full(4, value))
+        pending.commit([writer.info], overwrite=True)
+        assert not os.path.lexists(pending.tmp_path)
+        assert tensorferry.load_checkpoint(target)["x"][0] == value
+    assert tensorferry.list_checkpoints(tmp_path) == [target], "what is being freed is no checkpoint"
+    discards_held_up()
+    wait_for_discards()
+    assert os.listdir(tmp_path) == ["latest"]
+
+
 @pytest.mark.parametrize("action", [
     lambda url: tensorferry.save_checkpoint(url, {"a": np.ones(3)}),
     lambda url: tensorferry.load_checkpoint(url),

@@ -869,6 +869,29 @@ def test_dcp_save_while_another_to_the_same_path_runs_is_refused(tmp_path) -> No
     assert os.listdir(tmp_path) == ["c"]
 
 
+def test_dcp_saves_again_to_a_path_whose_replaced_checkpoint_is_still_being_freed(tmp_path,
+                                                                                 discards_held_up) -> None:
+    """Every DCPWriter save writes <path>.tmp-dcp, where an overwrite left the checkpoint
+    it replaced while its files were freed in the background: the next save to the path
+    (a "latest" saved each time, FSDPCheckpointer saving a step again) failed, "another
+    save is running", half the time for a few MB."""
+    path = tmp_path / "latest"
+    for value in range(3):
+        dcp.save({"w": torch.full((1000,), float(value))}, storage_writer=DCPWriter(path, overwrite=True))
+        dcp.async_save({"w": torch.full((1000,), value + 0.5)}, storage_writer=DCPWriter(path, overwrite=True)).result()
+        back = {"w": torch.zeros(1000)}
+        dcp.load(back, storage_reader=DCPReader(path))
+        assert (back["w"] == value + 0.5).all()
+    ckpt = FSDPCheckpointer(tmp_path / "run", small_model())
+    for _ in range(2):  # the same step saved again, as after a rollback
+        ckpt.save(7)
+        assert ckpt.save_async(7).result().endswith("step_7")
+    discards_held_up()
+    from tensorferry.temporaries import wait_for_discards
+    wait_for_discards()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "run"] and os.listdir(tmp_path / "run") == ["step_7"]
+
+
 def test_dcp_partial_load_reads_only_what_the_state_asks_for(tmp_path) -> None:
     from torch.distributed.checkpoint import DefaultLoadPlanner
     dcp.save({"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}, "step": 3},
