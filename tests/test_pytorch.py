@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from typing import Callable
 
@@ -1359,12 +1360,22 @@ def _worker(rank: int, world: int, rendezvous: str, root: str, scenario: str) ->
     os._exit(0)
 
 
-def run(world: int, root: str, scenario: str) -> None:
+def run(world: int, root: str, scenario: str, timeout: float | None = None) -> None:
+    """Runs ``scenario_<scenario>`` on ``world`` ranks; with ``timeout``, ranks still
+    running after that many seconds (hung in a collective) are killed and the test fails."""
     # A rendezvous file, not a TCP port: a port found free can be taken before it is bound.
     # Its directory goes with the run: the workers leave the file behind (os._exit skips
     # the store's own cleanup).
     with tempfile.TemporaryDirectory(prefix="tensorferry-rdzv-") as directory:
-        mp.spawn(_worker, args=(world, os.path.join(directory, "store"), root, scenario), nprocs=world, join=True)
+        ranks = mp.spawn(_worker, args=(world, os.path.join(directory, "store"), root, scenario), nprocs=world,
+                         join=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ranks.join(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            if deadline is not None and time.monotonic() >= deadline:
+                for process in ranks.processes:
+                    process.kill()
+                    process.join()
+                pytest.fail(f"scenario {scenario!r}: ranks still running after {timeout} s (hung)")
 
 
 def scenario_resume(rank: int, world: int, root: str) -> None:
@@ -1553,6 +1564,28 @@ def scenario_consolidated_full_disk(rank: int, world: int, root: str) -> None:
 
 
 @pytest.mark.slow
+def scenario_async_save_by_a_subgroup(rank: int, world: int, root: str) -> None:
+    """HSDP's pattern: one replica group saves, through a process group of its ranks
+    that only they use. save_async made its own group as a collective of the whole
+    world on those ranks alone, and the next group the world made hung on every rank."""
+    savers = dist.new_group([0])  # made by every rank, as new_group requires
+    if rank == 0:
+        ckpt = FSDPCheckpointer(root, small_model(), process_group=savers)
+        ckpt.save(1)
+        assert ckpt.save_async(2).result().endswith("step_2")
+        assert ckpt.save_async(3).result().endswith("step_3")  # its save group made once
+    everyone = dist.new_group(list(range(world)))  # the training's next group
+    total = torch.ones(1)
+    dist.all_reduce(total, group=everyone)
+    assert total.item() == world
+
+
+@pytest.mark.slow
+def test_async_saves_by_a_subgroup_leave_the_worlds_groups_in_step(tmp_path) -> None:
+    run(2, str(tmp_path), "async_save_by_a_subgroup", timeout=120)
+    assert sorted(os.listdir(tmp_path)) == ["step_1", "step_2", "step_3"]
+
+
 def test_consolidated_save_on_a_full_disk_fails_on_every_rank(small_tmpfs) -> None:
     run(2, small_tmpfs, "consolidated_full_disk")
 

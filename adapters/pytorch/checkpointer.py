@@ -79,7 +79,8 @@ class FSDPCheckpointer:
     ``save_planner`` and ``load_planner`` go to every ``dcp.save`` and ``dcp.load``:
     ``DefaultSavePlanner(enable_plan_caching=True)``, say, plans a save of an unchanged
     state once, or ``DefaultLoadPlanner(allow_partial_load=True)`` loads a checkpoint
-    saved without the optimizer.
+    saved without the optimizer. ``process_group`` is the ranks that save and load (by
+    default all): only they call the checkpointer, as when one HSDP replica group saves.
 
     Example::
 
@@ -207,8 +208,15 @@ class FSDPCheckpointer:
         if not (dist.is_available() and dist.is_initialized()):
             return None
         if self._save_group is None:
-            ranks = None if self.process_group is None else dist.get_process_group_ranks(self.process_group)
-            self._save_group = dist.new_group(ranks=ranks, backend="gloo")
+            if self.process_group is None:
+                self._save_group = dist.new_group(backend="gloo")
+            else:
+                # Only the group's ranks save (HSDP: one replica group), so only they make
+                # its save group: made as a collective of the whole world, it counted one
+                # more group on them than on the other ranks, and the next group the world
+                # made had two names, its creation hanging on every rank.
+                self._save_group = dist.new_group(ranks=dist.get_process_group_ranks(self.process_group),
+                                                  backend="gloo", use_local_synchronization=True)
         return self._save_group
 
     def wait(self) -> None:
