@@ -1287,6 +1287,20 @@ def test_checkpointer_async_save_failing_with_no_one_waiting_is_reported_at_exit
         assert not os.path.exists(os.path.join(small_tmpfs, "step_7"))
 
 
+def test_a_failed_async_save_keeps_no_copy_of_the_state(small_tmpfs) -> None:
+    """Every failed background save was kept until exit, for the exit report, and with
+    its error's traceback the staged copy of the whole state and its writer."""
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(1 << 20))  # 4 MiB: more than the disk holds
+    ckpt = FSDPCheckpointer(small_tmpfs, model)
+    ckpt.save_async(1)
+    with pytest.raises(CheckpointException, match="No space left on device"):
+        ckpt.wait()
+    gc.collect()
+    alive = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter) and o.numel() == 1 << 20]
+    assert len(alive) == 1, "the model's own parameter, no copy"
+
+
 def test_checkpointer_passes_its_planners_to_dcp(tmp_path) -> None:
     from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
     from torch.distributed.checkpoint.planner import SavePlanner
@@ -1604,6 +1618,39 @@ def scenario_dcp_retry_after_full_disk(rank: int, world: int, root: str) -> None
     assert (back[f"w{rank}"] == rank).all()
     dist.barrier()
     assert sorted(os.listdir(root)) == ["step_1"]
+
+
+def scenario_checkpointer_retry_after_another_ranks_write_failed(rank: int, world: int, root: str) -> None:
+    """Rank 1's part of a step fills the disk; rank 0, the coordinator, wrote its own.
+    The step saved again once there is room failed on rank 0 ("step_2.tmp-dcp is held")
+    for as long as the first failure's error lived: its traceback held the writer, and
+    with it the coordinator's lock on the temporary."""
+    blob = {"x": torch.zeros(4)}
+    ckpt = FSDPCheckpointer(root, torch.nn.Linear(4, 4), extra={f"blob{rank}": blob})
+    errors: list[BaseException] = []  # kept, as a training loop's log of errors keeps them
+
+    def save_async(step: int) -> None:
+        ckpt.save_async(step)
+        ckpt.wait()
+
+    for save in (ckpt.save, save_async):
+        blob["x"] = torch.zeros((1 << 20) if rank == 1 else 4)  # 4 MiB on rank 1: more than the disk holds
+        with pytest.raises(CheckpointException, match="No space left on device") as failed:
+            save(2)
+        errors.append(failed.value)
+        blob["x"] = torch.zeros(4)
+        save(2)
+        assert ckpt.load() == 2
+    dist.barrier()
+    if rank == 0:
+        from tensorferry.temporaries import wait_for_discards
+        wait_for_discards()
+        assert os.listdir(root) == ["step_2"]
+
+
+@pytest.mark.slow
+def test_checkpointer_retry_after_another_ranks_write_failed_on_2_ranks(small_tmpfs) -> None:
+    run(2, small_tmpfs, "checkpointer_retry_after_another_ranks_write_failed", timeout=300)
 
 
 @pytest.mark.slow

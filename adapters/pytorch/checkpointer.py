@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import re
+import threading
 import warnings
 from concurrent.futures import Future
 from typing import Any, Callable, Mapping
@@ -34,31 +36,49 @@ class _SaveFuture(Future):
     (a script that ended without ``wait()``) is reported at exit, on stderr: there is no
     caller left to raise it to, and the checkpoint the run counted on is not there."""
 
-    _failed: set["_SaveFuture"] = set()
+    # What the exit report says of each failure no one asked for, by future: not the
+    # futures themselves, whose errors' tracebacks hold the failed save's staged state
+    # (a copy of the whole state) and its writer for as long as they live.
+    _unasked_failures: dict[int, tuple[str, str]] = {}
+    _unasked_lock = threading.Lock()
+    _numbers = itertools.count()
 
     def __init__(self, path: str) -> None:
         super().__init__()
         self.path = path
         self.asked = False
-        self.add_done_callback(lambda f: Future.exception(f) is not None and _SaveFuture._failed.add(f))
+        self._number = next(_SaveFuture._numbers)
+        self.add_done_callback(_SaveFuture._note_if_unasked)
+
+    def _note_if_unasked(self) -> None:
+        error = Future.exception(self)
+        if error is None:
+            return
+        with _SaveFuture._unasked_lock:
+            if not self.asked:
+                _SaveFuture._unasked_failures[self._number] = (self.path, f"{type(error).__name__}: {error}")
+
+    def _ask(self) -> None:
+        with _SaveFuture._unasked_lock:
+            self.asked = True
+            _SaveFuture._unasked_failures.pop(self._number, None)
 
     def result(self, timeout: float | None = None) -> Any:
-        self.asked = True
+        self._ask()
         return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self.asked = True
+        self._ask()
         return super().exception(timeout)
 
     @classmethod
     def report_unasked(cls) -> None:
-        for future in cls._failed:
-            if not future.asked:
-                error = Future.exception(future)
-                # Named by the checkpoint, not by this line: the source line would be all a reader saw.
-                warnings.warn_explicit(f"the background save to {future.path} failed and no one waited for it: "
-                                       f"{type(error).__name__}: {error}", RuntimeWarning, future.path, 0)
-        cls._failed.clear()
+        with cls._unasked_lock:
+            failures, cls._unasked_failures = cls._unasked_failures, {}
+        for path, error in failures.values():
+            # Named by the checkpoint, not by this line: the source line would be all a reader saw.
+            warnings.warn_explicit(f"the background save to {path} failed and no one waited for it: {error}",
+                                   RuntimeWarning, path, 0)
 
 
 atexit.register(_SaveFuture.report_unasked)
@@ -167,8 +187,13 @@ class FSDPCheckpointer:
     def save(self, step: int) -> str:
         """Writes a sharded checkpoint of model and optimizer; returns its path once durable."""
         self.wait()
-        dcp.save(self._state(), storage_writer=self._writer(step), planner=self.save_planner,
-                 process_group=self.process_group)
+        writer = self._writer(step)
+        try:
+            dcp.save(self._state(), storage_writer=writer, planner=self.save_planner,
+                     process_group=self.process_group)
+        except BaseException:
+            writer._abandon_failed_save()
+            raise
         self._retain()
         return self.step_path(step)
 
@@ -184,7 +209,8 @@ class FSDPCheckpointer:
         ends lets it finish.
         """
         self.wait()
-        inner = dcp.async_save(self._state(), storage_writer=self._writer(step), planner=self.save_planner,
+        writer = self._writer(step)
+        inner = dcp.async_save(self._state(), storage_writer=writer, planner=self.save_planner,
                                process_group=self._async_group())
         outer = _SaveFuture(self.step_path(step))
 
@@ -194,6 +220,7 @@ class FSDPCheckpointer:
                 f.result()
                 self._retain()
             except BaseException as exc:
+                writer._abandon_failed_save()  # before a next save, which waits for this future
                 outer.set_exception(exc)
             else:
                 outer.set_result(self.step_path(step))

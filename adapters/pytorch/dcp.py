@@ -139,7 +139,10 @@ class DCPWriter(StorageWriter):
     def _abandon_failed_save(self) -> None:
         """Removes the temporary of this writer's last save if it failed before finish()
         (torch does not tell its storage writer; it calls reset() only when given a
-        checkpoint_id, so the next save's planning comes here too)."""
+        checkpoint_id, so the next save's planning comes here too). FSDPCheckpointer calls
+        it once dcp.save has failed: where another rank's write failed, nothing else
+        released the coordinator's lock on "<path>.tmp-dcp" while the error, whose
+        traceback holds this writer, was kept, and a retry of the path failed, "is held"."""
         if self._pending is not None:
             self._pending.abort()
         self._pending = None
