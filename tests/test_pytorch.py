@@ -1301,6 +1301,33 @@ def test_a_failed_async_save_keeps_no_copy_of_the_state(small_tmpfs) -> None:
     assert len(alive) == 1, "the model's own parameter, no copy"
 
 
+def test_a_failed_async_save_handled_through_its_future_is_not_raised_again(small_tmpfs) -> None:
+    """A failure the caller had from the future (result(), exception()) was raised again
+    by the next save_async, which wait()s first, and that save was never attempted."""
+    blob = {"x": torch.zeros(4)}
+    ckpt = FSDPCheckpointer(small_tmpfs, torch.nn.Linear(8, 8), extra={"blob": blob})
+
+    def fill_the_disk(fill: bool) -> None:
+        blob["x"] = torch.zeros((1 << 20) if fill else 4)  # 4 MiB: more than the disk holds
+
+    fill_the_disk(True)
+    with pytest.raises(CheckpointException, match="No space left on device"):
+        ckpt.save_async(1).result()
+    fill_the_disk(False)
+    assert ckpt.save_async(2).result().endswith("step_2")
+    fill_the_disk(True)
+    assert isinstance(ckpt.save_async(3).exception(), CheckpointException)
+    ckpt.wait()
+    fill_the_disk(False)
+    ckpt.save(4)
+    assert sorted(os.listdir(small_tmpfs)) == ["step_2", "step_4"] and ckpt.latest_step() == 4
+    fill_the_disk(True)
+    ckpt.save_async(5)  # a failure no one had yet is raised by the next call
+    with pytest.raises(CheckpointException, match="No space left on device"):
+        ckpt.wait()
+    ckpt.wait()
+
+
 def test_checkpointer_passes_its_planners_to_dcp(tmp_path) -> None:
     from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
     from torch.distributed.checkpoint.planner import SavePlanner

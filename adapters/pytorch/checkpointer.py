@@ -36,52 +36,58 @@ class _SaveFuture(Future):
     (a script that ended without ``wait()``) is reported at exit, on stderr: there is no
     caller left to raise it to, and the checkpoint the run counted on is not there."""
 
-    # What the exit report says of each failure no one asked for, by future: not the
-    # futures themselves, whose errors' tracebacks hold the failed save's staged state
-    # (a copy of the whole state) and its writer for as long as they live.
-    _unasked_failures: dict[int, tuple[str, str]] = {}
-    _unasked_lock = threading.Lock()
+    # What the exit report says of each failure not yet raised to a caller, by future:
+    # not the futures themselves, whose errors' tracebacks hold the failed save's staged
+    # state (a copy of the whole state) and its writer for as long as they live.
+    _undelivered_failures: dict[int, tuple[str, str]] = {}
+    _undelivered_lock = threading.Lock()
     _numbers = itertools.count()
 
     def __init__(self, path: str) -> None:
         super().__init__()
         self.path = path
-        self.asked = False
+        self.error_delivered = False  # the save's error reached a caller, through result() or exception()
         self._number = next(_SaveFuture._numbers)
-        self.add_done_callback(_SaveFuture._note_if_unasked)
+        self.add_done_callback(_SaveFuture._note_if_undelivered)
 
-    def _note_if_unasked(self) -> None:
+    def _note_if_undelivered(self) -> None:
         error = Future.exception(self)
         if error is None:
             return
-        with _SaveFuture._unasked_lock:
-            if not self.asked:
-                _SaveFuture._unasked_failures[self._number] = (self.path, f"{type(error).__name__}: {error}")
+        with _SaveFuture._undelivered_lock:
+            if not self.error_delivered:
+                _SaveFuture._undelivered_failures[self._number] = (self.path, f"{type(error).__name__}: {error}")
 
-    def _ask(self) -> None:
-        with _SaveFuture._unasked_lock:
-            self.asked = True
-            _SaveFuture._unasked_failures.pop(self._number, None)
+    def _delivered(self) -> None:
+        with _SaveFuture._undelivered_lock:
+            self.error_delivered = True
+            _SaveFuture._undelivered_failures.pop(self._number, None)
 
     def result(self, timeout: float | None = None) -> Any:
-        self._ask()
-        return super().result(timeout)
+        try:
+            return super().result(timeout)
+        except BaseException:
+            if self.done():  # the save's error, not a timeout of this call
+                self._delivered()
+            raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._ask()
-        return super().exception(timeout)
+        error = super().exception(timeout)
+        if error is not None:
+            self._delivered()
+        return error
 
     @classmethod
-    def report_unasked(cls) -> None:
-        with cls._unasked_lock:
-            failures, cls._unasked_failures = cls._unasked_failures, {}
+    def report_undelivered(cls) -> None:
+        with cls._undelivered_lock:
+            failures, cls._undelivered_failures = cls._undelivered_failures, {}
         for path, error in failures.values():
             # Named by the checkpoint, not by this line: the source line would be all a reader saw.
             warnings.warn_explicit(f"the background save to {path} failed and no one waited for it: {error}",
                                    RuntimeWarning, path, 0)
 
 
-atexit.register(_SaveFuture.report_unasked)
+atexit.register(_SaveFuture.report_undelivered)
 
 
 class FSDPCheckpointer:
@@ -202,7 +208,8 @@ class FSDPCheckpointer:
         """Starts a sharded save and returns once the state is staged in host memory.
 
         The write runs in the background while training goes on; a later save (or
-        :meth:`wait`) first waits for this one. The future's result is the path. Call
+        :meth:`wait`) first waits for this one, and raises its error unless the caller
+        had it from the returned future. The future's result is the path. Call
         :meth:`wait` before ``dist.destroy_process_group()``: the save ends with a
         collective of the ranks, and a save whose group is destroyed first is lost
         (its temporary is left for the next save to remove). A program that simply
@@ -247,9 +254,12 @@ class FSDPCheckpointer:
         return self._save_group
 
     def wait(self) -> None:
-        """Waits for a background save, raising its error if it failed."""
+        """Waits for a background save, raising its error if it failed, unless the
+        caller has had it already from the save's future (``result()``, ``exception()``)."""
         pending, self._pending = self._pending, None
-        if pending is not None:
+        # A delivered error is a handled one: raised again here, by the next save_async
+        # too, it stopped that save before it began.
+        if pending is not None and not pending.error_delivered:
             pending.result()
 
     def _retain(self) -> None:
