@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from typing import Callable
@@ -706,6 +707,41 @@ def test_lazy_conjugates_and_negations_are_saved_as_their_values(tmp_path) -> No
             assert torch.equal(loaded[k], v) and not loaded[k].is_conj() and not loaded[k].is_neg(), k
     with pytest.raises(ValueError, match="lazy conjugate"):
         load_checkpoint(tmp_path / "ckpt", out={"conj": torch.zeros(6, dtype=torch.complex64).conj()})
+
+
+class Progress:
+    """A plain object in a state dict, which DCP saves pickled."""
+
+    def __init__(self, samples: int = 0, tensor: torch.Tensor | None = None) -> None:
+        self.samples = samples
+        self.tensor = tensor
+
+
+def test_dcp_async_save_snapshots_the_other_values_of_the_state_too(tmp_path) -> None:
+    """DCPWriter.stage, through which dcp.async_save snapshots the state, copied the
+    tensors only: a numpy array or an object the training changed once async_save had
+    returned was saved as the background thread found it, of a later step than the
+    tensors. They are deep copies now, as torch's own stager makes them."""
+    weights = torch.zeros(1 << 16)
+    state = {"w": weights, "seen": np.zeros(4), "progress": Progress(0, weights), "step": 3}
+    staged = DCPWriter(tmp_path / "unused").stage(state)
+    state["seen"] += 1
+    state["progress"].samples = 999
+    weights.add_(1)
+    assert staged["seen"].tolist() == [0] * 4 and staged["progress"].samples == 0 and staged["step"] == 3
+    assert staged["progress"].tensor is staged["w"], "the object's tensor is the staged one, not a copy of its own"
+    with pytest.raises(TypeError, match=r"state\['lock'\]: a lock that cannot be copied"):
+        DCPWriter(tmp_path / "unused").stage({"w": weights, "lock": threading.Lock()})
+
+    state = {"w": torch.zeros(1 << 16), "seen": np.zeros(4), "progress": Progress()}
+    future = dcp.async_save(state, storage_writer=DCPWriter(tmp_path / "c"))
+    state["seen"] += 1  # training goes on while the background thread writes
+    state["progress"].samples = 999
+    state["w"] += 1
+    future.result()
+    back = {"w": torch.ones(1 << 16), "seen": None, "progress": None}
+    dcp.load(back, storage_reader=DCPReader(tmp_path / "c"))
+    assert (back["w"] == 0).all() and back["seen"].tolist() == [0] * 4 and back["progress"].samples == 0
 
 
 @pytest.mark.filterwarnings("ignore:Ignoring pin_memory flag")  # torch, on a machine without CUDA

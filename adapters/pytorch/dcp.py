@@ -158,7 +158,8 @@ class DCPWriter(StorageWriter):
     def stage(self, state_dict: Any) -> Any:
         """The state's snapshot for ``dcp.async_save``: CUDA tensors copied into pinned
         memory registered with CUDA, all copies in flight at once (the training stall
-        is these copies); CPU tensors cloned."""
+        is these copies); CPU tensors cloned; other values deep-copied, as torch's own
+        stager copies them."""
         return stage_state_dict(state_dict)
 
     def synchronize_staging(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from copy import deepcopy
 from typing import Any, Callable, Iterable, Sequence, Union
 
 import numpy as np
@@ -207,20 +208,36 @@ def snapshot(tensors: Iterable[torch.Tensor], pool: PinnedPool | None = None) ->
 def stage_state_dict(state_dict: Any, pool: PinnedPool | None = None) -> Any:
     """The state dict with every tensor replaced by its host snapshot (:func:`snapshot`:
     every copy started before any is waited for); a DTensor keeps its mesh and placements
-    around a host copy of its local shard. Other values are kept as they are."""
+    around a host copy of its local shard. Other values are deep copies, as torch's own
+    stager makes them: DCP pickles them on the background thread, after the training has
+    gone on and changed them (a counter, a numpy array), which saved them of a later step
+    than the tensors."""
     from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_flatten, tree_unflatten
+    from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
     leaves, spec = tree_flatten(state_dict)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     local = [leaves[i].to_local() if isinstance(leaves[i], DTensor) else leaves[i] for i in positions]
-    for i, copy in zip(positions, snapshot(local, pool)):
+    # An object that holds one of the state's tensors gets its snapshot, not a copy of its own.
+    memo: dict[int, Any] = {}
+    for i, staged in zip(positions, snapshot(local, pool)):
         leaf = leaves[i]
         if isinstance(leaf, DTensor):
             # As torch's own staging does: the same spec around a host local tensor
             # (DTensor.from_local would move it back to the mesh's device).
-            copy = DTensor(copy, leaf._spec, requires_grad=False)
-        leaves[i] = copy
+            staged = DTensor(staged, leaf._spec, requires_grad=False)
+        memo[id(leaf)] = staged
+        leaves[i] = staged
+    tensors = set(positions)
+    for i, leaf in enumerate(leaves):
+        if i in tensors:
+            continue
+        try:
+            leaves[i] = deepcopy(leaf, memo)
+        except Exception as exc:
+            where = keystr(tree_flatten_with_path(state_dict)[0][i][0])
+            raise TypeError(f"state{where}: a {type(leaf).__name__} that cannot be copied, as a background save "
+                            f"must copy it before training changes it: {exc}") from exc
     return tree_unflatten(leaves, spec)
 
 
