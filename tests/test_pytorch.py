@@ -1663,6 +1663,27 @@ def test_async_saves_by_a_subgroup_leave_the_worlds_groups_in_step(tmp_path) -> 
     assert sorted(os.listdir(tmp_path)) == ["step_1", "step_2", "step_3"]
 
 
+def scenario_dcp_without_collectives(rank: int, world: int, root: str) -> None:
+    """dcp.save(..., use_collectives=False) (torch's rank-local save, experimental) was
+    taken as a save with them: each rank planned alone as rank 0 and committed alone, one
+    failed ("is held") or replaced another's, and the checkpoint held one rank's part."""
+    path = os.path.join(root, "c")
+    state = {f"w{rank}": torch.full((1000,), float(rank))}
+    with pytest.raises(ValueError, match="not with use_collectives=False"):
+        dcp.save(state, storage_writer=DCPWriter(path), use_collectives=False)
+    dist.barrier()
+    assert os.listdir(root) == []
+    dcp.save(state, storage_writer=DCPWriter(path))
+    back = {f"w{r}": torch.zeros(1000) for r in range(world)}
+    dcp.load(back, storage_reader=DCPReader(path))
+    assert all((back[f"w{r}"] == r).all() for r in range(world))
+
+
+@pytest.mark.slow
+def test_dcp_refuses_to_save_without_collectives_on_2_ranks(tmp_path) -> None:
+    run(2, str(tmp_path), "dcp_without_collectives", timeout=300)
+
+
 def test_consolidated_save_on_a_full_disk_fails_on_every_rank(small_tmpfs) -> None:
     run(2, small_tmpfs, "consolidated_full_disk")
 

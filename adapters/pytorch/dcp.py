@@ -105,7 +105,8 @@ class DCPWriter(StorageWriter):
     """A ``torch.distributed.checkpoint`` StorageWriter that writes at drive speed.
 
     Use as ``dcp.save(state_dict, storage_writer=DCPWriter(path))`` (or with
-    ``dcp.async_save``), with or without a process group.
+    ``dcp.async_save``), with or without a process group; not with
+    ``use_collectives=False``, which it refuses (its coordinator commits every rank's part).
 
     Args:
         path: the checkpoint directory; it appears only once complete.
@@ -169,6 +170,12 @@ class DCPWriter(StorageWriter):
         """Nothing to release: staging buffers go back to their pool when dropped."""
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not kwargs.get("use_collectives", True):
+            # Without them each rank plans, writes and commits alone, as the only rank:
+            # every rank's files were named as rank 0's and each commit replaced the last.
+            raise ValueError(f"{self.path}: DCPWriter saves through DCP's collectives (one checkpoint that every "
+                             "rank writes its part of), not with use_collectives=False: leave it at its default, "
+                             "or save with torch's FileSystemWriter, which writes a metadata file per rank")
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
