@@ -1007,6 +1007,25 @@ def test_dcp_partial_load_needs_only_the_files_it_reads(tmp_path) -> None:
         assert torch.equal(part["t0"], state["t0"])
 
 
+def test_dcp_loads_a_step_an_interrupted_overwrite_left_aside(tmp_path) -> None:
+    """Without an atomic exchange, an overwrite killed between its two renames leaves
+    step_1 as step_1.tmp-old-<token>: still the checkpoint, as load_checkpoint and
+    latest_step find it. DCPReader and FSDPCheckpointer.load failed there, naming it a
+    checkpoint without DCP metadata."""
+    from tensorferry.checkpoint import OLD_TAIL
+    from tensorferry.temporaries import temporary_name
+    model = torch.nn.Linear(4, 4)
+    FSDPCheckpointer(tmp_path, model).save(1)
+    os.rename(tmp_path / "step_1", temporary_name(str(tmp_path / "step_1"), OLD_TAIL + "0123abcd"))
+    other = torch.nn.Linear(4, 4)
+    checkpointer = FSDPCheckpointer(tmp_path, other)
+    assert checkpointer.latest_step() == 1 and checkpointer.load() == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    target = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(target, storage_reader=DCPReader(tmp_path / "step_1"))
+    assert all(torch.equal(target["model"][k], v) for k, v in model.state_dict().items())
+
+
 def test_dcp_refuses_to_overwrite(tmp_path) -> None:
     dcp.save({"x": torch.ones(3)}, storage_writer=DCPWriter(tmp_path / "c"))
     with pytest.raises(CheckpointException, match="exists"):
@@ -1358,10 +1377,15 @@ def test_a_failed_async_save_handled_through_its_future_is_not_raised_again(smal
     ckpt.save(4)
     assert sorted(os.listdir(small_tmpfs)) == ["step_2", "step_4"] and ckpt.latest_step() == 4
     fill_the_disk(True)
-    ckpt.save_async(5)  # a failure no one had yet is raised by the next call
+    ckpt.save_async(5)  # a failure no one had yet is raised by wait()
     with pytest.raises(CheckpointException, match="No space left on device"):
         ckpt.wait()
     ckpt.wait()
+    ckpt.save_async(6)  # and a save after it warns of it, and runs
+    fill_the_disk(False)
+    with pytest.warns(RuntimeWarning, match=r"the background save to .*step_6 failed: CheckpointException"):
+        ckpt.save(7)
+    assert ckpt.latest_step() == 7
 
 
 def test_checkpointer_passes_its_planners_to_dcp(tmp_path) -> None:
@@ -1735,6 +1759,30 @@ def scenario_checkpointer_retry_after_another_ranks_write_failed(rank: int, worl
 @pytest.mark.slow
 def test_checkpointer_retry_after_another_ranks_write_failed_on_2_ranks(small_tmpfs) -> None:
     run(2, small_tmpfs, "checkpointer_retry_after_another_ranks_write_failed", timeout=300)
+
+
+def scenario_failed_async_save_seen_on_one_rank(rank: int, world: int, root: str) -> None:
+    """A background save fails on every rank, and only rank 0's caller looks at its
+    future (logs the error there). The next save_async raised that error on rank 1 alone,
+    which went on, while rank 0 started the save's collectives and waited in them for the
+    group's timeout. Every rank now starts the next save; rank 1 is warned of the failure."""
+    blob = {"x": torch.zeros((1 << 20) if rank == 1 else 4)}  # 4 MiB on rank 1: more than the disk holds
+    ckpt = FSDPCheckpointer(root, torch.nn.Linear(4, 4), extra={f"blob{rank}": blob})
+    failed = ckpt.save_async(1)
+    if rank == 0:
+        assert isinstance(failed.exception(), CheckpointException)
+    blob["x"] = torch.zeros(4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ckpt.save_async(2).result().endswith("step_2")
+    told = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "step_1" in str(w.message)]
+    assert len(told) == (0 if rank == 0 else 1), told
+    ckpt.wait()  # rank 1's failure has been told, rank 0's had: neither raises it again
+
+
+@pytest.mark.slow
+def test_a_failed_async_save_seen_on_one_rank_holds_up_no_rank(small_tmpfs) -> None:
+    run(2, small_tmpfs, "failed_async_save_seen_on_one_rank", timeout=300)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import itertools
 import os
 import re
@@ -66,10 +67,20 @@ class _SaveFuture(Future):
     def result(self, timeout: float | None = None) -> Any:
         try:
             return super().result(timeout)
-        except BaseException:
-            if self.done():  # the save's error, not a timeout of this call
+        except BaseException as exc:
+            # The save's own error, not this call's timeout (the save may fail just after it).
+            if self.done() and exc is Future.exception(self):
                 self._delivered()
             raise
+
+    def report_if_undelivered(self) -> None:
+        """A failure no caller has had (through ``result()``, ``exception()``), as a
+        ``RuntimeWarning`` naming the checkpoint; then it counts as delivered."""
+        error = Future.exception(self)
+        if error is not None and not self.error_delivered:
+            self._delivered()
+            warnings.warn(f"the background save to {self.path} failed: {type(error).__name__}: {error}",
+                          RuntimeWarning, stacklevel=5)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         error = super().exception(timeout)
@@ -192,7 +203,7 @@ class FSDPCheckpointer:
     @gc_paused()  # torch's state-dict helpers and DCP planning make many small objects
     def save(self, step: int) -> str:
         """Writes a sharded checkpoint of model and optimizer; returns its path once durable."""
-        self.wait()
+        self._end_background_save()
         writer = self._writer(step)
         try:
             dcp.save(self._state(), storage_writer=writer, planner=self.save_planner,
@@ -207,15 +218,16 @@ class FSDPCheckpointer:
     def save_async(self, step: int) -> Future:
         """Starts a sharded save and returns once the state is staged in host memory.
 
-        The write runs in the background while training goes on; a later save (or
-        :meth:`wait`) first waits for this one, and raises its error unless the caller
-        had it from the returned future. The future's result is the path. Call
+        The write runs in the background while training goes on; a later save or load
+        first waits for this one, and warns of its failure (``RuntimeWarning``) unless the
+        caller had it from the returned future; :meth:`wait` raises it. The future's
+        result is the path. Call
         :meth:`wait` before ``dist.destroy_process_group()``: the save ends with a
         collective of the ranks, and a save whose group is destroyed first is lost
         (its temporary is left for the next save to remove). A program that simply
         ends lets it finish.
         """
-        self.wait()
+        self._end_background_save()
         writer = self._writer(step)
         inner = dcp.async_save(self._state(), storage_writer=writer, planner=self.save_planner,
                                process_group=self._async_group())
@@ -257,10 +269,19 @@ class FSDPCheckpointer:
         """Waits for a background save, raising its error if it failed, unless the
         caller has had it already from the save's future (``result()``, ``exception()``)."""
         pending, self._pending = self._pending, None
-        # A delivered error is a handled one: raised again here, by the next save_async
-        # too, it stopped that save before it began.
+        # A delivered error is a handled one: raised again here it would be raised twice.
         if pending is not None and not pending.error_delivered:
             pending.result()
+
+    def _end_background_save(self) -> None:
+        """Waits for the background save before a save or load, warning of its failure
+        where no caller has had it. Not raised: whether a caller looked at the future is
+        each rank's own, and a rank raising here while the others go on would leave them
+        in the next save's collectives alone, until the group's timeout."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            concurrent.futures.wait([pending])
+            pending.report_if_undelivered()
 
     def _retain(self) -> None:
         """Retention after a save has committed: what fails here is a warning, not the
@@ -295,7 +316,7 @@ class FSDPCheckpointer:
         """Restores model and optimizer from ``step`` (default: the latest complete one); returns the step.
         A ``step_<step>`` that torch's ``FileSystemWriter`` saved loads too (named by ``step``:
         the latest is looked for among tensorferry's checkpoints)."""
-        self.wait()
+        self._end_background_save()
         if step is None:
             step = self._decided_on_rank_0(self.latest_step)
             if step is None:

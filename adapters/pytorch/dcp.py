@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_process, open_shard, read_manifest,
-                           read_other_file, refuse_existing, split_by_size, write_durably)
+                           read_other_file, refuse_existing, resolve_checkpoint, split_by_size, write_durably)
 from ...config import parse_size
 from ...engine import Engine, absolute_local_path
 from ...errors import CorruptCheckpointError
@@ -386,12 +386,14 @@ class DCPReader(StorageReader):
         self._close_opened()  # a new load: what an earlier one read ahead may be stale
         if self._torch_folder() is not None:
             return self._torchs.read_metadata()
-        self._manifest = read_manifest(self.path)
-        dcp_metadata = os.path.join(self.path, DCP_METADATA)
+        # Where an interrupted overwrite left the checkpoint aside, it is read there, as load_checkpoint reads it.
+        self._folder = resolve_checkpoint(self.path)
+        self._manifest = read_manifest(self._folder)
+        dcp_metadata = os.path.join(self._folder, DCP_METADATA)
         if not os.path.exists(dcp_metadata):
             raise CorruptCheckpointError(f"{self.path} is a tensorferry checkpoint without DCP metadata "
                                          "(not written by DCPWriter): use tensorferry.load_checkpoint")
-        data = read_other_file(self.path, self._manifest, DCP_METADATA)  # checksummed by the manifest
+        data = read_other_file(self._folder, self._manifest, DCP_METADATA)  # checksummed by the manifest
         return unpickle_dcp_metadata(data, dcp_metadata)
 
     @gc_paused()
@@ -400,7 +402,8 @@ class DCPReader(StorageReader):
         if self._torch_folder() is not None:
             return self._torchs.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         if not hasattr(self, "_manifest"):
-            self._manifest = read_manifest(self.path)
+            self._folder = resolve_checkpoint(self.path)
+            self._manifest = read_manifest(self._folder)
         items = self._manifest["metadata"].get(ITEMS_KEY)
         if items is None:  # written before the manifest listed the items: .metadata says where
             self._places = {_place_key(index): (s.file, s.key) for index, s in metadata.storage_data.items()}
@@ -429,7 +432,7 @@ class DCPReader(StorageReader):
             if budget <= 0:
                 break
             try:
-                reader = open_shard(self.path, self._manifest, name, engine=self.engine, verify=self.verify)
+                reader = open_shard(self._folder, self._manifest, name, engine=self.engine, verify=self.verify)
             except Exception:  # missing or damaged: read_data says so if the plan needs this file
                 continue
             self._opened[name] = reader
@@ -465,7 +468,7 @@ class DCPReader(StorageReader):
         try:
             for name in per_file:
                 readers[name] = self._opened.pop(name, None) or open_shard(
-                    self.path, self._manifest, name, engine=self.engine, verify=self.verify)
+                    self._folder, self._manifest, name, engine=self.engine, verify=self.verify)
             started: list[tuple[ReadItem, _Read]] = []
             whole: dict[str, dict[str, tuple[ReadItem, torch.Tensor]]] = {}  # file: key: (item, target)
             for name, items in per_file.items():
