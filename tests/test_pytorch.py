@@ -1741,13 +1741,13 @@ def scenario_checkpointer_retry_after_another_ranks_write_failed(rank: int, worl
         ckpt.save_async(step)
         ckpt.wait()
 
-    for save in (ckpt.save, save_async):
+    for save_step in (ckpt.save, save_async):
         blob["x"] = torch.zeros((1 << 20) if rank == 1 else 4)  # 4 MiB on rank 1: more than the disk holds
         with pytest.raises(CheckpointException, match="No space left on device") as failed:
-            save(2)
+            save_step(2)
         errors.append(failed.value)
         blob["x"] = torch.zeros(4)
-        save(2)
+        save_step(2)
         assert ckpt.load() == 2
     dist.barrier()
     if rank == 0:
