@@ -1597,6 +1597,15 @@ def scenario_dcp_plain(rank: int, world: int, root: str) -> None:
     target = {"w": torch.zeros(10, 10), "step": 0}
     dcp.load(target, storage_reader=DCPReader(os.path.join(root, "plain")))
     assert torch.equal(target["w"], state["w"]) and target["step"] == 5
+    # Each rank reads its own files ahead, by its rank in the load's group where torch passes it.
+    sharded = os.path.join(root, "sharded")
+    dcp.save({f"t{i}": torch.full((100,), float(i)) for i in range(8)}, storage_writer=DCPWriter(sharded))
+    for given, expected in ((None, rank), (0, 0)):
+        reader = DCPReader(sharded)
+        metadata = reader.read_metadata()
+        reader.set_up_storage_reader(metadata, rank == 0, **({} if given is None else {"rank": given}))
+        assert reader._opened and all(name.startswith(f"rank{expected:05d}-") for name in reader._opened)
+        reader.reset()
     # An FSDP2 state sharded over the ranks, written by torch's own writer, read back by DCPReader.
     model = fsdp_model(world)
     dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(os.path.join(root, "torchs")))

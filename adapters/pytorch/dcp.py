@@ -411,22 +411,24 @@ class DCPReader(StorageReader):
         self._places = {(fqn, None): (file, key) for fqn, (file, key) in items["objects"].items()}
         for fqn, entry in items["tensors"].items():
             self._places.update(((fqn, tuple(offsets)), (file, key)) for file, key, offsets, _ in entry["chunks"])
-        self._start_read_ahead()
+        self._start_read_ahead(kwargs.get("rank"))
 
-    def _start_read_ahead(self) -> None:
+    def _start_read_ahead(self, rank: int | None) -> None:
         """Starts reading the shard files this rank will most likely read first: while
         torch plans the load and read_data resolves its thousands of destinations (0.2-0.3 s
         on 4096 tensors), the drive would otherwise stand idle. Here, not in read_metadata,
         which callers also use only to look at a checkpoint. At most ``read_ahead`` bytes,
         in the order read_data reads files: this rank's own, as a save at the same world
-        size wrote them (what FSDP reads back), else the order of the saved items."""
+        size wrote them (what FSDP reads back), else the order of the saved items. ``rank``
+        is this rank's in the load's process group, as torch passes it (else the world's)."""
         if self.read_ahead <= 0:
             return
         files = list(dict.fromkeys(chunk[0] for entry in self._manifest["metadata"][ITEMS_KEY]["tensors"].values()
                                    for chunk in entry["chunks"]))
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
-            files = sorted(name for name in files if name.startswith(f"rank{torch.distributed.get_rank():05d}-"))
+            rank = torch.distributed.get_rank() if rank is None else rank
+            files = sorted(name for name in files if name.startswith(f"rank{rank:05d}-"))
         budget = self.read_ahead
         for name in files:
             if budget <= 0:
