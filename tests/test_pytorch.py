@@ -1388,6 +1388,33 @@ def test_a_failed_async_save_handled_through_its_future_is_not_raised_again(smal
     assert ckpt.latest_step() == 7
 
 
+def test_a_background_save_cannot_be_cancelled_through_its_future(tmp_path, caplog) -> None:
+    """cancel() on save_async's future, the save still writing, cancelled the future: the
+    save's completion then failed in its callback (InvalidStateError, logged by
+    concurrent.futures), wait() raised CancelledError for a save that committed, and the
+    next save did not wait for it. A running save cannot be stopped: cancel() is refused."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    writing, go_on = threading.Event(), threading.Event()
+
+    class Held(DefaultSavePlanner):
+        def resolve_data(self, item):
+            writing.set()
+            assert go_on.wait(60)
+            return super().resolve_data(item)
+
+    ckpt = FSDPCheckpointer(tmp_path, torch.nn.Linear(4, 4), save_planner=Held())
+    future = ckpt.save_async(1)
+    try:
+        assert writing.wait(60)
+        assert future.cancel() is False and not future.cancelled() and future.running() and not future.done()
+    finally:
+        go_on.set()
+    assert future.result(60).endswith("step_1") and not future.cancel()
+    ckpt.wait()
+    assert not [r for r in caplog.records if r.name == "concurrent.futures"], caplog.text
+    assert ckpt.latest_step() == 1
+
+
 def test_checkpointer_passes_its_planners_to_dcp(tmp_path) -> None:
     from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
     from torch.distributed.checkpoint.planner import SavePlanner

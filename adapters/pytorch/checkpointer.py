@@ -50,6 +50,10 @@ class _SaveFuture(Future):
         self.error_delivered = False  # the save's error reached a caller, through result() or exception()
         self._number = next(_SaveFuture._numbers)
         self.add_done_callback(_SaveFuture._note_if_undelivered)
+        # The save runs from the start and nothing can stop it, so cancel() is refused, as for any running
+        # future: cancelled, the future would fail the save's completion (InvalidStateError), have wait()
+        # raise CancelledError for a save that goes on, and let the next save start beside it.
+        self.set_running_or_notify_cancel()
 
     def _note_if_undelivered(self) -> None:
         error = Future.exception(self)
@@ -225,7 +229,8 @@ class FSDPCheckpointer:
         :meth:`wait` before ``dist.destroy_process_group()``: the save ends with a
         collective of the ranks, and a save whose group is destroyed first is lost
         (its temporary is left for the next save to remove). A program that simply
-        ends lets it finish.
+        ends lets it finish. The save cannot be cancelled: the future's ``cancel()`` returns
+        False, as for a running ``concurrent.futures`` future.
         """
         self._end_background_save()
         writer = self._writer(step)
