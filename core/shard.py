@@ -38,7 +38,8 @@ from .errors import CorruptCheckpointError, DurabilityWarning, TensorferryIOErro
 from .pools import ThreadPool
 from .schema import (ORBAX_STEP_MARKER, PART_FILE, STEP_NUMBER, check_tensor_entry, hub_cache_hint,
                      parse_json)
-from .streams import STREAM_PIECE, fill_from, naming_stream_errors, read_exactly, remaining_bytes, stream_name
+from .streams import (STREAM_PIECE, fill_from, is_stream, naming_stream_errors, read_exactly, remaining_bytes, require,
+                      stream_name)
 from .temporaries import (NEW_TEMPORARY_TRIES, discard_later, hold_new, refuse_temporary_marker, release,
                           remove_stale_temporaries, set_aside, temporary_name)
 
@@ -240,6 +241,10 @@ class ShardWriter:
     ``staging_bytes`` (or one array, if larger) of arrays made by lazy sources whose
     writes are in flight (device tensors copied to the host, say).
 
+    ``path`` may be a writable file object (``io.BytesIO``, an fsspec stream) instead:
+    :meth:`close` then writes to it, as :meth:`write_to` does, and :attr:`path` is its
+    ``name`` (or its type's), which only labels errors.
+
     Example::
 
         with ShardWriter("model.safetensors") as w:
@@ -247,18 +252,26 @@ class ShardWriter:
         info = w.info
     """
 
-    def __init__(self, path: str | os.PathLike, engine: Engine | None = None,
+    def __init__(self, path: str | os.PathLike | Any, engine: Engine | None = None,
                  buffer_size: int = DEFAULT_BUFFER_SIZE, *, metadata: Mapping[str, str] | None = None,
                  staging_bytes: int = 256 << 20, atomic: bool = False, keep_on_failure: bool = False) -> None:
-        self.path = local_path(path)
+        # A stream's name is no path to check or to write: a stream wrapper may name it by
+        # its URL ("s3://bucket/model.safetensors"), which a path here would refuse.
+        self._stream = path if is_stream(path) else None
+        if self._stream is not None:
+            require(path, "write", "ShardWriter")
+            if atomic:
+                raise ValueError(f"{stream_name(path)}: a file object is written in place; atomic needs a path")
+        self.path = stream_name(path) if self._stream is not None else local_path(path)
         if atomic:
             refuse_temporary_marker(self.path)
         # With ``atomic``, the file is written under a temporary name and renamed over
         # ``path`` only once complete and durable: a reader never sees half a file.
         self._write_path = _temporary_name(self.path) if atomic else self.path
         # A failed write removes its file, unless the file is the caller's (an open file
-        # written through its /proc/self/fd link, which cannot be unlinked either).
-        self._keep_on_failure = keep_on_failure
+        # written through its /proc/self/fd link, which cannot be unlinked either, or a
+        # stream, whose name may be some other file's).
+        self._keep_on_failure = keep_on_failure or self._stream is not None
         self.staging_bytes = staging_bytes
         self.engine = engine or default_engine()
         self.buffer_size = max(ALIGNMENT, round_up(buffer_size, ALIGNMENT))
@@ -317,6 +330,9 @@ class ShardWriter:
         """Writes the file, makes it durable and returns its :class:`ShardInfo`."""
         if self.info is not None:
             return self.info
+        if self._stream is not None:
+            self.info = self.write_to(self._stream)
+            return self.info
         if self._plan is None:
             self.plan()
         entries, layout, offset, header = self._plan
@@ -347,9 +363,10 @@ class ShardWriter:
         self.info = ShardInfo(self.path, size, digest(header_bytes), tensors)
         return self.info
 
-    def write_to(self, stream: Any) -> None:
+    def write_to(self, stream: Any) -> ShardInfo:
         """Writes the file to a writable file object (``io.BytesIO``, an fsspec stream)
-        instead, from where it stands: the same bytes as :meth:`close` writes. The
+        instead, from where it stands: the same bytes as :meth:`close` writes; returns
+        their :class:`ShardInfo`. The
         checksums go in the header, ahead of the data. Into an ``io.BytesIO``, which can
         be written again behind, the header's place is held (its length does not depend on
         the checksums), each tensor is hashed a piece at a time as the piece is written,
@@ -359,21 +376,26 @@ class ShardWriter:
         byte read twice. ``path`` only names the stream."""
         if self._plan is None:
             self.plan()
-        entries, _, _, header = self._plan
+        entries, layout, offset, header = self._plan
         if _rewritable(stream):
             start = stream.tell()
             stream.write(bytes(header.size))
             checksums = {e.name: _write_hashing(stream, _Streamer._bytes_of(e)) for e in entries}
             end = stream.tell()
             stream.seek(start)
-            stream.write(header.encode(checksums))
+            header_bytes = header.encode(checksums)
+            stream.write(header_bytes)
             stream.seek(end)
-            return
-        data = [_Streamer._bytes_of(e) for e in entries]
-        _write_all(stream, header.encode({e.name: digest(d) for e, d in zip(entries, data)}))
-        for d in data:
-            if d.nbytes:
-                _write_all(stream, d)
+        else:
+            data = [_Streamer._bytes_of(e) for e in entries]
+            checksums = {e.name: digest(d) for e, d in zip(entries, data)}
+            header_bytes = header.encode(checksums)
+            _write_all(stream, header_bytes)
+            for d in data:
+                if d.nbytes:
+                    _write_all(stream, d)
+        tensors = {e.name: TensorInfo(e.dtype, e.shape, *layout[e.name], checksums[e.name]) for e in entries}
+        return ShardInfo(self.path, header.size + offset, digest(header_bytes), tensors)
 
     def _open_for_write(self) -> tuple[File, int | None]:
         """The file to write; for an atomic write, its temporary with the lock that holds

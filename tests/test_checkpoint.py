@@ -168,6 +168,45 @@ def test_files_open_with_the_safetensors_library(tmp_path) -> None:
         assert f.get_tensor("f8").view(torch.uint8).numpy().tobytes() == special["f8"].tobytes()
 
 
+def test_a_stream_is_written_as_one_whatever_its_name_says(tmp_path, monkeypatch) -> None:
+    """A file object's name only labels it. A stream wrapper's "s3://bucket/model.safetensors"
+    was taken for the path of a file to write and refused as a URL, so that the way to write
+    a stream, a ShardWriter named as it with write_to(stream), failed for it; ShardWriter now
+    takes the stream itself, and reads and errors name it by its name."""
+    import io
+    monkeypatch.chdir(tmp_path)  # a URL taken for a path would make a folder "s3:" here
+    url = "s3://bucket/model.safetensors"
+
+    class Named(io.BytesIO):
+        name = url
+
+    arrays = {"a": sample(np.float32, (5, 3), 0), "b": sample(np.int8, (7,), 1)}
+    stream = Named()
+    with ShardWriter(stream) as w:
+        for n, a in arrays.items():
+            w.add(n, a)
+    assert w.info.path == url and w.info.size == len(stream.getvalue())
+    stream.seek(0)
+    with tensorferry.StreamReader(stream) as reader:
+        assert reader.path == url
+        assert_same(arrays, reader.map_many())
+    # A real file behind a buffered writer, holding bytes already: written the stream's way, after them.
+    (tmp_path / "f").write_bytes(b"head")
+    with open(tmp_path / "f", "ab") as f:
+        f.raw.name = url
+        w = ShardWriter(f)
+        w.add("a", arrays["a"])
+        assert w.close().path == url
+    with open(tmp_path / "f", "rb") as f:
+        f.raw.name = url
+        assert f.read(4) == b"head"
+        with tensorferry.StreamReader(f) as reader:
+            assert_same({"a": arrays["a"]}, reader.map_many())
+    with pytest.raises(ValueError, match=f"{url}: a file object is written in place; atomic needs a path"):
+        ShardWriter(Named(), atomic=True)
+    assert os.listdir(tmp_path) == ["f"]
+
+
 def test_reads_files_written_by_safetensors(tmp_path) -> None:
     from safetensors.numpy import save_file
     arrays = {"a": np.arange(10, dtype=np.float32), "b": np.ones((3, 3), np.int16)}

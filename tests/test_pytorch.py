@@ -1159,6 +1159,42 @@ def test_errors_of_the_callers_own_stream_name_it(tmp_path) -> None:
         save(state, f)  # not open for writing: the type a file gives, the file named
 
 
+def test_a_stream_named_by_a_url_is_written_as_a_stream(tmp_path, small_tmpfs, monkeypatch) -> None:
+    """save(state, stream) failed, "'s3://bucket/model.safetensors' is a URL", for a stream
+    whose name is a URL (as some stream wrappers name theirs): the name was taken for the
+    path of the file to write. A stream is written as a stream; its name only labels errors."""
+    import io
+    monkeypatch.chdir(tmp_path)  # a URL taken for a path would make a folder "s3:" here
+    url = "s3://bucket/model.safetensors"
+
+    class Named(io.BytesIO):
+        name = url
+
+    state = {"w": torch.arange(12.0).reshape(3, 4), "step": 7}
+    stream = Named()
+    save(state, stream)
+    stream.seek(0)
+    back = load(stream)
+    assert torch.equal(back["w"], state["w"]) and back["step"] == 7
+    for opening in ("wb", "ab"):  # an empty file is written as the file, one holding bytes the stream's way
+        (tmp_path / "f").write_bytes(b"" if opening == "wb" else b"head")
+        with open(tmp_path / "f", opening) as f:
+            f.raw.name = url
+            save(state, f)
+        with open(tmp_path / "f", "rb") as f:
+            f.raw.name = url
+            f.seek(0 if opening == "wb" else 4)
+            back = load(f)
+        assert torch.equal(back["w"], state["w"]) and back["step"] == 7, opening
+    with open(os.path.join(small_tmpfs, "full"), "wb") as f:
+        f.write(b"head")
+        f.raw.name = url
+        with pytest.raises(tensorferry.TensorferryIOError, match=f"No space left on device: '{url}'") as caught:
+            save({"w": torch.zeros(1 << 21)}, f)  # 8 MiB on a 4 MiB disk
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == url
+    assert os.listdir(tmp_path) == ["f"]
+
+
 def test_checkpointer_single_process(tmp_path) -> None:
     model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

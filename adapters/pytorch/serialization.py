@@ -28,7 +28,7 @@ from ...layouts.huggingface import INDEX_SUFFIX
 from ...pools import ThreadPool
 from ...schema import MAX_STRUCTURE_DEPTH, STRUCTURE_KEY, check_structure, parse_json
 from ...shard import DEFAULT_BUFFER_SIZE, Deferred, ShardReader, ShardWriter, StreamReader, gc_paused, write_order
-from ...streams import file_behind, is_stream, require, stream_name
+from ...streams import file_behind, is_stream, require
 from .staging import DeviceToHost, read_to_device
 from .tensors import FROM_SAFETENSORS, from_array, host_array, refuse_wrapper_subclass, safetensors_dtype
 
@@ -268,15 +268,13 @@ def save(obj: Any, path: str | os.PathLike | BinaryIO, *, metadata: dict[str, st
     if to_stream:
         require(path, "write", "save")
     with file_behind(path, for_write=True) if to_stream else contextlib.nullcontext() as own:
-        # Nothing is opened before close() (or write_to), which clean up after themselves on failure.
-        writer = ShardWriter(own or (stream_name(path) if to_stream else os.fspath(path)), engine,
+        # Nothing is opened before close(), which cleans up after itself on failure. A stream
+        # is handed over as one, not by its name, which may be a URL or another file's path.
+        writer = ShardWriter(own or (path if to_stream else os.fspath(path)), engine,
                              metadata=meta, atomic=not to_stream, keep_on_failure=own is not None)
         for key, t in _writable(encoder.tensors).items():
             writer.add(key, t)
-        if to_stream and own is None:
-            writer.write_to(path)
-        else:
-            writer.close()
+        writer.close()
 
 
 def _writable(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, Any]:
