@@ -125,9 +125,10 @@ class FSDPCheckpointer:
 
     Example::
 
+        progress = {"tokens": 0}  # restored in place by load()
         ckpt = FSDPCheckpointer("/nvme/ckpt", model, optimizer, keep_last=3,
-                                extra={"scheduler": scheduler, "progress": {"tokens": 0}})
-        start = ckpt.load() if ckpt.latest_step() is not None else 0
+                                extra={"scheduler": scheduler, "progress": progress})
+        start = ckpt.load() + 1 if ckpt.latest_step() is not None else 0
         for step in range(start, steps):
             train_step()
             if step % 500 == 0:
