@@ -342,7 +342,16 @@ def test_typed_prng_keys(tmp_path):
     np.testing.assert_array_equal(restored["raw"], state["raw"])  # old-style keys: plain uint32 arrays
     assert FerryCheckpointHandler().metadata(tmp_path / "c")["split"].dtype == split.dtype
     assert ckptr.restore(tmp_path / "c")["rng"].dtype == state["rng"].dtype  # no target: keys still
-    plain = {**target, "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}  # a plain target asks for the key data
+    # The usual Orbax target makes keys into their key data's shape and dtype: keys come
+    # back, as from Orbax's own restore; a target of another plain dtype asks for the data.
+    usual = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"rng": state["rng"]})
+    assert usual["rng"].dtype == jnp.uint32
+    ours = ckptr.restore(tmp_path / "c", args=FerryRestore({**target, **usual}))["rng"]
+    orbax_own = ocp.StandardCheckpointer()
+    orbax_own.save(tmp_path / "orbax", {"rng": state["rng"]})
+    orbax_own.wait_until_finished()
+    assert ours.dtype == orbax_own.restore(tmp_path / "orbax", usual)["rng"].dtype == state["rng"].dtype
+    plain = {**target, "rng": jax.ShapeDtypeStruct((2,), jnp.int32)}
     np.testing.assert_array_equal(ckptr.restore(tmp_path / "c", args=FerryRestore(plain))["rng"],
                                   jax.random.key_data(state["rng"]))
     other_impl = {**target, "rbg": jax.ShapeDtypeStruct((), state["rng"].dtype)}

@@ -777,10 +777,14 @@ def _abstract_keys(leaf: _Leaf) -> jax.ShapeDtypeStruct:
 def _key_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _LeafRead:
     """A typed PRNG key array: its key data restored as the target's keys lie (their
     shape; their sharding, with the data's trailing dimensions whole), then wrapped.
-    A target of a plain dtype asks for the key data itself."""
+    A target of the key data's own shape and dtype gets keys too, as Orbax's restore
+    gives them: it is what ``ocp.utils.to_shape_dtype_struct`` makes of keys, the usual
+    abstract target. A target of another plain dtype or shape asks for the key data."""
     wanted = getattr(target, "dtype", None)
     if wanted is not None and not jax.dtypes.issubdtype(wanted, jax.dtypes.prng_key):
-        return _array_leaf_for(ckpt, name, leaf, target)
+        data = _array_leaf_for(ckpt, name, leaf, target)
+        as_data = (tuple(getattr(target, "shape", ())), np.dtype(wanted)) == (leaf.shape, to_numpy_dtype(leaf.dtype))
+        return _as_keys(data, leaf) if as_data else data
     if wanted is not None:
         saved = _abstract_keys(leaf).dtype
         if saved != wanted:
