@@ -200,9 +200,11 @@ class PendingCheckpoint:
         fsync_after_commit(self.directory)
 
     def abort(self) -> None:
-        """Removes the temporary directory and everything in it."""
+        """Removes the temporary directory and everything in it (once: called again, it
+        leaves alone what a later save with the same token made under the name)."""
         if not self._moved:  # else the name may be a later save's temporary by now
             shutil.rmtree(self.tmp_path, ignore_errors=True)
+            self._moved = True
         release(self._lock)
         self._lock = None
 

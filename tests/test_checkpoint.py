@@ -1149,3 +1149,17 @@ def test_an_interrupted_load_stops_reading(tmp_path, monkeypatch) -> None:
     with pytest.raises(KeyboardInterrupt):
         tensorferry.load_checkpoint(tmp_path / "ckpt")
     assert set(stopped) == {n for n in os.listdir(tmp_path / "ckpt") if n.endswith(".safetensors")}
+
+
+def test_an_abort_called_again_leaves_a_later_saves_temporary_alone(tmp_path) -> None:
+    """Saves with a fixed token (DCP's "<path>.tmp-dcp") reuse one temporary name: a
+    second abort() of an earlier, failed save removed the later save's files."""
+    first = tensorferry.PendingCheckpoint.begin(tmp_path / "step_1", "fixed")
+    first.abort()
+    later = tensorferry.PendingCheckpoint.begin(tmp_path / "step_1", "fixed")
+    with open(os.path.join(later.tmp_path, "part"), "wb") as f:
+        f.write(b"written by the later save")
+    first.abort()
+    assert os.listdir(later.tmp_path) == ["part"]
+    later.abort()
+    assert not os.path.exists(later.tmp_path)
