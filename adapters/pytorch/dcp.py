@@ -27,6 +27,7 @@ import io
 import math
 import os
 import pickle
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -66,6 +67,14 @@ NOT_TORCH_SAVE = ("tensorferry-raw-bytes (this is a tensorferry checkpoint: its 
 # its planner caches plans (DefaultSavePlanner(enable_plan_caching=True)), and a token
 # in that plan would name the earlier save's directory.
 SAVE_TOKEN = "dcp"
+
+
+# The saves this process coordinates, by path: the writer and the thread that planned it.
+# torch calls no method of the coordinator's writer after another rank's write failed, and
+# that writer, kept alive by the error (a training loop's log of errors, a notebook's
+# sys.last_value), holds its lock on "<path>.tmp-dcp" until a later save frees it.
+_coordinating: dict[str, tuple[weakref.ref, threading.Thread]] = {}
+_coordinating_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +156,26 @@ class DCPWriter(StorageWriter):
         if self._pending is not None:
             self._pending.abort()
         self._pending = None
+        self._forget_coordinating()
+
+    def _forget_coordinating(self) -> None:
+        with _coordinating_lock:
+            entry = _coordinating.get(self.path)
+            if entry is not None and entry[0]() is self:
+                del _coordinating[self.path]
+
+    def _abandon_ended_earlier_save(self) -> None:
+        """Frees the temporary of an earlier save to this path by another writer of this
+        process that has ended (failed on another rank): one planned on this thread, which
+        runs one save at a time, or on a thread that has ended (``dcp.async_save``'s, one
+        per save). One whose thread runs on may still be saving (an async save waiting for
+        ranks still writing) and keeps its temporary."""
+        with _coordinating_lock:
+            entry = _coordinating.get(self.path)
+        earlier = None if entry is None else entry[0]()
+        if earlier is not None and earlier is not self and (
+                entry[1] is threading.current_thread() or not entry[1].is_alive()):
+            earlier._abandon_failed_save()
 
     # torch's AsyncStager protocol: ``dcp.async_save`` snapshots the state through this
     # writer rather than its default stager, which copies into pageable memory.
@@ -189,12 +218,15 @@ class DCPWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._abandon_failed_save()
+        self._abandon_ended_earlier_save()
         try:
             self._pending = PendingCheckpoint.begin(self.path, SAVE_TOKEN)
         except FileExistsError:
             raise FileExistsError(
                 f"{PendingCheckpoint(self.path, SAVE_TOKEN).tmp_path} is held: another save to {self.path} is "
                 "running, or one that was killed left it on a filesystem without file locks (remove it then)") from None
+        with _coordinating_lock:
+            _coordinating[self.path] = (weakref.ref(self), threading.current_thread())
         return [dataclasses.replace(plan, storage_data=_RankFiles(f"rank{rank:05d}"))
                 for rank, plan in enumerate(plans)]
 
@@ -267,6 +299,7 @@ class DCPWriter(StorageWriter):
             metadata.storage_data[r.index] = _StorageInfo(where.file, offset, stored.nbytes, (NOT_TORCH_SAVE,))
         write_durably(os.path.join(pending.tmp_path, DCP_METADATA), pickle.dumps(metadata))
         self._pending = None
+        self._forget_coordinating()
         try:
             pending.commit([h.shard_info() for h in headers.values()],
                            {"written_by": "tensorferry.adapters.pytorch.DCPWriter", "dcp_metadata": DCP_METADATA,
