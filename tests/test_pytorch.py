@@ -931,6 +931,39 @@ def test_dcp_save_while_another_threads_save_to_the_same_path_writes_is_refused(
     assert torch.equal(back["x"], torch.ones(3)) and os.listdir(tmp_path) == ["c"]
 
 
+def test_dcp_retry_of_a_path_leaves_the_writers_later_save_to_another_path_alone(tmp_path) -> None:
+    """A writer whose save to A failed after planning, reused for a save to B on another
+    thread: a retry of A by a new writer freed the temporary of the writer's save to B,
+    still writing, which then failed."""
+    import threading
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    entered, go_on = threading.Event(), threading.Event()
+
+    class FailsAfterPlanning(DefaultSavePlanner):  # as a failure on another rank leaves the coordinator
+        def finish_plan(self, plan):
+            raise RuntimeError("failed on another rank")
+
+    class Held(DCPWriter):
+        def write_data(self, plan, planner):
+            entered.set()
+            go_on.wait(60)
+            return super().write_data(plan, planner)
+
+    state = {"w": torch.arange(16.0)}
+    writer = Held(tmp_path / "A")
+    with pytest.raises(CheckpointException):
+        dcp.save(state, storage_writer=writer, planner=FailsAfterPlanning())
+    entered.clear()
+    to_b = threading.Thread(target=dcp.save, args=(state,), kwargs={"storage_writer": writer,
+                                                                    "checkpoint_id": tmp_path / "B"})
+    to_b.start()
+    assert entered.wait(60)
+    dcp.save(state, storage_writer=DCPWriter(tmp_path / "A"))  # the retry of A
+    go_on.set()
+    to_b.join(60)
+    assert sorted(os.listdir(tmp_path)) == ["A", "B"]
+
+
 def test_dcp_saves_again_to_a_path_whose_replaced_checkpoint_is_still_being_freed(tmp_path,
                                                                                  discards_held_up) -> None:
     """Every DCPWriter save writes <path>.tmp-dcp, where an overwrite left the checkpoint

@@ -69,12 +69,20 @@ NOT_TORCH_SAVE = ("tensorferry-raw-bytes (this is a tensorferry checkpoint: its 
 SAVE_TOKEN = "dcp"
 
 
-# The saves this process coordinates, by path: the writer and the thread that planned it.
+# The saves this process coordinates, by path: the writer, the thread that planned the
+# save, and the save (a writer reused for another path has moved on to another save).
 # torch calls no method of the coordinator's writer after another rank's write failed, and
 # that writer, kept alive by the error (a training loop's log of errors, a notebook's
 # sys.last_value), holds its lock on "<path>.tmp-dcp" until a later save frees it.
-_coordinating: dict[str, tuple[weakref.ref, threading.Thread]] = {}
+_coordinating: dict[str, tuple[weakref.ref, threading.Thread, weakref.ref]] = {}
 _coordinating_lock = threading.Lock()
+
+
+def _forget_coordinating(pending: PendingCheckpoint) -> None:
+    with _coordinating_lock:
+        entry = _coordinating.get(pending.directory)
+        if entry is not None and entry[2]() is pending:
+            del _coordinating[pending.directory]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,16 +161,10 @@ class DCPWriter(StorageWriter):
         it once dcp.save has failed: where another rank's write failed, nothing else
         released the coordinator's lock on "<path>.tmp-dcp" while the error, whose
         traceback holds this writer, was kept, and a retry of the path failed, "is held"."""
-        if self._pending is not None:
-            self._pending.abort()
-        self._pending = None
-        self._forget_coordinating()
-
-    def _forget_coordinating(self) -> None:
-        with _coordinating_lock:
-            entry = _coordinating.get(self.path)
-            if entry is not None and entry[0]() is self:
-                del _coordinating[self.path]
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.abort()
+            _forget_coordinating(pending)
 
     def _abandon_ended_earlier_save(self) -> None:
         """Frees the temporary of an earlier save to this path by another writer of this
@@ -172,9 +174,11 @@ class DCPWriter(StorageWriter):
         ranks still writing) and keeps its temporary."""
         with _coordinating_lock:
             entry = _coordinating.get(self.path)
-        earlier = None if entry is None else entry[0]()
-        if earlier is not None and earlier is not self and (
-                entry[1] is threading.current_thread() or not entry[1].is_alive()):
+        if entry is None:
+            return
+        earlier, thread, pending = entry[0](), entry[1], entry[2]()
+        if (earlier is not None and earlier is not self and pending is not None and earlier._pending is pending
+                and (thread is threading.current_thread() or not thread.is_alive())):
             earlier._abandon_failed_save()
 
     # torch's AsyncStager protocol: ``dcp.async_save`` snapshots the state through this
@@ -226,7 +230,8 @@ class DCPWriter(StorageWriter):
                 f"{PendingCheckpoint(self.path, SAVE_TOKEN).tmp_path} is held: another save to {self.path} is "
                 "running, or one that was killed left it on a filesystem without file locks (remove it then)") from None
         with _coordinating_lock:
-            _coordinating[self.path] = (weakref.ref(self), threading.current_thread())
+            _coordinating[self._pending.directory] = (weakref.ref(self), threading.current_thread(),
+                                                      weakref.ref(self._pending))
         return [dataclasses.replace(plan, storage_data=_RankFiles(f"rank{rank:05d}"))
                 for rank, plan in enumerate(plans)]
 
@@ -299,7 +304,7 @@ class DCPWriter(StorageWriter):
             metadata.storage_data[r.index] = _StorageInfo(where.file, offset, stored.nbytes, (NOT_TORCH_SAVE,))
         write_durably(os.path.join(pending.tmp_path, DCP_METADATA), pickle.dumps(metadata))
         self._pending = None
-        self._forget_coordinating()
+        _forget_coordinating(pending)
         try:
             pending.commit([h.shard_info() for h in headers.values()],
                            {"written_by": "tensorferry.adapters.pytorch.DCPWriter", "dcp_metadata": DCP_METADATA,
