@@ -474,6 +474,23 @@ def test_load_pytree_of_a_checkpoint_directory_and_a_hugging_face_folder(tmp_pat
             np.testing.assert_array_equal(np.asarray(arrays[name].astype(jnp.float32)), t.float().numpy())
 
 
+def test_a_target_without_a_sharding_gets_the_saved_one(tmp_path):
+    """A ShapeDtypeStruct that names no sharding: its array came back on the first device,
+    where Orbax's own restore gives it the sharding it was saved with."""
+    m = mesh((2, 4))
+    state = {"w": jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(m, P("x", "y"))),
+             "keys": jax.device_put(jax.random.split(jax.random.key(0), 8), NamedSharding(m, P("x"))),
+             "host": np.arange(3.0)}
+    target = abstract(state, lambda x: None)
+    ckptr = ocp.Checkpointer(FerryCheckpointHandler())
+    ours, theirs = restored_by_us_and_by_orbax(ckptr, tmp_path, state, target)
+    for name in ("w", "keys"):
+        assert ours[name].sharding == theirs[name].sharding == state[name].sharding, name
+        assert ours[name].dtype == state[name].dtype
+    np.testing.assert_array_equal(ours["w"], state["w"])
+    np.testing.assert_array_equal(ours["host"], state["host"])
+
+
 def test_typed_prng_keys_saved_under_jax_before_0_5(tmp_path, monkeypatch):
     """This adapter under JAX before 0.5 stored a key implementation's tag ("fry"),
     as ``key_impl`` gave it there: such checkpoints restore as keys of that implementation."""

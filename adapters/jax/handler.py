@@ -840,7 +840,10 @@ def _array_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _
         return _LeafRead(ckpt, name, [whole], math.prod(shape) * itemsize, finish_host)
     sharding = getattr(target, "sharding", None)
     if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        # A target that says no sharding (a ShapeDtypeStruct without one) gets the saved
+        # sharding, as from Orbax's restore, where an array was saved; else the first device.
+        sharding = (_saved_sharding(name, leaf) if leaf.was_jax
+                    else jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
     if not sharding.addressable_devices:
         # A pipeline stage on other processes' devices, say: this process has nothing to read.
         if not _CALLBACK_TAKES_DTYPE:
