@@ -894,15 +894,12 @@ class _StagedReads:
             for slot in slots:
                 _pool.release(slot)
 
-    def _land_ahead(self, hashers: dict[str, Any], *, drop: bool = True) -> None:
-        """The tensors the read-ahead holds; with ``drop``, each piece's buffer given back
-        once landed (not where later boxes may want the same piece)."""
+    def _land_ahead(self, hashers: dict[str, Any]) -> None:
+        """The tensors the read-ahead holds, each piece's buffer given back once landed."""
         landings, self.ahead_landings = self.ahead_landings, []
         for number, parts in landings:
-            future, slot = self.ahead.piece(number)
-            self._land(future, slot, parts, hashers)
-            if drop:
-                self.ahead.drop(number)
+            self._land(*self.ahead.piece(number), parts, hashers)
+            self.ahead.drop(number)
 
     def _land(self, future: IOFuture, slot: np.ndarray, parts: list, hashers: dict[str, Any]) -> None:
         future.result()
@@ -1011,9 +1008,7 @@ class _ReadAhead:
             _pool.release(piece[1])
 
     def cancel(self) -> None:
-        for piece in self._pieces:
-            if piece is not None:
-                piece[0].cancel()
+        self.cancel_except(())
 
     def close(self) -> None:
         """Stops what has not started and gives every buffer back once its read is over."""
@@ -1577,11 +1572,12 @@ class ShardReader:
         dtype = to_numpy_dtype(t.dtype)
         shape = t.shape
         offsets, lengths = tuple(int(o) for o in offsets), tuple(int(n) for n in lengths)
-        if self._ahead is not None and lengths == shape and t.nbytes and not any(offsets):
+        whole_tensor = lengths == shape and t.nbytes and not any(offsets)
+        if whole_tensor and self._ahead is not None:
             box = self._whole_from_ahead(name, out, dtype)
             if box is not None:
                 return box
-        if out is None and lengths == shape and t.nbytes and not any(offsets):
+        if whole_tensor and out is None:
             # The whole tensor into new memory, the common case of a restore: one read, no
             # box arithmetic (which cost a JAX restore of 4096 leaves more than its reads).
             buffer = self.buffer_for(name, 0, t.nbytes)
