@@ -121,14 +121,16 @@ class PendingCheckpoint:
         return ShardWriter(os.path.join(self.tmp_path, filename), engine, **kwargs)
 
     def commit(self, shards: Iterable[ShardInfo], metadata: Mapping[str, Any] | None = None,
-               *, overwrite: bool = False, other_files: Iterable[str] = ()) -> str:
+               *, overwrite: bool = False, other_files: Iterable[str] = (),
+               superseded: Callable[[], bool] | None = None) -> str:
         """Writes the manifest and renames the directory into place; returns its path.
 
         With ``overwrite``, an existing checkpoint of the same name is replaced only
         after the new one is complete. ``other_files`` are names of further files in
         the temporary directory (a framework's metadata) that the manifest lists with
         their size and checksum, so that :func:`read_other_file` and verification
-        cover them too.
+        cover them too. ``superseded`` is asked just before the rename: True drops this
+        checkpoint (aborted) and leaves what is at the path as it is.
         """
         shards = list(shards)
         others = {}
@@ -142,6 +144,9 @@ class PendingCheckpoint:
                 raise CorruptCheckpointError(f"{path}: missing or of the wrong size before commit")
         write_durably(os.path.join(self.tmp_path, MANIFEST), manifest)
         fsync_dir(self.tmp_path)
+        if superseded is not None and superseded():
+            self.abort()
+            return self.directory
         if not overwrite:
             refuse_existing(self.directory)
         if not occupied(self.directory) and self._rename_into_place():
@@ -427,7 +432,7 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
                     metadata: Mapping[str, Any] | None = None, *, engine: Engine | None = None,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, buffer_size: int = DEFAULT_BUFFER_SIZE,
                     overwrite: bool = False, shard_metadata: Mapping[str, str] | None = None,
-                    hf_index: bool = False) -> str:
+                    hf_index: bool = False, superseded: Callable[[], bool] | None = None) -> str:
     """Saves named arrays (or :class:`~tensorferry.shard.Deferred` tensors, made when
     written) as a checkpoint directory, atomically; returns its path.
 
@@ -441,6 +446,7 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
     ``shard_metadata`` goes into every shard file's own header (``{"format": "pt"}``,
     which transformers asks of safetensors files); ``hf_index`` also writes
     ``model.safetensors.index.json``, so that Hugging Face loaders open the directory.
+    ``superseded``: as :meth:`PendingCheckpoint.commit` takes it.
     """
     engine = engine or default_engine()
     json.dumps(dict(metadata or {}))  # fail before writing anything if it cannot be saved
@@ -469,7 +475,7 @@ def save_checkpoint(directory: str | os.PathLike, arrays: Mapping[str, Any],
             from .layouts.huggingface import INDEX, encode_index
             write_durably(os.path.join(pending.tmp_path, INDEX), encode_index(infos))
             others.append(INDEX)  # checksummed by the manifest, so verify covers it too
-        return pending.commit(infos, metadata, overwrite=overwrite, other_files=others)
+        return pending.commit(infos, metadata, overwrite=overwrite, other_files=others, superseded=superseded)
     except BaseException:
         pending.abort()
         raise

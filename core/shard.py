@@ -254,7 +254,8 @@ class ShardWriter:
 
     def __init__(self, path: str | os.PathLike | Any, engine: Engine | None = None,
                  buffer_size: int = DEFAULT_BUFFER_SIZE, *, metadata: Mapping[str, str] | None = None,
-                 staging_bytes: int = 256 << 20, atomic: bool = False, keep_on_failure: bool = False) -> None:
+                 staging_bytes: int = 256 << 20, atomic: bool = False, keep_on_failure: bool = False,
+                 superseded: Callable[[], bool] | None = None) -> None:
         # A stream's name is no path to check or to write: a stream wrapper may name it by
         # its URL ("s3://bucket/model.safetensors"), which a path here would refuse.
         self._stream = path if is_stream(path) else None
@@ -272,6 +273,9 @@ class ShardWriter:
         # written through its /proc/self/fd link, which cannot be unlinked either, or a
         # stream, whose name may be some other file's).
         self._keep_on_failure = keep_on_failure or self._stream is not None
+        # With ``atomic``: asked just before the rename; True drops the written file and
+        # leaves ``path`` as it is (what was put there meanwhile is newer than this write).
+        self._superseded = superseded
         self.staging_bytes = staging_bytes
         self.engine = engine or default_engine()
         self.buffer_size = max(ALIGNMENT, round_up(buffer_size, ALIGNMENT))
@@ -347,7 +351,9 @@ class ShardWriter:
             file.fsync()
             size = header.size + offset
             file.close()
-            if self._write_path != self.path:
+            if self._write_path != self.path and self._superseded is not None and self._superseded():
+                self.abort()
+            elif self._write_path != self.path:
                 replaced = set_aside(self.path)  # the replaced file's blocks are freed after the commit
                 os.replace(self._write_path, self.path)
                 fsync_after_commit(self.path)

@@ -3,9 +3,14 @@ last.ckpt, and get the parameters of a run that was never interrupted, bit for b
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -209,3 +214,178 @@ def test_a_module_is_made_from_a_checkpoint_as_load_from_checkpoint_does(tmp_pat
         plugin.load_from_checkpoint(Tiny, last, hidden=32)
     with pytest.raises(TypeError, match="neither"):
         plugin.load_from_checkpoint(torch.nn.Linear, last)
+
+
+class Scored(Tiny):
+    """Logs a score per checkpoint step (the global step after the batch), for
+    ModelCheckpoint(monitor="score", mode="max"); 0 where none is given."""
+
+    def __init__(self, scores: dict[int, float]) -> None:
+        super().__init__()
+        self.scores = scores
+
+    def training_step(self, batch, i):
+        self.log("score", self.scores.get(self.global_step + 1, 0.0))
+        return super().training_step(batch, i)
+
+
+def fit_steps(model: Tiny, steps: int, plugin, checkpoint: ModelCheckpoint, resume: Path | None = None) -> None:
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, plugins=[plugin], callbacks=[checkpoint])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
+        trainer.fit(model, ckpt_path=resume)
+
+
+def writes_held(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The plugin's background writes held before they start until the event is set: a
+    write queued before something happens surely runs after it, as a large model's does."""
+    import tensorferry.adapters.pytorch.lightning as plugin_module
+
+    gate = threading.Event()
+    save = plugin_module.save
+
+    def held_save(*args, **kwargs) -> None:
+        assert gate.wait(60), "the test never let the write start"
+        save(*args, **kwargs)
+
+    monkeypatch.setattr(plugin_module, "save", held_save)
+    return gate
+
+
+def test_after_a_failed_background_write_nothing_queued_behind_it_runs(
+        small_tmpfs: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """save_top_k=1, the disk full: the write of the new checkpoint fails (ENOSPC), and
+    the removal of the previous one, queued behind it, deleted the only good checkpoint.
+    Every job behind a failed one is skipped; the failure is raised."""
+    from tensorferry.errors import TensorferryIOError
+
+    gate = writes_held(monkeypatch)
+    gate.set()
+    filler = Path(small_tmpfs) / "filler"
+
+    class RemovalLetsTheWriteGo(TensorferryCheckpointIO):
+        def remove_checkpoint(self, path) -> None:
+            super().remove_checkpoint(path)
+            gate.set()  # the removal is queued behind the write: now the write may fail
+
+    class FillTheDisk(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, i) -> None:
+            if trainer.global_step == 3:  # the checkpoint of step 2 is written: fill the rest
+                trainer.strategy.checkpoint_io.wait()
+                gate.clear()
+                with open(filler, "wb") as f, pytest.raises(OSError, match="No space"):
+                    while True:
+                        f.write(bytes(1 << 16))
+                        f.flush()
+
+    checkpoints = Path(small_tmpfs) / "ckpts"
+    checkpoint = ModelCheckpoint(dirpath=checkpoints, save_top_k=1, every_n_train_steps=2)
+    trainer = pl.Trainer(max_steps=5, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, plugins=[RemovalLetsTheWriteGo(asynchronous=True)],
+                         callbacks=[checkpoint, FillTheDisk()])
+    with warnings.catch_warnings(), pytest.raises(TensorferryIOError, match="No space left on device"):
+        warnings.simplefilter("ignore")
+        trainer.fit(Tiny())
+    filler.unlink()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=0-step=2.ckpt"]
+    assert TensorferryCheckpointIO().load_checkpoint(checkpoints / "epoch=0-step=2.ckpt")["global_step"] == 2
+
+
+def test_a_link_made_while_last_ckpt_is_being_written_stays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModelCheckpoint(save_last="link"), resumed: the first last.ckpt is a real write (no
+    top-k checkpoint yet in this run); a later top-k checkpoint links last.ckpt to itself
+    at once. The queued write renamed the older state over the link, and the next resume
+    went back to step 4. The link supersedes it, as in Lightning's TorchCheckpointIO."""
+    gate = writes_held(monkeypatch)
+    gate.set()
+
+    class WritesGoAtTeardown(TensorferryCheckpointIO):
+        def teardown(self) -> None:
+            gate.set()
+            super().teardown()
+
+    scores = {2: 1.0, 4: 0.0, 6: 2.0}  # step 4 is no better than step 2; step 6 is the best
+
+    def checkpoint() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp_path, monitor="score", mode="max", save_top_k=1, save_last="link",
+                               every_n_train_steps=2, enable_version_counter=False)  # last.ckpt, not last-v1.ckpt
+
+    fit_steps(Scored(scores), 2, WritesGoAtTeardown(asynchronous=True), checkpoint())
+    gate.clear()  # the write of last.ckpt at step 4 waits until the link of step 6 is made
+    fit_steps(Scored(scores), 6, WritesGoAtTeardown(asynchronous=True), checkpoint(), resume=tmp_path / "last.ckpt")
+    last = tmp_path / "last.ckpt"
+    assert last.is_symlink() and os.readlink(last) == "epoch=1-step=6.ckpt"
+    assert TensorferryCheckpointIO().load_checkpoint(last)["global_step"] == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=1-step=6.ckpt", "last.ckpt"]
+
+
+def test_a_failed_background_write_nobody_waited_for_is_reported_at_exit(small_tmpfs: str) -> None:
+    """trainer.save_checkpoint() after fit() onto a full disk, the program then ending
+    without teardown: the write failed and nothing said so. It is reported at exit, as
+    FSDPCheckpointer reports its own, naming the checkpoint."""
+    script = (
+        "import sys, torch, lightning.pytorch as pl\n"
+        "from tensorferry.adapters.pytorch import TensorferryCheckpointIO\n"
+        "class Big(pl.LightningModule):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.w = torch.nn.Parameter(torch.zeros(1 << 20))\n"  # 4 MiB: more than the disk holds
+        "    def training_step(self, batch, i):\n"
+        "        return (self.w * batch[0].sum()).sum()\n"
+        "    def configure_optimizers(self):\n"
+        "        return torch.optim.SGD(self.parameters(), lr=0.1)\n"
+        "data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(2, 1)))\n"
+        "trainer = pl.Trainer(max_steps=1, accelerator='cpu', logger=False, enable_checkpointing=False,\n"
+        "                     enable_progress_bar=False, enable_model_summary=False,\n"
+        "                     plugins=[TensorferryCheckpointIO(asynchronous=True)])\n"
+        "trainer.fit(Big(), data)\n"
+        "trainer.save_checkpoint(sys.argv[1])\n"
+    )
+    path = os.path.join(small_tmpfs, "final.ckpt")
+    result = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"RuntimeWarning: the background save to {path} failed and no one waited for it" in result.stderr, \
+        result.stderr[-3000:]
+    assert "No space left on device" in result.stderr
+    assert not os.path.exists(path)
+
+
+def test_a_background_write_saves_numpy_arrays_as_they_were(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """save_checkpoint copied tensors before returning but not numpy arrays: one changed
+    in place (a callback's histogram) before the write ran was saved changed."""
+    gate = writes_held(monkeypatch)
+    io = TensorferryCheckpointIO(asynchronous=True)
+    counts = np.zeros(4, dtype=np.int64)
+    weights = torch.zeros(4)
+    io.save_checkpoint({"state_dict": {"w": weights}, "callbacks": {"Hist": {"counts": counts, "again": counts}},
+                        "numbers": [np.float32(1.5), 3]}, tmp_path / "a.ckpt")
+    counts += 7  # training goes on before the write starts
+    weights += 7
+    gate.set()
+    io.teardown()
+    back = TensorferryCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")
+    assert back["state_dict"]["w"].tolist() == [0, 0, 0, 0]
+    assert back["callbacks"]["Hist"]["counts"].tolist() == back["callbacks"]["Hist"]["again"].tolist() == [0] * 4
+    assert back["numbers"] == [1.5, 3]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["plain", "asynchronous"])
+@pytest.mark.parametrize("given, where", [("~/ckpts/a.ckpt", "home/ckpts/a.ckpt"),
+                                          ("file://{tmp}/url/b.ckpt", "url/b.ckpt"),
+                                          ("missing/../dir/c.ckpt", "dir/c.ckpt")], ids=["home", "file-url", "dotdot"])
+def test_paths_are_resolved_as_lightnings_own_checkpoint_io_resolves_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, asynchronous: bool, given: str, where: str) -> None:
+    """'~/x.ckpt' was written into a folder literally named '~', 'file:///abs/x.ckpt' was
+    refused as a URL, and 'missing/../dir/x.ckpt' failed (No such file or directory);
+    Lightning's TorchCheckpointIO (fsspec) writes each where these assert."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    given = given.format(tmp=tmp_path)
+    io = TensorferryCheckpointIO(asynchronous=asynchronous)
+    io.save_checkpoint({"w": torch.ones(2)}, given)
+    assert torch.equal(io.load_checkpoint(given)["w"], torch.ones(2))
+    assert (tmp_path / where).is_file() and not (tmp_path / "~").exists()
+    io.remove_checkpoint(given)
+    io.wait()
+    assert not (tmp_path / where).exists()

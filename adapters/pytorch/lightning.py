@@ -16,6 +16,7 @@ import os
 import shutil
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 try:
@@ -25,8 +26,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("TensorferryCheckpointIO needs Lightning: pip install 'tensorferry[lightning]'") from exc
 
 from ...checkpoint import DEFAULT_SHARD_BYTES
-from ...engine import Engine, is_url, local_path
-from ...pools import ThreadPool
+from ...engine import Engine, absolute_local_path, is_url
+from ...pools import SaveFuture, ThreadPool
 from ...temporaries import wait_for_discards
 from .serialization import MapLocation, _storage_key, load, save, save_checkpoint
 
@@ -44,8 +45,10 @@ class TensorferryCheckpointIO(CheckpointIO):
         asynchronous: return from ``save_checkpoint`` once the tensors are copied, and
             write in a background thread. Removals queue behind the saves before them
             (Lightning's ``AsyncCheckpointIO`` removes at once, so that a checkpoint still
-            being written when ``save_top_k`` drops it is left behind); a load, and
-            ``teardown``, wait for the writes, and raise the first one's error.
+            being written when ``save_top_k`` drops it is left behind); once one fails,
+            nothing queued behind it runs (the removal of the checkpoint it was to replace,
+            say), and the next save, removal, load or ``wait`` raises its error. A failure
+            nobody received (the program ended without ``teardown``) is reported at exit.
 
     Everything in a Lightning checkpoint must be what
     :func:`tensorferry.adapters.pytorch.save` takes (tensors, numpy arrays, dicts with
@@ -65,25 +68,46 @@ class TensorferryCheckpointIO(CheckpointIO):
         self.asynchronous = asynchronous
         self._writer: ThreadPool | None = None
         self._pending: list[concurrent.futures.Future] = []
+        # The queued job that failed, until its error is raised: the jobs behind it are skipped.
+        self._failed: concurrent.futures.Future | None = None
 
-    def _later(self, work: Callable[..., None], *args: Any) -> None:
-        """Runs ``work`` now, or with ``asynchronous`` after everything queued before it."""
+    def _later(self, work: Callable[..., None], *args: Any, saving_to: str | None = None) -> None:
+        """Runs ``work`` now, or with ``asynchronous`` after everything queued before it.
+        A write (``saving_to`` its path) that fails and whose error nobody receives is
+        reported at exit."""
         if not self.asynchronous:
             work(*args)
             return
-        failed = next((f for f in self._pending if f.done() and f.exception() is not None), None)
+        if self._failed is not None:  # an earlier job failed: say so now, not at teardown
+            self.wait()
         self._pending = [f for f in self._pending if not f.done()]
-        if failed is not None:  # an earlier write failed: say so now, not at teardown
-            raise failed.exception()
         if self._writer is None:
             self._writer = ThreadPool(max_workers=1, thread_name_prefix="tensorferry-ckpt")
-        self._pending.append(self._writer.submit(work, *args))
+        future = SaveFuture(saving_to) if saving_to is not None else concurrent.futures.Future()
+        self._writer.submit(self._run_unless_failed, future, work, *args)
+        self._pending.append(future)
+
+    def _run_unless_failed(self, future: concurrent.futures.Future, work: Callable[..., None], *args: Any) -> None:
+        # Behind a failed write, a removal would delete the checkpoint that write was to
+        # replace (save_top_k=1), and a later write may fail the same way: skip them all.
+        if self._failed is not None:
+            future.set_result(None)
+            return
+        try:
+            work(*args)
+        except BaseException as exc:
+            self._failed = future  # before it completes: wait() finds it once every queued job is done
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
 
     def wait(self) -> None:
         """Waits for the queued writes and removals; raises the first one's error."""
         pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
+        concurrent.futures.wait(pending)  # those queued behind a failure are skipped: soon done
+        failed, self._failed = self._failed, None  # what is queued from now on runs
+        if failed is not None:
+            failed.result()  # raises its error
         wait_for_discards()  # replaced checkpoints, whose files are freed in the background
 
     def teardown(self) -> None:
@@ -111,20 +135,27 @@ class TensorferryCheckpointIO(CheckpointIO):
                                  "to a local or mounted filesystem; save to a URL without sharded=True")
             filesystem, inner = remote
             filesystem.makedirs(os.path.dirname(inner), exist_ok=True)
-            self._later(self._write_remote, checkpoint, filesystem, inner)
+            self._later(self._write_remote, checkpoint, filesystem, inner, saving_to=os.fspath(path))
             return
         # Made before returning: ModelCheckpoint(save_last="link") links last.ckpt to
         # the checkpoint as soon as this returns, and a link needs its folder.
-        path = local_path(path)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._later(self._write, checkpoint, path)
+        path = _local_path(path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._later(self._write, checkpoint, path, _link_at(path), saving_to=path)
 
-    def _write(self, checkpoint: dict[str, Any], path: str) -> None:
+    def _write(self, checkpoint: dict[str, Any], path: str, link_when_queued: tuple | None) -> None:
+        def superseded() -> bool:
+            # ModelCheckpoint(save_last="link") links last.ckpt to a newer checkpoint as soon as the
+            # save of an older last.ckpt is queued; the link is what Lightning (and the sync mode) ends
+            # with. Asked just before the rename: only a link made between the two can still be lost.
+            link_now = _link_at(path)
+            return link_now is not None and link_now != link_when_queued
+
         if self.sharded:
             save_checkpoint(path, checkpoint, engine=self.engine, max_shard_bytes=self.max_shard_bytes,
-                            overwrite=True)
+                            overwrite=True, superseded=superseded)
         else:
-            save(checkpoint, path, engine=self.engine)
+            save(checkpoint, path, engine=self.engine, superseded=superseded)
 
     def _write_remote(self, checkpoint: dict[str, Any], filesystem: Any, path: str) -> None:
         # In a transaction, as Lightning writes: the file appears once it is whole.
@@ -143,9 +174,10 @@ class TensorferryCheckpointIO(CheckpointIO):
                 raise FileNotFoundError(f"Checkpoint file not found: {os.fspath(path)}")
             with filesystem.open(inner, "rb") as stream:
                 return load(stream, map_location, verify=self.verify)
-        if not os.path.exists(path):
+        local = _local_path(path)
+        if not os.path.exists(local):
             raise FileNotFoundError(f"Checkpoint file not found: {os.fspath(path)}")
-        return load(path, map_location, engine=self.engine, verify=self.verify)
+        return load(local, map_location, engine=self.engine, verify=self.verify)
 
     def load_from_checkpoint(self, cls: type, path: str | os.PathLike, map_location: MapLocation = None,
                              strict: bool | None = None, **kwargs: Any) -> Any:
@@ -175,7 +207,8 @@ class TensorferryCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Deletes a checkpoint this plugin wrote (a file, or a directory with ``sharded``)."""
-        self._later(_remove, os.fspath(path))
+        remote = _remote(path)
+        self._later(_remove, *(remote or (None, _local_path(path))))
 
 
 def _remote(path: str | os.PathLike) -> tuple[Any, str] | None:
@@ -187,12 +220,31 @@ def _remote(path: str | os.PathLike) -> tuple[Any, str] | None:
     return fsspec.core.url_to_fs(text)
 
 
-def _remove(path: str) -> None:
-    remote = _remote(path)
-    if remote is not None:
-        filesystem, inner = remote
-        if filesystem.exists(inner):
-            filesystem.rm(inner, recursive=True)
+def _local_path(path: str | os.PathLike) -> str:
+    """A local path as Lightning's ``TorchCheckpointIO`` (fsspec) takes it: ``~`` expanded,
+    a ``file://`` URL as its path, made absolute as the kernel resolves it (``missing/../c``
+    is ``c``, without ``missing`` existing)."""
+    text = os.fspath(path)
+    if is_url(text):  # file://, which _remote leaves to the engine
+        text = fsspec.core.url_to_fs(text)[1]
+    return absolute_local_path(os.path.expanduser(text))
+
+
+def _link_at(path: str) -> tuple | None:
+    """What tells the symbolic link at ``path`` from any other made there later; None
+    where ``path`` is no link."""
+    try:
+        stat = os.lstat(path)
+        return (stat.st_dev, stat.st_ino, stat.st_ctime_ns, os.readlink(path)) if os.path.islink(path) else None
+    except FileNotFoundError:
+        return None
+
+
+def _remove(filesystem: Any | None, path: str) -> None:
+    """Removes ``path`` from ``filesystem`` (fsspec's), or from the local one if None."""
+    if filesystem is not None:
+        if filesystem.exists(path):
+            filesystem.rm(path, recursive=True)
     elif os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     elif os.path.lexists(path):
@@ -200,22 +252,22 @@ def _remove(path: str) -> None:
 
 
 def _snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """A copy of every tensor, taken now (training goes on while it is written); tensors
-    that share memory (tied weights) share their copy too."""
-    copies: dict[Any, torch.Tensor] = {}
+    """A copy of every tensor and numpy array, taken now (training goes on while it is
+    written; dicts, lists and tuples are rebuilt around the copies, and everything else
+    :func:`save` takes is immutable); tensors that share memory (tied weights), and an
+    array found twice, share their copy too."""
+    from lightning_utilities.core.apply_func import apply_to_collection
 
-    def copy(tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
+    copies: dict[Any, torch.Tensor | np.ndarray] = {}
+
+    def copy(value: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+        # Keyed as save() tells them apart: tensors by their memory, arrays by identity.
+        key = _storage_key(value) if isinstance(value, torch.Tensor) else ("object", id(value))
         if key not in copies:
-            copies[key] = tensor.detach().clone()
+            copies[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value.copy()
         return copies[key]
 
-    return _apply(checkpoint, copy)
-
-
-def _apply(obj: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    from lightning_utilities.core.apply_func import apply_to_collection
-    return apply_to_collection(obj, torch.Tensor, function)
+    return apply_to_collection(checkpoint, (torch.Tensor, np.ndarray), copy)
 
 
 __all__ = ["TensorferryCheckpointIO"]

@@ -248,7 +248,7 @@ def _unread(infos: Iterable[tuple[str, str, tuple[int, ...]]]) -> dict[str, torc
 
 @gc_paused(main_thread_only=True)  # the writes last as long as the drive takes
 def save(obj: Any, path: str | os.PathLike | BinaryIO, *, metadata: dict[str, str] | None = None,
-         engine: Engine | None = None) -> None:
+         engine: Engine | None = None, superseded: Callable[[], bool] | None = None) -> None:
     """Saves a state dict (or any nesting of dicts, lists, tuples, tensors, numpy arrays and
     scalars) as one safetensors file.
 
@@ -258,7 +258,9 @@ def save(obj: Any, path: str | os.PathLike | BinaryIO, *, metadata: dict[str, st
     writing (``open(path, "wb")``) is written as that file, by the engine, durable but
     in place. Tensors that share memory (tied weights) are stored once and load back as
     one tensor. Its metadata says ``{"format": "pt"}`` (unless ``metadata`` says
-    otherwise), as safetensors' torch module writes and transformers asks.
+    otherwise), as safetensors' torch module writes and transformers asks. ``superseded``
+    (a path only) is asked just before the file replaces ``path``: True drops the write
+    and leaves ``path`` as it is.
     """
     encoder = _Encoder()
     structure = encoder.encode(obj)
@@ -271,7 +273,8 @@ def save(obj: Any, path: str | os.PathLike | BinaryIO, *, metadata: dict[str, st
         # Nothing is opened before close(), which cleans up after itself on failure. A stream
         # is handed over as one, not by its name, which may be a URL or another file's path.
         writer = ShardWriter(own or (path if to_stream else os.fspath(path)), engine,
-                             metadata=meta, atomic=not to_stream, keep_on_failure=own is not None)
+                             metadata=meta, atomic=not to_stream, keep_on_failure=own is not None,
+                             superseded=superseded)
         for key, t in _writable(encoder.tensors).items():
             writer.add(key, t)
         writer.close()
@@ -399,7 +402,8 @@ def _host_names(structure: Any) -> set[str]:
 @gc_paused(main_thread_only=True)  # the writes last as long as the drive takes
 def save_checkpoint(directory: str | os.PathLike, obj: Any, metadata: Mapping[str, Any] | None = None, *,
                     engine: Engine | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                    buffer_size: int = DEFAULT_BUFFER_SIZE, overwrite: bool = False) -> str:
+                    buffer_size: int = DEFAULT_BUFFER_SIZE, overwrite: bool = False,
+                    superseded: Callable[[], bool] | None = None) -> str:
     """Saves a state dict (anything :func:`save` takes) as a checkpoint directory, atomically
     (:func:`tensorferry.save_checkpoint`: sharded, checksummed, a manifest); returns its path.
 
@@ -407,13 +411,15 @@ def save_checkpoint(directory: str | os.PathLike, obj: Any, metadata: Mapping[st
     once. ``metadata`` is any JSON-serialisable mapping, kept in the manifest. The
     directory carries ``model.safetensors.index.json`` and its files ``{"format": "pt"}``,
     so that transformers' ``from_pretrained`` opens it (with a ``config.json`` beside).
+    ``superseded``: as :meth:`tensorferry.checkpoint.PendingCheckpoint.commit` takes it.
     """
     encoder = _Encoder()
     structure = encoder.encode(obj)
     meta = dict(metadata or {})
     meta[STRUCTURE_KEY] = structure
     return _save_directory(directory, _writable(encoder.tensors), meta, engine=engine, max_shard_bytes=max_shard_bytes,
-                           buffer_size=buffer_size, overwrite=overwrite, shard_metadata=TORCH_FORMAT, hf_index=True)
+                           buffer_size=buffer_size, overwrite=overwrite, shard_metadata=TORCH_FORMAT, hf_index=True,
+                           superseded=superseded)
 
 
 @gc_paused()
