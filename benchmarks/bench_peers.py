@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import pickle
 import sys
@@ -31,11 +32,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tensorferry import Engine, IOConfig, bench, default_config, gc_paused, parse_size
+from tensorferry import Engine, IOConfig, bench, default_config, gc_paused
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
 from tensorferry.adapters.pytorch import DCPReader, DCPWriter, load, load_checkpoint, save, save_checkpoint
+from tensorferry.config import count_arg, counts_arg, size_arg
 
 Rows = list[bench.Measurement]
 PAGE = 4096
@@ -495,47 +497,48 @@ def raw_rounds(directory: str, nbytes: int, repeat: int, skipped: dict[str, str]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", required=True)
-    parser.add_argument("--size", default="2G", help="bytes of each state and of the raw transfers")
-    parser.add_argument("--counts", default="64,4096", help="tensors per state, comma-separated")
-    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; medians are reported")
+    parser.add_argument("--size", type=size_arg, default="2G", help="bytes of each state and of the raw transfers")
+    parser.add_argument("--counts", type=counts_arg, default="64,4096", help="tensors per state, comma-separated")
+    parser.add_argument("--repeat", type=count_arg, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--no-raw", dest="raw", action="store_false", help="leave out the raw engine rounds")
     parser.add_argument("--json", action="store_true")
     bench.add_results_option(parser)
     args = parser.parse_args(argv)
     os.makedirs(args.dir, exist_ok=True)
     started = time.time()
-    nbytes = parse_size(args.size)
+    nbytes = args.size
 
     def progress(step: str) -> None:
         print(f"[{time.time() - started:6.0f} s] {step}", file=sys.stderr, flush=True)
 
     skipped: dict[str, str] = {}
-    states = {f"{count} arrays": make_state(nbytes, count) for count in map(int, args.counts.split(","))}
-    rows = state_rounds(args.dir, states, args.repeat, skipped, progress)
-    states.clear()
-    if args.raw:
-        rows += raw_rounds(args.dir, nbytes, args.repeat, skipped, progress)
+    with _stdout_to_stderr():  # the peers' own output (DeepSpeed logs there) stays out of the report
+        states = {f"{count} arrays": make_state(nbytes, count) for count in args.counts}
+        rows = state_rounds(args.dir, states, args.repeat, skipped, progress)
+        states.clear()
+        if args.raw:
+            rows += raw_rounds(args.dir, nbytes, args.repeat, skipped, progress)
     for name, why in skipped.items():
         print(f"skipped {name}: {why}", file=sys.stderr)
-    if args.results:
-        bench.save_run(args, "peers", ["python", *sys.argv], args.dir, started, measurements=rows)
-        _add_skipped(args.results, skipped)
+    bench.save_run(args, "peers", ["python", *sys.argv], args.dir, started, measurements=rows, skipped=skipped)
     print(bench.report(bench.best_of(rows), args.json))
     return 0
 
 
-def _add_skipped(results_dir: str, skipped: dict[str, str]) -> None:
-    """Records the skipped peers in the result file just written (the newest ``peers`` run)."""
-    import glob
-    import json
-
-    path = sorted(glob.glob(os.path.join(results_dir, "*-peers.json")))[-1]
-    with open(path) as f:
-        document = json.load(f)
-    document["skipped"] = skipped
-    with open(path, "w") as f:
-        json.dump(document, f, indent=1)
-        f.write("\n")
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Sends what is written to stdout meanwhile to stderr, at the file descriptor: print,
+    loggers that took ``sys.stdout`` when made (DeepSpeed's) and native code alike."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        ctypes.CDLL(None).fflush(None)  # C's buffered stdout, before it is stdout again
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 if __name__ == "__main__":

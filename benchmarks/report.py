@@ -124,10 +124,15 @@ COMMANDS = [
 
 
 def all_results(results_dir: str) -> list[dict[str, Any]]:
-    """Every result file in ``results_dir``, oldest run first."""
+    """Every result file in ``results_dir``, oldest run first; other JSON files there are
+    skipped with a note on stderr."""
     documents = []
     for path in glob.glob(os.path.join(results_dir, "*.json")):
-        document = bench.load_results(path)
+        try:
+            document = bench.load_results(path)
+        except ValueError as exc:
+            print(f"skipped: {exc}", file=sys.stderr)
+            continue
         document["path"] = os.path.relpath(path, ROOT)
         documents.append(document)
     return sorted(documents, key=lambda d: d["started"])
@@ -524,6 +529,19 @@ def draw_plot(latest: dict[str, dict[str, Any]], path: str) -> str | None:
     return path
 
 
+def write_results_docs(args: argparse.Namespace, documents: list[dict[str, Any]]) -> None:
+    """Writes ``--out``, the plot and the README's table from ``documents``."""
+    latest = latest_results(documents)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    if args.plot:
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+    plot = draw_plot(latest, args.plot) if args.plot else None
+    with open(args.out, "w") as f:
+        f.write(render_doc(latest, plot, os.path.dirname(os.path.abspath(args.out)), documents))
+    if args.readme and not update_marked_section(args.readme, readme_table(latest), README_START, README_END):
+        print(f"{args.readme} has no benchmark-table markers: left as it was", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results"))
@@ -542,17 +560,22 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.gpu_check) as f:
             sys.stdout.write(render_gpu_check(json.load(f)))
         return 0
+    # Checked before anything is written: a mistyped or empty folder would render every
+    # document as "no results yet".
+    if not os.path.isdir(args.results):
+        print(f"report.py: error: {args.results}: no such folder; nothing was written", file=sys.stderr)
+        return 2
     documents = all_results(args.results)
-    latest = latest_results(documents)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    if args.plot:
-        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
-    plot = draw_plot(latest, args.plot) if args.plot else None
-    with open(args.out, "w") as f:
-        f.write(render_doc(latest, plot, os.path.dirname(os.path.abspath(args.out)), documents))
-    if args.readme and not update_marked_section(args.readme, readme_table(latest), README_START, README_END):
-        print(f"{args.readme} has no benchmark-table markers: left as it was", file=sys.stderr)
     gpu_check = newest_gpu_check(args.results)
+    if not documents and not gpu_check:
+        print(f"report.py: error: {args.results} holds no benchmark result files; nothing was written",
+              file=sys.stderr)
+        return 2
+    if documents:
+        write_results_docs(args, documents)
+    else:
+        print(f"report.py: {args.results} holds a GPU check and no other result: {args.out} and the README "
+              "are left as they were", file=sys.stderr)
     if args.gpu_doc and gpu_check:
         name, record = gpu_check
         section = f"From `benchmarks/results/gpu/{name}`:\n\n" + render_gpu_check(record).replace("\n### ", "\n#### ")

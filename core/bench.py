@@ -6,6 +6,10 @@ cache (``posix_fadvise(DONTNEED)`` on each file after an fsync). Run
 ``python -m tensorferry.bench engine --dir DIR --size 2G``; ``--results DIR`` also
 writes the run as a JSON result file (see :func:`save_results`), from which
 ``benchmarks/report.py`` renders docs/benchmarks.md. The method: docs/benchmarks.md.
+
+Run as root in a VM guest, a benchmark holds the guest's free page reporting back
+while it runs (/sys/module/page_reporting/parameters) and puts it back after; of
+overlapping runs, the last to end puts back what the first found (:func:`freed_memory_kept`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import errno
+import fcntl
 import gc
 import json
 import math
@@ -25,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
@@ -33,9 +40,10 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from .buffers import byte_view
-from .config import IOConfig, parse_size
-from .engine import Engine, io_uring_probe
+from .config import IOConfig, count_arg, counts_arg, parse_size, size_arg
+from .engine import DirectIOFallbackWarning, Engine, io_uring_probe
 from .engine import open as open_file
+from .errors import TensorferryError
 
 Progress = Callable[[str], None]
 FIO_FILE = "fio.bin"
@@ -125,8 +133,11 @@ def run_fio(directory: str, op: str, nbytes: int, block_size: int = 1 << 20, iod
     """fio with io_uring and O_DIRECT on ``directory``: the drive's ceiling.
 
     Writes go to a new file and end with an fsync (``--end_fsync=1``), which fio
-    counts in its job runtime; that runtime (not fio's start-up) is the time taken.
+    counts in its runtime of the op; that runtime (not fio's start-up) is the time taken.
     A read reads the file the last write made; :func:`remove_fio_file` cleans up.
+    Where the filesystem refuses O_DIRECT (a ramfs), fio runs buffered, as the engine
+    does there, with a :class:`DirectIOFallbackWarning`. A failed run raises a
+    :class:`TensorferryError` with the end of fio's own message.
     """
     if progress is not None:
         progress(f"fio {op}")
@@ -134,15 +145,52 @@ def run_fio(directory: str, op: str, nbytes: int, block_size: int = 1 << 20, iod
     if op == "write" and os.path.exists(path):
         os.unlink(path)
     cmd = ["fio", "--name=ceiling", f"--filename={path}", f"--size={nbytes}", f"--rw={op}",
-           f"--bs={block_size}", f"--iodepth={iodepth}", "--ioengine=io_uring", "--direct=1",
-           "--end_fsync=1", "--output-format=json"]
+           f"--bs={block_size}", f"--iodepth={iodepth}", "--ioengine=io_uring", "--end_fsync=1",
+           "--output-format=json"]
     if op == "read":
         drop_cache([path])
     cpu0 = _cpu_seconds(resource.RUSAGE_CHILDREN)
-    output = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    direct = _filesystem_id(directory) not in _fio_buffered_filesystems
+    run = subprocess.run(cmd + ["--direct=1"] * direct, capture_output=True, text=True)
+    if direct and run.returncode != 0 and _fio_job(run.stdout).get("error") == errno.EINVAL:
+        _fio_buffered_filesystems.add(_filesystem_id(directory))
+        warnings.warn(f"the filesystem holding {directory} does not support O_DIRECT; fio runs buffered "
+                      "there, as the engine does", DirectIOFallbackWarning, stacklevel=2)
+        run = subprocess.run(cmd, capture_output=True, text=True)
     cpu = _cpu_seconds(resource.RUSAGE_CHILDREN) - cpu0
-    job = json.loads(output[output.index("{"):])["jobs"][0]
-    return Measurement("fio", op, nbytes, job["job_runtime"] / 1e3, cpu)
+    if run.returncode != 0:
+        said = [line for line in (run.stderr + run.stdout).splitlines() if line.startswith("fio")]
+        raise TensorferryError(f"fio could not {op} {path} (exit status {run.returncode}): "
+                               + ("; ".join(said[-3:]) or run.stderr.strip()[-500:] or "it gave no reason"))
+    # fio's time of the op in whole ms (its start-up not counted, the end fsync counted),
+    # rounded up from microseconds: never 0 once it moved a byte, and 1 ms too long at most.
+    # The finer clocks fio reports (latencies in ns) time single requests, not the run, and
+    # timing the process here would count its start-up (about 0.3 s on the development VM).
+    milliseconds = _fio_job(run.stdout).get(op, {}).get("runtime", 0)
+    if milliseconds <= 0:
+        raise TensorferryError(f"fio timed no {op} of {path}: nothing to compare with")
+    if milliseconds < FIO_FINE_MS and nbytes not in _fio_coarse_sizes:
+        _fio_coarse_sizes.add(nbytes)  # once: Python's own once-only is reset by any catch_warnings
+        warnings.warn(f"fio's {op} of {nbytes / 2**20:g} MiB took under {FIO_FINE_MS} ms, and its clock counts "
+                      "whole ms: its GB/s may be understated; a larger --size times it better", stacklevel=2)
+    return Measurement("fio", op, nbytes, milliseconds / 1e3, cpu)
+
+
+FIO_FINE_MS = 20  # fio's runtime is in whole ms: below this the rounding may exceed 5%
+_fio_buffered_filesystems: set[int] = set()  # where fio's O_DIRECT open was refused (EINVAL)
+_fio_coarse_sizes: set[int] = set()  # sizes warned of as too small for fio's clock
+
+
+def _filesystem_id(directory: str) -> int:
+    return os.stat(directory).st_dev
+
+
+def _fio_job(output: str) -> dict[str, Any]:
+    """The first job of fio's JSON report (fio prints it after a failure too), or {}."""
+    try:
+        return json.loads(output[output.index("{"):])["jobs"][0]
+    except (ValueError, LookupError):
+        return {}
 
 
 def rounds_beside_fio(action: Callable[[], float], directory: str, nbytes: int, rounds: int,
@@ -876,7 +924,9 @@ PAGE_REPORTING = "/sys/module/page_reporting/parameters"
 # 64 GiB of it may wait: what warm_memory touched is still the guest's when a step runs.
 HELD_PAGE_REPORTING = {"min_free_ms": "60000", "max_waiting_mib": "65536"}
 _held_page_reporting: dict[str, str] | None = None  # the settings the last run held
-_put_back_after_run: dict[str, str] = {}  # while a run holds them: what it found
+_holders_here = 0  # nested holders in this process: the outermost holds and puts back
+_holders_lock = threading.Lock()
+_record_fd: int | None = None  # while this process holds: the record, under its shared lock
 
 
 def _free_page_reporting() -> dict[str, str] | None:
@@ -894,8 +944,92 @@ def _free_page_reporting() -> dict[str, str] | None:
 
 
 def _outside_runs(settings: dict[str, str] | None) -> dict[str, str] | None:
-    """``settings`` as they are when no benchmark holds reporting back."""
-    return None if settings is None else {**settings, **_put_back_after_run}
+    """``settings`` as they are when no benchmark (of any process) holds reporting back."""
+    return None if settings is None else {**settings, **_recorded_originals()}
+
+
+def _page_reporting_record() -> str:
+    """The file that keeps the settings found by the first of overlapping runs, of any
+    process, until the last one ends; each run holds a shared lock on it meanwhile. In
+    /run, emptied at boot as the settings are reset (elsewhere only when /run is closed
+    to this user, who then cannot change the settings either)."""
+    folder = "/run" if os.access("/run", os.W_OK) else tempfile.gettempdir()
+    return os.path.join(folder, "tensorferry" + PAGE_REPORTING.replace(os.sep, "-") + ".json")
+
+
+def _recorded_originals(fd: int | None = None) -> dict[str, str]:
+    """The settings in the record (read from ``fd`` if given), or {} where there is none."""
+    try:
+        if fd is not None:
+            return json.loads(os.pread(fd, 1 << 16, 0) or b"{}")
+        with open(_page_reporting_record()) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+@contextlib.contextmanager
+def _runs_excluded() -> Iterator[None]:
+    """Keeps other processes' runs from starting or ending meanwhile: an exclusive lock on
+    the settings' own folder."""
+    fd = os.open(PAGE_REPORTING, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _no_other_holder(fd: int) -> bool:
+    """Whether no other process holds the record. flock converts a lock by dropping it
+    first: a shared lock of this process's on ``fd`` is gone either way."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _set_page_reporting(settings: dict[str, str]) -> None:
+    for name, value in settings.items():
+        with contextlib.suppress(OSError), open(os.path.join(PAGE_REPORTING, name), "w") as f:
+            f.write(value)
+
+
+def _hold_page_reporting() -> dict[str, str] | None:
+    """Holds reporting back for this process's run; the settings then in force, or None
+    where this process may not change them."""
+    global _record_fd
+    names = [n for n in HELD_PAGE_REPORTING if os.access(os.path.join(PAGE_REPORTING, n), os.W_OK)]
+    if not names:
+        return None
+    with _runs_excluded():
+        fd = os.open(_page_reporting_record(), os.O_RDWR | os.O_CREAT, 0o644)
+        # Alone, this run finds the original settings in force, unless a killed run left
+        # them held: its record, kept, names the originals then.
+        if _no_other_holder(fd) and not _recorded_originals(fd):
+            found = _free_page_reporting() or {}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({n: found[n] for n in names if n in found}).encode(), 0)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        _record_fd = fd
+        _set_page_reporting({n: HELD_PAGE_REPORTING[n] for n in names})
+    return _free_page_reporting()
+
+
+def _put_back_page_reporting() -> None:
+    """Ends this process's run: the last run of all puts the recorded originals back."""
+    global _record_fd
+    fd, _record_fd = _record_fd, None
+    if fd is None:
+        return
+    with _runs_excluded():
+        try:
+            if _no_other_holder(fd):
+                _set_page_reporting(_recorded_originals(fd))
+                os.unlink(_page_reporting_record())
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager
@@ -905,27 +1039,24 @@ def freed_memory_kept() -> Iterator[dict[str, str] | None]:
     force. With reporting at once, the memory :func:`warm_memory` touched and freed went
     back to the host before a loader took it, or not, by a race: on the development VM
     a load into new memory cost 0.23 or 1.2 CPU-s/GB from round to round, the same code
-    on the same file, and held back 0.23 in every round (docs/benchmarks.md)."""
-    global _held_page_reporting
-    changed = _put_back_after_run
+    on the same file, and held back 0.23 in every round (docs/benchmarks.md).
+
+    Runs may overlap, nested in one process or in several processes (``tensorferry
+    bench`` beside a benchmark script): the first to start records the settings it
+    found (see :func:`_page_reporting_record`), and the last to end puts those back.
+    A run killed before its end leaves reporting held until another run ends."""
+    global _holders_here, _held_page_reporting
+    with _holders_lock:
+        if _holders_here == 0:
+            _held_page_reporting = _hold_page_reporting()
+        _holders_here += 1
     try:
-        for name, value in HELD_PAGE_REPORTING.items():
-            path = os.path.join(PAGE_REPORTING, name)
-            try:
-                with open(path) as f:
-                    before = f.read().strip()
-                with open(path, "w") as f:
-                    f.write(value)
-            except OSError:
-                continue
-            changed[name] = before
-        _held_page_reporting = _free_page_reporting() if changed else None
         yield _held_page_reporting
     finally:
-        for name, before in changed.items():
-            with contextlib.suppress(OSError), open(os.path.join(PAGE_REPORTING, name), "w") as f:
-                f.write(before)
-        changed.clear()
+        with _holders_lock:
+            _holders_here -= 1
+            if _holders_here == 0:
+                _put_back_page_reporting()
 
 
 def _source_commit(source: str = __file__) -> str | None:
@@ -958,13 +1089,14 @@ def _source_commit(source: str = __file__) -> str | None:
 
 def save_results(results_dir: str, benchmark: str, command: list[str], settings: dict[str, Any], directory: str,
                  started: float, *, measurements: list[Measurement] | None = None,
-                 rows: list[dict[str, Any]] | None = None) -> str:
+                 rows: list[dict[str, Any]] | None = None, skipped: dict[str, str] | None = None) -> str:
     """Writes one run as ``<results_dir>/<UTC time>-<benchmark>.json``; returns its path.
 
     ``measurements`` are every round's, in the order they ran (what :func:`best_of`
     reduces); the file holds them and the reduced ``results`` (as :func:`report_rows`),
     so a report can recompute anything. ``rows`` hold the results of benchmarks that
-    are not made of measurements (``paired``, ``checksums``).
+    are not made of measurements (``paired``, ``checksums``); ``skipped``, the contenders
+    that could not run, each with the reason.
     """
     os.makedirs(results_dir, exist_ok=True)
     stamp = datetime.datetime.fromtimestamp(started, datetime.timezone.utc)
@@ -977,6 +1109,8 @@ def save_results(results_dir: str, benchmark: str, command: list[str], settings:
         document["results"] = report_rows(best_of(measurements))
     if rows is not None:
         document["rows"] = rows
+    if skipped is not None:
+        document["skipped"] = skipped
     path = os.path.join(results_dir, f"{stamp.strftime('%Y%m%dT%H%M%SZ')}-{benchmark}.json")
     with open(path, "w") as f:
         json.dump(document, f, indent=1)
@@ -991,23 +1125,30 @@ def add_results_option(parser: argparse.ArgumentParser) -> None:
 
 
 def save_run(args: argparse.Namespace, benchmark: str, command: list[str], directory: str, started: float,
-             **results: Any) -> None:
+             **results: Any) -> str | None:
     """With ``--results``, writes the run of a benchmark command (its options are the
-    settings; ``--dir``, ``--json`` and ``--results`` are not) as :func:`save_results` does."""
+    settings; ``--dir``, ``--json`` and ``--results`` are not) as :func:`save_results`
+    does; returns the file's path (None without ``--results``)."""
     if not args.results:
-        return
+        return None
     settings = {k: v for k, v in vars(args).items() if k not in ("what", "dir", "json", "results")}
+    # Lists (--counts 64,4096 read by counts_arg) as typed, as earlier result files hold them.
+    settings = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in settings.items()}
     settings["size"] = parse_size(args.size)
     path = save_results(args.results, benchmark, command, settings, directory, started, **results)
     print(f"results written to {path}", file=sys.stderr)
+    return path
 
 
 def load_results(path: str) -> dict[str, Any]:
     """A result file written by :func:`save_results`, with its measurements as
     :class:`Measurement` objects (``measurements``, in the order they ran)."""
     with open(path) as f:
-        document = json.load(f)
-    if document.get("schema") != RESULTS_SCHEMA:
+        try:
+            document = json.load(f)
+        except ValueError as exc:
+            raise ValueError(f"{path} is not a tensorferry benchmark result (not JSON: {exc})") from None
+    if not isinstance(document, dict) or document.get("schema") != RESULTS_SCHEMA or "benchmark" not in document:
         raise ValueError(f"{path} is not a tensorferry benchmark result ({RESULTS_SCHEMA})")
     document["measurements"] = [Measurement(**m) for m in document.get("measurements", [])]
     return document
@@ -1018,48 +1159,61 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     engine = sub.add_parser("engine", help="raw engine write/read of one file vs fio")
-    engine.add_argument("--backends", default="io_uring,threads")
+    engine.add_argument("--backends", type=_backends_arg, default="io_uring,threads")
     ckpt = sub.add_parser("checkpoint", help="save_checkpoint/load_checkpoint vs fio and peers")
-    ckpt.add_argument("--counts", default="64,4096", help="comma-separated array counts to try")
+    ckpt.add_argument("--counts", type=counts_arg, default="64,4096", help="comma-separated array counts to try")
     paired = sub.add_parser("paired", help="save_checkpoint against fio write, alternated round by round; "
                                            "per-round ratios and their median (steadier on a drifting drive)")
-    paired.add_argument("--counts", default="64,4096", help="comma-separated array counts to try")
-    paired.add_argument("--rounds", type=int, default=5, help="rounds of fio then one save per count")
+    paired.add_argument("--counts", type=counts_arg, default="64,4096", help="comma-separated array counts to try")
+    paired.add_argument("--rounds", type=count_arg, default=5, help="rounds of fio then one save per count")
     sums = sub.add_parser("checksums", help="what the checksums add to save_checkpoint: interleaved pairs "
                                             "of saves with and without them, medians compared")
-    sums.add_argument("--counts", default="64,4096", help="comma-separated array counts to try")
-    sums.add_argument("--pairs", type=int, default=6, help="saves with and without checksums, alternated")
+    sums.add_argument("--counts", type=counts_arg, default="64,4096", help="comma-separated array counts to try")
+    sums.add_argument("--pairs", type=count_arg, default=6, help="saves with and without checksums, alternated")
     for p in (engine, ckpt, paired, sums):
-        p.add_argument("--repeat", type=int, default=1,
+        p.add_argument("--repeat", type=count_arg, default=1,
                        help="rounds, fio included in each; the best of each contender is reported")
         p.add_argument("--dir", default=None, help="directory on the drive to measure (default: a temp dir)")
-        p.add_argument("--size", default="2G", help="bytes to move (default 2G)")
+        p.add_argument("--size", type=size_arg, default="2G", help="bytes to move (default 2G)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         add_results_option(p)
     args = parser.parse_args(argv)
     command = ["python", "-m", "tensorferry.bench", *(sys.argv[1:] if argv is None else argv)]
     if not fio_available():
         print("fio is not installed: no ceiling to compare with", file=sys.stderr)
-    if args.dir:
-        os.makedirs(args.dir, exist_ok=True)
-        return _run(args, args.dir, command)
-    directory = tempfile.mkdtemp(prefix="tensorferry-bench-")
     try:
-        return _run(args, directory, command)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        if args.dir:
+            os.makedirs(args.dir, exist_ok=True)
+            return _run(args, args.dir, command)
+        directory = tempfile.mkdtemp(prefix="tensorferry-bench-")
+        try:
+            return _run(args, directory, command)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+    except TensorferryError as exc:  # fio failed, say: its message, not a traceback
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _backends_arg(text: str) -> list[str]:
+    """An argparse ``type=`` for comma-separated engine backends."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in PARALLELISM]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown backend {unknown[0]!r} (choose from {', '.join(PARALLELISM)})")
+    return names
 
 
 def _run(args: argparse.Namespace, directory: str, command: list[str]) -> int:
     """Runs the benchmark ``args.what`` in ``directory``, prints its report and, with
     ``--results``, writes its result file."""
-    nbytes = parse_size(args.size)
+    nbytes = args.size
     started = time.time()
 
     def save(**results: Any) -> None:
         save_run(args, args.what, command, directory, started, **results)
 
-    counts = [int(c) for c in getattr(args, "counts", "0").split(",")]
+    counts = getattr(args, "counts", [])
     if args.what == "paired":
         rows = paired_saves(directory, nbytes, counts, args.rounds)
         remove_fio_file(directory)
@@ -1077,7 +1231,7 @@ def _run(args: argparse.Namespace, directory: str, command: list[str]) -> int:
             for r in rows))
         return 0
     if args.what == "engine":
-        raw = bench_engine(directory, nbytes, args.backends.split(","), args.repeat, rounds=True)
+        raw = bench_engine(directory, nbytes, args.backends, args.repeat, rounds=True)
     else:
         raw = []
         for count in counts:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import operator
@@ -27,6 +28,34 @@ def parse_size(value: int | str, name: str = "size") -> int:
     if not match:
         raise ConfigError(f"{name}: cannot read {value!r} as a byte count (examples: 4096, 1M, 2GiB)")
     return int(match.group(1)) * _SIZE_UNITS[match.group(2)]
+
+
+def size_arg(text: str) -> int:
+    """An argparse ``type=`` for a byte count of at least 1 MiB (``"64M"``): a bad one is
+    a usage error, refused before any work starts."""
+    try:
+        value = parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1 << 20:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1M, please")
+    return value
+
+
+def count_arg(text: str) -> int:
+    """An argparse ``type=`` for a whole number of at least 1 (rounds, arrays)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def counts_arg(text: str) -> list[int]:
+    """An argparse ``type=`` for comma-separated counts (``"64,4096"``), each as :func:`count_arg`."""
+    return [count_arg(part.strip()) for part in text.split(",")]
 
 
 def _parse_count(value: Any, name: str) -> int:

@@ -10,7 +10,9 @@ import weakref
 
 import pytest
 
+from conftest import mounted
 from tensorferry import bench
+from tensorferry.errors import TensorferryError
 
 
 @pytest.mark.parametrize("what,extra", [("engine", ["--backends", "threads"]), ("checkpoint", ["--counts", "8"])])
@@ -39,6 +41,19 @@ def test_bench_runs_and_reports_json(tmp_path, tmp_path_factory, what: str, extr
                 else {"tensorferry save", "tensorferry load", "tensorferry load in place"})
     assert expected <= names
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "the benchmark cleans up after itself"
+
+
+@pytest.mark.parametrize("bad", [["engine", "--size", "abc"], ["engine", "--size", "1M", "--backends", "foo"],
+                                 ["paired", "--size", "1M", "--rounds", "0"],
+                                 ["checkpoint", "--size", "1M", "--counts", "0"],
+                                 ["checkpoint", "--size", "1M", "--counts", "8,x"],
+                                 ["engine", "--size", "1M", "--repeat", "0"]])
+def test_bad_arguments_are_refused_before_anything_is_made(tmp_path, capsys, bad: list[str]) -> None:
+    directory = tmp_path / "bench"
+    with pytest.raises(SystemExit) as exited:
+        bench.main([*bad, "--dir", str(directory)])
+    assert exited.value.code == 2 and f"error: argument {bad[-2]}" in capsys.readouterr().err
+    assert not directory.exists()
 
 
 def test_checksum_cost_runs(tmp_path) -> None:
@@ -104,6 +119,58 @@ def test_rounds_beside_fio_runs_fio_before_each_round_and_cleans_up(tmp_path) ->
     assert os.listdir(tmp_path) == []
 
 
+def _fake_fio(monkeypatch, report: dict) -> None:
+    """fio's JSON report stands as given; other commands run as usual."""
+    real = subprocess.run
+
+    def run(cmd, *args, **kwargs):
+        if cmd[0] != "fio":
+            return real(cmd, *args, **kwargs)
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(report), "")
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+
+
+def test_fio_is_timed_by_its_runtime_of_the_op_which_a_run_under_a_millisecond_does_not_make_zero(
+        tmp_path, monkeypatch) -> None:
+    # As fio 3.33 reported 1 MiB written to /dev/shm: its whole-ms job_runtime was 0.
+    _fake_fio(monkeypatch, {"jobs": [{"error": 0, "job_runtime": 0, "write": {"runtime": 1, "io_bytes": 1 << 20}}]})
+    monkeypatch.setattr(bench, "_fio_coarse_sizes", set(), raising=False)
+    with pytest.warns(UserWarning, match="a larger --size times it better"):
+        measured = bench.run_fio(str(tmp_path), "write", 1 << 20)
+    assert measured.seconds == 0.001 and measured.gbps > 0
+    _fake_fio(monkeypatch, {"jobs": [{"error": 0, "job_runtime": 0, "write": {"runtime": 0, "io_bytes": 0}}]})
+    with pytest.raises(TensorferryError, match="fio timed no write"):
+        bench.run_fio(str(tmp_path), "write", 1 << 20)
+
+
+@pytest.mark.skipif(not bench.fio_available(), reason="fio is not installed")
+def test_a_failed_fio_run_is_an_error_with_fios_own_message(tmp_path) -> None:
+    not_a_folder = tmp_path / "plain"
+    not_a_folder.write_bytes(b"")
+    with pytest.raises(TensorferryError, match=r"fio could not write .*plain/fio\.bin .*Not a directory"):
+        bench.run_fio(str(not_a_folder), "write", 1 << 20)
+
+
+@pytest.mark.skipif(not bench.fio_available(), reason="fio is not installed")
+def test_a_full_disk_ends_the_benchmark_with_fios_message(small_tmpfs, capsys) -> None:
+    assert bench.main(["engine", "--dir", small_tmpfs, "--size", "8M", "--backends", "threads"]) == 2
+    said = capsys.readouterr().err
+    assert "error: fio could not write" in said and "No space left on device" in said
+
+
+@pytest.mark.skipif(not bench.fio_available(), reason="fio is not installed")
+def test_fio_runs_buffered_where_the_filesystem_refuses_o_direct(monkeypatch) -> None:
+    from tensorferry import DirectIOFallbackWarning
+
+    monkeypatch.setattr(bench, "_fio_buffered_filesystems", set(), raising=False)  # mount numbers are reused
+    with mounted("ramfs") as directory:  # ramfs has no O_DIRECT
+        with pytest.warns(DirectIOFallbackWarning, match="fio runs buffered"):
+            written = bench.fio_rows(directory, 1 << 20)
+        assert [m.op for m in written] == ["write", "read"] and all(m.seconds > 0 for m in written)
+        assert os.listdir(directory) == []
+
+
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
 def test_in_turn_balances_places_and_predecessors(n: int) -> None:
     rounds = [bench.in_turn(list(range(n)), turn) for turn in range(n if n % 2 == 0 else 2 * n)]
@@ -157,6 +224,36 @@ def test_report_renders_the_newest_result_of_each_benchmark(tmp_path) -> None:
     text = readme.read_text()
     assert "old table" not in text and text.startswith("intro\n") and text.endswith("rest\n")
     assert "| tensorferry save | 3.00, 2.25, 0.30 |" in text  # a row per contender, a column per state and op
+
+
+@pytest.mark.parametrize("folder", ["absent", "empty"])
+def test_report_refuses_a_results_folder_without_results_and_writes_nothing(tmp_path, capsys, folder: str) -> None:
+    report = _report_module()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.json").write_text('{"not": "a result"}')
+    readme, out = tmp_path / "README.md", tmp_path / "benchmarks.md"
+    readme.write_text(f"{report.README_START}\nthe table\n{report.README_END}\n")
+    out.write_text("the page\n")
+    assert report.main(["--results", str(tmp_path / folder), "--out", str(out), "--readme", str(readme),
+                        "--plot", "", "--gpu-doc", ""]) == 2
+    assert "nothing was written" in capsys.readouterr().err
+    assert "the table" in readme.read_text() and out.read_text() == "the page\n"
+
+
+def test_report_skips_a_json_file_that_is_not_a_result_with_a_note(tmp_path, capsys) -> None:
+    report = _report_module()
+    results = tmp_path / "results"
+    bench.save_results(str(results), "engine", ["python", "-m", "tensorferry.bench", "engine"], {"size": 1 << 30},
+                       str(tmp_path), 1_000_000_000,
+                       measurements=[bench.Measurement("fio", "write", 10**9, 1.0, 0.1)])
+    (results / "settings.json").write_text('{"backend": "threads"}')
+    (results / "broken.json").write_text("{")
+    out = tmp_path / "benchmarks.md"
+    assert report.main(["--results", str(results), "--out", str(out), "--readme", "", "--plot", "",
+                        "--gpu-doc", ""]) == 0
+    notes = capsys.readouterr().err
+    assert "settings.json is not a tensorferry benchmark result" in notes and "broken.json" in notes
+    assert "### engine" in out.read_text()
 
 
 def test_report_puts_the_newest_gpu_check_into_its_document(tmp_path, capsys) -> None:
@@ -226,6 +323,47 @@ def test_free_page_reporting_is_held_back_during_a_run_and_restored(tmp_path, mo
     info = bench.machine_info(str(tmp_path))
     assert info["free_page_reporting"]["min_free_ms"] == "0"
     assert info["free_page_reporting_during_run"] == held
+
+
+HOLDING = """
+import sys
+from tensorferry import bench
+bench.PAGE_REPORTING = sys.argv[1]
+with bench.freed_memory_kept():
+    print("holding", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_overlapping_runs_leave_the_settings_the_first_found(tmp_path, monkeypatch) -> None:
+    folder = tmp_path / "parameters"
+    folder.mkdir()
+    for name, value in {"min_free_ms": "0", "max_waiting_mib": "1024", "page_reporting_order": "9"}.items():
+        (folder / name).write_text(value)
+    monkeypatch.setattr(bench, "PAGE_REPORTING", str(folder))
+
+    def settings() -> dict[str, str]:
+        return {name: (folder / name).read_text().strip() for name in bench.HELD_PAGE_REPORTING}
+
+    original = settings()
+    other = None
+    try:
+        with bench.freed_memory_kept():
+            with bench.freed_memory_kept():  # nested in this process
+                pass
+            assert settings() == bench.HELD_PAGE_REPORTING, "the outer run still holds"
+            other = subprocess.Popen([sys.executable, "-c", HOLDING, str(folder)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+            assert other.stdout.readline() == "holding\n"
+        assert settings() == bench.HELD_PAGE_REPORTING, "another process's run still holds"
+        assert bench.machine_info(str(tmp_path))["free_page_reporting"]["min_free_ms"] == "0"
+        other.communicate("\n", timeout=60)
+        assert other.returncode == 0
+    finally:
+        if other is not None and other.poll() is None:
+            other.kill()
+    assert settings() == original, "the last run to end put back what the first found"
+    assert not os.path.exists(bench._page_reporting_record())
 
 
 def test_without_free_page_reporting_nothing_is_held(tmp_path, monkeypatch) -> None:

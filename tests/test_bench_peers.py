@@ -91,3 +91,48 @@ def test_touch_reads_every_page(tmp_path) -> None:
         _module("bench_peers").touch([tensor])
         assert pages_in() == len(resident), "every page of the mapping was read in"
         del tensor
+
+
+@pytest.fixture(scope="module")
+def json_run(tmp_path_factory) -> dict:
+    """A tiny ``--json --results`` run in its own process (its stdout as a file descriptor
+    sees, native output and loggers included), beside a later-stamped result of another run."""
+    import shutil
+    import subprocess
+    import sys
+
+    base = tmp_path_factory.mktemp("peers")
+    results = base / "results"
+    results.mkdir()
+    committed = os.path.join(ROOT, "benchmarks", "results")
+    newest = sorted(name for name in os.listdir(committed) if name.endswith("-peers.json"))[-1]
+    later = results / "20991231T000000Z-peers.json"
+    shutil.copy(os.path.join(committed, newest), later)
+    before = later.read_bytes()
+    script = os.path.join(ROOT, "benchmarks", "bench_peers.py")
+    run = subprocess.run([sys.executable, script, "--dir", str(base / "work"), "--size", "1M", "--counts", "2",
+                          "--no-raw", "--repeat", "1", "--json", "--results", str(results)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    return {"run": run, "results": results, "later": later, "later_before": before}
+
+
+def test_json_output_is_the_json_alone(json_run) -> None:
+    rows = json.loads(json_run["run"].stdout)  # DeepSpeed logged on stdout before it
+    assert any(r["name"].startswith("tensorferry save/load") for r in rows)
+
+
+def test_the_skipped_peers_go_into_this_runs_result_file(json_run) -> None:
+    assert json_run["later"].read_bytes() == json_run["later_before"], "another run's file is left alone"
+    (this_run,) = [p for p in json_run["results"].iterdir() if p != json_run["later"]]
+    assert isinstance(json.loads(this_run.read_text()).get("skipped"), dict)
+
+
+@pytest.mark.parametrize("bad", [["--size", "abc"], ["--size", "0"], ["--counts", "x"], ["--counts", "0"],
+                                 ["--repeat", "0"]])
+def test_bad_arguments_are_refused_before_anything_is_made(tmp_path, capsys, bad: list[str]) -> None:
+    directory = tmp_path / "work"
+    with pytest.raises(SystemExit) as exited:
+        _module("bench_peers").main(["--dir", str(directory), "--size", "1M", "--counts", "1", "--no-raw", *bad])
+    assert exited.value.code == 2 and f"error: argument {bad[0]}" in capsys.readouterr().err
+    assert not directory.exists()
