@@ -1443,7 +1443,7 @@ def test_a_failed_async_save_keeps_no_copy_of_the_state(small_tmpfs) -> None:
     model.w = torch.nn.Parameter(torch.zeros(1 << 20))  # 4 MiB: more than the disk holds
     ckpt = FSDPCheckpointer(small_tmpfs, model)
     ckpt.save_async(1)
-    with pytest.raises(CheckpointException, match="No space left on device"):
+    with pytest.raises(tensorferry.TensorferryIOError, match="No space left on device"):
         ckpt.wait()
     gc.collect()
     alive = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter) and o.numel() == 1 << 20]
@@ -1460,26 +1460,51 @@ def test_a_failed_async_save_handled_through_its_future_is_not_raised_again(smal
         blob["x"] = torch.zeros((1 << 20) if fill else 4)  # 4 MiB: more than the disk holds
 
     fill_the_disk(True)
-    with pytest.raises(CheckpointException, match="No space left on device"):
+    with pytest.raises(tensorferry.TensorferryIOError, match="No space left on device"):
         ckpt.save_async(1).result()
     fill_the_disk(False)
     assert ckpt.save_async(2).result().endswith("step_2")
     fill_the_disk(True)
-    assert isinstance(ckpt.save_async(3).exception(), CheckpointException)
+    assert isinstance(ckpt.save_async(3).exception(), tensorferry.TensorferryIOError)
     ckpt.wait()
     fill_the_disk(False)
     ckpt.save(4)
     assert sorted(os.listdir(small_tmpfs)) == ["step_2", "step_4"] and ckpt.latest_step() == 4
     fill_the_disk(True)
     ckpt.save_async(5)  # a failure no one had yet is raised by wait()
-    with pytest.raises(CheckpointException, match="No space left on device"):
+    with pytest.raises(tensorferry.TensorferryIOError, match="No space left on device"):
         ckpt.wait()
     ckpt.wait()
     ckpt.save_async(6)  # and a save after it warns of it, and runs
     fill_the_disk(False)
-    with pytest.warns(RuntimeWarning, match=r"the background save to .*step_6 failed: CheckpointException"):
+    with pytest.warns(RuntimeWarning, match=r"the background save to .*step_6 failed: TensorferryIOError"):
         ckpt.save(7)
     assert ckpt.latest_step() == 7
+
+
+def test_checkpointer_failures_are_exceptions_naming_file_and_errno(small_tmpfs) -> None:
+    """save, save_async and load raised torch's CheckpointException: a BaseException, which
+    ``except Exception`` let through, with no errno or filename (the file, offset and errno of
+    a full disk were only in its text). They raise the error itself, DCP's kept as its cause."""
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(1 << 20))  # 4 MiB: more than the disk holds
+    ckpt = FSDPCheckpointer(small_tmpfs, model)
+    for save_step in (ckpt.save, lambda step: (ckpt.save_async(step), ckpt.wait())):
+        try:
+            save_step(1)
+        except Exception as exc:
+            failed = exc
+        else:
+            pytest.fail("a save larger than the disk succeeded")
+        assert isinstance(failed, tensorferry.TensorferryIOError) and failed.errno == errno.ENOSPC, repr(failed)
+        assert failed.filename.startswith(os.path.join(small_tmpfs, "step_1.tmp-")), failed.filename
+        assert isinstance(failed.__cause__, CheckpointException)
+    # An error of another kind (torch's planner missing the optimizer) is told in a TensorferryError.
+    FSDPCheckpointer(small_tmpfs, torch.nn.Linear(4, 4)).save(2)
+    tuned = torch.nn.Linear(4, 4)
+    with pytest.raises(tensorferry.TensorferryError, match=r"step_2: rank 0: RuntimeError: .*optimizer") as caught:
+        FSDPCheckpointer(small_tmpfs, tuned, torch.optim.SGD(tuned.parameters(), lr=0.1)).load(2)
+    assert isinstance(caught.value.__cause__, CheckpointException)
 
 
 def test_a_background_save_cannot_be_cancelled_through_its_future(tmp_path, caplog) -> None:
@@ -1530,7 +1555,7 @@ def test_checkpointer_passes_its_planners_to_dcp(tmp_path) -> None:
     FSDPCheckpointer(tmp_path / "pretrained", model).save(0)
     tuned = small_model()
     tuned_opt = torch.optim.AdamW(tuned.parameters(), lr=1e-3)
-    with pytest.raises(CheckpointException, match="optimizer"):
+    with pytest.raises(tensorferry.TensorferryError, match="optimizer"):
         FSDPCheckpointer(tmp_path / "pretrained", tuned, tuned_opt).load()
     partial = FSDPCheckpointer(tmp_path / "pretrained", tuned, tuned_opt,
                                load_planner=DefaultLoadPlanner(allow_partial_load=True))
@@ -1911,7 +1936,7 @@ def scenario_checkpointer_retry_after_another_ranks_write_failed(rank: int, worl
 
     for save_step in (ckpt.save, save_async):
         blob["x"] = torch.zeros((1 << 20) if rank == 1 else 4)  # 4 MiB on rank 1: more than the disk holds
-        with pytest.raises(CheckpointException, match="No space left on device") as failed:
+        with pytest.raises(tensorferry.TensorferryIOError, match="No space left on device") as failed:
             save_step(2)
         errors.append(failed.value)
         blob["x"] = torch.zeros(4)
@@ -1938,7 +1963,7 @@ def scenario_failed_async_save_seen_on_one_rank(rank: int, world: int, root: str
     ckpt = FSDPCheckpointer(root, torch.nn.Linear(4, 4), extra={f"blob{rank}": blob})
     failed = ckpt.save_async(1)
     if rank == 0:
-        assert isinstance(failed.exception(), CheckpointException)
+        assert isinstance(failed.exception(), tensorferry.TensorferryIOError)
     blob["x"] = torch.zeros(4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -1951,6 +1976,30 @@ def scenario_failed_async_save_seen_on_one_rank(rank: int, world: int, root: str
 @pytest.mark.slow
 def test_a_failed_async_save_seen_on_one_rank_holds_up_no_rank(small_tmpfs) -> None:
     run(2, small_tmpfs, "failed_async_save_seen_on_one_rank", timeout=300)
+
+
+def scenario_checkpointer_raises_one_ranks_error_on_every_rank(rank: int, world: int, root: str) -> None:
+    """Rank 1's part of a save fills the disk. save and save_async raised torch's
+    CheckpointException on every rank, a BaseException with no errno or filename. Every rank
+    now raises rank 1's TensorferryIOError: rank 1 its own, rank 0 one naming rank 1."""
+    blob = {"x": torch.zeros((1 << 20) if rank == 1 else 4)}  # 4 MiB on rank 1: more than the disk holds
+    ckpt = FSDPCheckpointer(root, torch.nn.Linear(4, 4), extra={f"blob{rank}": blob})
+    for save_step in (ckpt.save, lambda step: (ckpt.save_async(step), ckpt.wait())):
+        try:
+            save_step(1)
+        except Exception as exc:
+            failed = exc
+        else:
+            pytest.fail("a save larger than the disk succeeded")
+        assert isinstance(failed, tensorferry.TensorferryIOError) and failed.errno == errno.ENOSPC, repr(failed)
+        assert os.path.basename(failed.filename).startswith("rank00001-"), failed.filename
+        assert ("on rank 1" in str(failed)) == (rank == 0), failed
+        assert isinstance(failed.__cause__, CheckpointException)
+
+
+@pytest.mark.slow
+def test_checkpointer_raises_one_ranks_error_on_every_rank_on_2_ranks(small_tmpfs) -> None:
+    run(2, small_tmpfs, "checkpointer_raises_one_ranks_error_on_every_rank", timeout=300)
 
 
 @pytest.mark.slow

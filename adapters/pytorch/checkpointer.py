@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import os
 import re
 import warnings
@@ -12,6 +13,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
@@ -28,6 +30,40 @@ from .staging import DeviceToHost
 from .tensors import safetensors_dtype
 
 _STEP = re.compile(r"^step_(\d+)$")
+
+
+def _as_raised_on(rank: int, error: BaseException) -> BaseException:
+    """Another rank's ``error`` as one of its class whose message names that rank. A copy: the
+    error came from that rank pickled, so it copies the same way, whatever its constructor."""
+    named = copy.copy(error)
+    if isinstance(named, OSError) and named.strerror is not None:
+        named.strerror = f"on rank {rank}: {named.strerror}"  # errno and filename stay as they were
+    else:
+        named.args = (f"on rank {rank}: {error}",)
+    return named
+
+
+def _original_error(error: BaseException, rank: int, path: str) -> BaseException:
+    """What a failed dcp.save, dcp.async_save or dcp.load raises: for DCP's CheckpointException
+    (a BaseException, which ``except Exception`` misses, with no errno or filename), the error a
+    rank had, the same class on every rank: this rank's own, else the lowest failing rank's. A
+    TensorferryError or OSError stays itself (another rank's named by it); any other is told in a
+    TensorferryError naming each rank's. The CheckpointException is kept as the cause."""
+    if not isinstance(error, CheckpointException) or not error.failures:
+        return error
+    # torch keeps each rank's failure as (exception, its stack summary)
+    failures = {failed: failure[0] if isinstance(failure, tuple) else failure
+                for failed, failure in sorted(error.failures.items())}
+    failed = rank if rank in failures else min(failures)
+    original = failures[failed]
+    if isinstance(original, (TensorferryError, OSError)) or not isinstance(original, Exception):  # Ctrl-C stays
+        raised = original if failed == rank else _as_raised_on(failed, original)
+    else:
+        told = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in failures.items())
+        raised = TensorferryError(f"{path}: {told}")
+    if raised.__cause__ is None:  # a cause the error had of its own stays
+        raised.__cause__ = error
+    return raised
 
 
 class FSDPCheckpointer:
@@ -47,6 +83,12 @@ class FSDPCheckpointer:
     state once, or ``DefaultLoadPlanner(allow_partial_load=True)`` loads a checkpoint
     saved without the optimizer. ``process_group`` is the ranks that save and load (by
     default all): only they call the checkpointer, as when one HSDP replica group saves.
+
+    A failed save or load raises on every rank, with the error a rank had rather than DCP's
+    ``CheckpointException``: this rank's own, else the lowest failing rank's, named by it. A
+    ``TensorferryError`` or ``OSError`` (a full disk: :class:`TensorferryIOError`, with file,
+    offset and errno) stays itself; an error of another kind is told in a ``TensorferryError``
+    naming each rank's.
 
     Example::
 
@@ -134,15 +176,15 @@ class FSDPCheckpointer:
     def save(self, step: int) -> str:
         """Writes a sharded checkpoint of model and optimizer; returns its path once durable."""
         self._end_background_save()
+        path = self.step_path(step)
         writer = self._writer(step)
         try:
-            dcp.save(self._state(), storage_writer=writer, planner=self.save_planner,
-                     process_group=self.process_group)
-        except BaseException:
+            dcp.save(self._state(), storage_writer=writer, planner=self.save_planner, process_group=self.process_group)
+        except BaseException as exc:
             writer._abandon_failed_save()
-            raise
+            raise _original_error(exc, self._rank(), path)
         self._retain()
-        return self.step_path(step)
+        return path
 
     @gc_paused()
     def save_async(self, step: int) -> Future:
@@ -159,10 +201,11 @@ class FSDPCheckpointer:
         False, as for a running ``concurrent.futures`` future.
         """
         self._end_background_save()
+        path, rank = self.step_path(step), self._rank()  # the rank now: the group may be gone when it ends
         writer = self._writer(step)
         inner = dcp.async_save(self._state(), storage_writer=writer, planner=self.save_planner,
                                process_group=self._async_group())
-        outer = SaveFuture(self.step_path(step))
+        outer = SaveFuture(path)
 
         def done(f: Future) -> None:
             # keep_last applies as each save completes, also one a script ended without waiting for.
@@ -171,9 +214,9 @@ class FSDPCheckpointer:
                 self._retain()
             except BaseException as exc:
                 writer._abandon_failed_save()  # before a next save, which waits for this future
-                outer.set_exception(exc)
+                outer.set_exception(_original_error(exc, rank, path))
             else:
-                outer.set_result(self.step_path(step))
+                outer.set_result(path)
 
         inner.add_done_callback(done)
         self._pending = outer
@@ -257,8 +300,11 @@ class FSDPCheckpointer:
         if not written_by_torch(path):  # a step from before a switch: DCPReader hands it to torch's reader
             read_manifest(path)  # a clear error here, before DCP wraps it
         state = self._state()
-        dcp.load(state, storage_reader=DCPReader(path, engine=self.engine),
-                 planner=self.load_planner, process_group=self.process_group)
+        try:
+            dcp.load(state, storage_reader=DCPReader(path, engine=self.engine),
+                     planner=self.load_planner, process_group=self.process_group)
+        except BaseException as exc:
+            raise _original_error(exc, self._rank(), path)
         set_state_dict(self.model, self.optimizer if self.optimizer is not None else [],
                        model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
         return step
