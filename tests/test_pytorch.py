@@ -16,7 +16,8 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import Callable
+from datetime import timedelta
+from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
@@ -1593,8 +1594,10 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items()}
 
 
-def _worker(rank: int, world: int, rendezvous: str, root: str, scenario: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+def _worker(rank: int, world: int, rendezvous: str, root: str, scenario: str,
+            group_timeout: float | None = None) -> None:
+    timeout = {} if group_timeout is None else {"timeout": timedelta(seconds=group_timeout)}
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world, **timeout)
     try:
         globals()[f"scenario_{scenario}"](rank, world, root)
         dist.barrier()  # no rank tears its group down while a peer still talks to it
@@ -1607,15 +1610,18 @@ def _worker(rank: int, world: int, rendezvous: str, root: str, scenario: str) ->
     os._exit(0)
 
 
-def run(world: int, root: str, scenario: str, timeout: float | None = None) -> None:
+def run(world: int, root: str, scenario: str, timeout: float | None = None,
+        group_timeout: float | None = None) -> None:
     """Runs ``scenario_<scenario>`` on ``world`` ranks; with ``timeout``, ranks still
-    running after that many seconds (hung in a collective) are killed and the test fails."""
+    running after that many seconds (hung in a collective) are killed and the test fails.
+    ``group_timeout`` is the process group's (torch's default: 30 min), for a collective that
+    a rank never joins to fail rather than hang."""
     # A rendezvous file, not a TCP port: a port found free can be taken before it is bound.
     # Its directory goes with the run: the workers leave the file behind (os._exit skips
     # the store's own cleanup).
     with tempfile.TemporaryDirectory(prefix="tensorferry-rdzv-") as directory:
-        ranks = mp.spawn(_worker, args=(world, os.path.join(directory, "store"), root, scenario), nprocs=world,
-                         join=False)
+        ranks = mp.spawn(_worker, args=(world, os.path.join(directory, "store"), root, scenario, group_timeout),
+                         nprocs=world, join=False)
         deadline = None if timeout is None else time.monotonic() + timeout
         while not ranks.join(None if deadline is None else max(0.0, deadline - time.monotonic())):
             if deadline is not None and time.monotonic() >= deadline:
@@ -2000,6 +2006,53 @@ def scenario_checkpointer_raises_one_ranks_error_on_every_rank(rank: int, world:
 @pytest.mark.slow
 def test_checkpointer_raises_one_ranks_error_on_every_rank_on_2_ranks(small_tmpfs) -> None:
     run(2, small_tmpfs, "checkpointer_raises_one_ranks_error_on_every_rank", timeout=300)
+
+
+class _Loader:
+    """A data loader's position, as Stateful extra state; broken, its state_dict() fails on rank 1."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.position, self.broken = rank, 0, False
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.broken and self.rank == 1:
+            raise RuntimeError("rank 1 cannot snapshot the loader")
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = state["position"]
+
+
+def scenario_state_failing_on_one_rank(rank: int, world: int, root: str) -> None:
+    """An extra's state_dict() raising on rank 1 alone: rank 1's save, save_async or load
+    raised at once, while rank 0 waited in DCP's first collective until the group's timeout,
+    then failed with a gloo error naming no checkpoint (or, for save, took rank 1's next save
+    for the same one). Every rank now raises before DCP begins: rank 1 its own error, rank 0
+    a TensorferryError naming rank 1's."""
+    loader = _Loader(rank)
+    ckpt = FSDPCheckpointer(root, torch.nn.Linear(4, 4), extra={"loader": loader})
+    loader.position = 10
+    ckpt.save(1)
+    loader.broken = True
+    for call, step, doing in ((ckpt.save, 2, "save"), (ckpt.save_async, 2, "save"), (ckpt.load, 1, "load")):
+        told = "rank 1 cannot snapshot the loader"
+        raised = RuntimeError if rank == 1 else tensorferry.TensorferryError
+        match = told if rank == 1 else rf"rank 1 failed before the {doing} of .*step_{step} began: RuntimeError: {told}"
+        with pytest.raises(raised, match=match):
+            call(step)
+    ckpt.wait()
+    loader.broken, loader.position = False, 30
+    ckpt.save(3)
+    assert ckpt.load(1) == 1 and loader.position == 10, "load_state_dict of a Stateful extra"
+    dist.barrier()
+    if rank == 0:
+        assert sorted(os.listdir(root)) == ["step_1", "step_3"]
+
+
+@pytest.mark.slow
+def test_state_failing_on_one_rank_fails_every_ranks_save_and_load_on_2_ranks(tmp_path) -> None:
+    # A short group timeout: without the fix, rank 0 fails in DCP's collective rather than waiting 30 min.
+    run(2, str(tmp_path), "state_failing_on_one_rank", timeout=300, group_timeout=60)
 
 
 @pytest.mark.slow

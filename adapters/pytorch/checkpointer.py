@@ -8,7 +8,7 @@ import os
 import re
 import warnings
 from concurrent.futures import Future
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ...checkpoint import committed_checkpoints, read_manifest, remove_checkpoints, remove_leftovers
 from ...errors import CheckpointNotFoundError, RetentionWarning, TensorferryError, TensorferryIOError
@@ -30,6 +31,19 @@ from .staging import DeviceToHost
 from .tensors import safetensors_dtype
 
 _STEP = re.compile(r"^step_(\d+)$")
+_T = TypeVar("_T")
+
+
+def _told(error: BaseException) -> tuple[int | None, str]:
+    """What the other ranks are told of this rank's error: its errno (None without one) and its text."""
+    return getattr(error, "errno", None), f"{type(error).__name__}: {error}"
+
+
+def _error_of_another_rank(rank: int, told: tuple[int | None, str], what: str, path: str) -> TensorferryError:
+    """What a rank raises for ``rank``'s error (``told``): a TensorferryIOError with its errno, if it had one."""
+    code, text = told
+    message = f"rank {rank} {what}: {text}"
+    return TensorferryIOError(code, message, path) if code else TensorferryError(message)
 
 
 def _as_raised_on(rank: int, error: BaseException) -> BaseException:
@@ -88,7 +102,8 @@ class FSDPCheckpointer:
     ``CheckpointException``: this rank's own, else the lowest failing rank's, named by it. A
     ``TensorferryError`` or ``OSError`` (a full disk: :class:`TensorferryIOError`, with file,
     offset and errno) stays itself; an error of another kind is told in a ``TensorferryError``
-    naming each rank's.
+    naming each rank's. One that comes before DCP begins (an ``extra``'s ``state_dict()``
+    raising on one rank) raises there, and a ``TensorferryError`` naming that rank on the others.
 
     Example::
 
@@ -158,13 +173,39 @@ class FSDPCheckpointer:
         if dist.is_available() and dist.is_initialized():
             dist.barrier(self.process_group)
 
+    def _on_every_rank(self, gather: Callable[[], _T], what: str, path: str) -> _T:
+        """``gather()``, raising on every rank if it raised on one: the failing rank its own
+        error, the others a TensorferryError naming it. What runs before DCP's first collective
+        (this rank's state, a Stateful's ``state_dict()``) failing on one rank alone left the
+        others waiting in that collective until the group's timeout (30 min by default), then
+        failing with a gloo error that named no checkpoint. One small collective per call."""
+        gathered: Any = None
+        error: Exception | None = None
+        try:
+            gathered = gather()
+        except Exception as exc:  # the other ranks are waiting for this rank's word
+            error = exc
+        if dist.is_available() and dist.is_initialized():
+            told: list[Any] = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(told, None if error is None else _told(error), group=self.process_group)
+            failed = [(rank, failure) for rank, failure in enumerate(told) if failure is not None]
+            if error is None and failed:
+                raise _error_of_another_rank(*failed[0], f"failed before the {what} of {path} began", path)
+        if error is not None:
+            raise error
+        return gathered
+
     def _state(self) -> dict[str, Any]:
         if self.optimizer is None:
             state = {"model": get_model_state_dict(self.model)}
         else:
             model_state, optim_state = get_state_dict(self.model, self.optimizer)
             state = {"model": model_state, "optimizer": optim_state}
-        return {**state, **self.extra}  # DCP calls state_dict()/load_state_dict() of what is Stateful
+        # Stateful extras as their state_dict(), which DCP would call inside its first step:
+        # called here, inside _on_every_rank, a failure on one rank is every rank's.
+        extras = {name: value.state_dict() if isinstance(value, Stateful) else value
+                  for name, value in self.extra.items()}
+        return {**state, **extras}
 
     def _writer(self, step: int) -> DCPWriter:
         # A step saved again (after a rollback, or past a damaged one) replaces the old,
@@ -177,9 +218,10 @@ class FSDPCheckpointer:
         """Writes a sharded checkpoint of model and optimizer; returns its path once durable."""
         self._end_background_save()
         path = self.step_path(step)
+        state = self._on_every_rank(self._state, "save", path)
         writer = self._writer(step)
         try:
-            dcp.save(self._state(), storage_writer=writer, planner=self.save_planner, process_group=self.process_group)
+            dcp.save(state, storage_writer=writer, planner=self.save_planner, process_group=self.process_group)
         except BaseException as exc:
             writer._abandon_failed_save()
             raise _original_error(exc, self._rank(), path)
@@ -202,8 +244,9 @@ class FSDPCheckpointer:
         """
         self._end_background_save()
         path, rank = self.step_path(step), self._rank()  # the rank now: the group may be gone when it ends
+        state = self._on_every_rank(self._state, "save", path)
         writer = self._writer(step)
-        inner = dcp.async_save(self._state(), storage_writer=writer, planner=self.save_planner,
+        inner = dcp.async_save(state, storage_writer=writer, planner=self.save_planner,
                                process_group=self._async_group())
         outer = SaveFuture(path)
 
@@ -297,14 +340,21 @@ class FSDPCheckpointer:
                 raise CheckpointNotFoundError(f"no complete checkpoint under {self.checkpoint_dir}",
                                               self.checkpoint_dir)
         path = self.step_path(step)
-        if not written_by_torch(path):  # a step from before a switch: DCPReader hands it to torch's reader
-            read_manifest(path)  # a clear error here, before DCP wraps it
-        state = self._state()
+
+        def gather() -> dict[str, Any]:
+            if not written_by_torch(path):  # a step from before a switch: DCPReader hands it to torch's reader
+                read_manifest(path)  # a clear error here, before DCP wraps it
+            return self._state()
+
+        state = self._on_every_rank(gather, "load", path)
         try:
             dcp.load(state, storage_reader=DCPReader(path, engine=self.engine),
                      planner=self.load_planner, process_group=self.process_group)
         except BaseException as exc:
             raise _original_error(exc, self._rank(), path)
+        for name, value in self.extra.items():  # as dcp.load restores a Stateful it was handed
+            if isinstance(value, Stateful):
+                value.load_state_dict(state[name])
         set_state_dict(self.model, self.optimizer if self.optimizer is not None else [],
                        model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
         return step
@@ -344,15 +394,12 @@ class FSDPCheckpointer:
         for name in order:  # the same collectives, in the same order, as rank 0's writer
             if name not in gathered:
                 full(name)
-        failure = [None if error is None else (getattr(error, "errno", None), f"{type(error).__name__}: {error}")]
+        failure = [None if error is None else _told(error)]
         if dist.is_available() and dist.is_initialized():
             dist.broadcast_object_list(failure, group=self.process_group, group_src=0)
         if error is not None:
             raise error
         if failure[0] is not None:
-            code, message = failure[0]
-            if code:
-                raise TensorferryIOError(code, f"rank 0 could not write {path}: {message}", path)
-            raise TensorferryError(f"rank 0 could not write {path}: {message}")
+            raise _error_of_another_rank(0, failure[0], f"could not write {path}", path)
         return path
 
