@@ -59,6 +59,9 @@ class CheckpointNotFoundError(TensorferryError, FileNotFoundError):
     def __init__(self, message: str, path: str | os.PathLike | None = None) -> None:
         super().__init__(_errno.ENOENT, message, None if path is None else os.fspath(path))
 
+    def __reduce__(self):  # OSError's own passes (errno, strerror, filename), which __init__ does not take
+        return (type(self), (self.strerror, self.filename))
+
 
 class CheckpointSkippedWarning(UserWarning):
     """A checkpoint directory was passed over (a damaged manifest, say) while looking

@@ -306,6 +306,23 @@ def test_disk_full(engine: Engine, small_tmpfs: str) -> None:
     assert info.value.length and str(copy).count(" at offset ") == 1
 
 
+def test_every_error_crosses_processes_as_it_was() -> None:
+    # DCP pickles a rank's failure to the others, and copies it: each class must rebuild.
+    import copy
+    import pickle
+
+    from tensorferry import errors
+    raised = [errors.CheckpointNotFoundError("no complete checkpoint in /ckpt", "/ckpt"),
+              errors.TensorferryIOError(errno.EIO, "read failed", "/f", 4096, 512),
+              errors.CorruptCheckpointError("bad header"), errors.ConfigError("queue_depth"),
+              errors.GDSUnavailableError("no kvikio"), errors.EngineClosedError("closed"),
+              errors.TensorferryError("any")]
+    for error in raised:
+        for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+            assert type(again) is type(error) and str(again) == str(error)
+            assert getattr(again, "filename", None) == getattr(error, "filename", None)
+
+
 def test_use_after_close(backend: str, tmp_path) -> None:
     e = Engine(backend=backend)
     e.close()
