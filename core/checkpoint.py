@@ -4,7 +4,7 @@ Commit protocol: everything is written into a temporary sibling
 ``<dir>.tmp-<token>/``, which the writer holds locked; shard files are fsynced as they
 close; the manifest ``tensorferry.json`` is written and fsynced last; the directory is
 renamed to ``<dir>`` (over an existing one: exchanged with it in one atomic step) and
-the parent fsynced. A directory without a manifest, or with a ``.tmp-`` name, is never
+the parent fsynced. A directory without a manifest, or with a temporary's name, is never
 loaded nor reported as latest, except the old checkpoint an interrupted overwrite left
 aside where no atomic exchange exists (:func:`recoverable_checkpoints`).
 """
@@ -39,8 +39,8 @@ from .schema import (MANIFEST_VERSION, STEP_NUMBER, check_index, member_path, pa
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
                     first_names, foreign_files_hint, fsync_after_commit, fsync_dir, gc_paused, subfolders_holding)
 from .temporaries import (NEW_TEMPORARY_TRIES, TMP_MARKER, aside_name, discard_later, held_here, hold_new,
-                          refuse_temporary_marker, release, remove_stale_temporaries, temporary_name,
-                          temporary_stem)
+                          is_temporary_name, refuse_temporary_marker, release, remove_stale_temporaries,
+                          temporary_name, temporary_stem)
 
 MANIFEST = "tensorferry.json"
 FORMAT_VERSION = MANIFEST_VERSION
@@ -298,7 +298,8 @@ def recoverable_checkpoints(root: str | os.PathLike) -> dict[str, str]:
         # The first marker: a stem holds none (refuse_temporary_marker), and a later one
         # makes a temporary of the aside, what its prune left.
         name, _, tail = entry.name.partition(TMP_MARKER)
-        if not name or not tail.startswith(OLD_TAIL) or TMP_MARKER in tail or name in taken:
+        if (not name or not tail.startswith(OLD_TAIL) or TMP_MARKER in tail or not is_temporary_name(entry.name)
+                or name in taken):
             continue
         if os.path.isfile(os.path.join(entry.path, MANIFEST)):
             found[name] = entry.path
@@ -370,7 +371,7 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a complete checkpoint; raises if ``directory`` is not one."""
     directory = os.fspath(directory)
     resolved = resolve_checkpoint(directory)
-    if TMP_MARKER in os.path.basename(resolved.rstrip(os.sep)) and not _recoverable(resolved):
+    if is_temporary_name(os.path.basename(resolved.rstrip(os.sep))) and not _recoverable(resolved):
         raise CheckpointNotFoundError(f"{directory} is an unfinished checkpoint (temporary directory)", directory)
     path = os.path.join(resolved, MANIFEST)
     try:
@@ -756,7 +757,7 @@ def committed_checkpoints(root: str | os.PathLike) -> list[Committed]:
     found = []
     # A link ("latest", "best") names a checkpoint and is none: counted, pruning would remove it, or what it names.
     candidates = [(e.name, e.path) for e in os.scandir(root)
-                  if e.is_dir(follow_symlinks=False) and TMP_MARKER not in e.name]
+                  if e.is_dir(follow_symlinks=False) and not is_temporary_name(e.name)]
     for name, path in [*candidates, *recoverable_checkpoints(root).items()]:
         try:
             manifest = read_manifest(path)

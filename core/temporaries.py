@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import fcntl
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -26,6 +27,18 @@ NAME_MAX = 255  # bytes in a name, on Linux's filesystems
 # Bytes kept, after a target's name and TMP_MARKER, for the longest tail a temporary
 # adds ("replaced-" and a token): a longer name is shortened (temporary_name).
 _TAIL_ROOM = 32
+
+# The fixed token of every torch DCP save's temporary, "<path>.tmp-dcp" (adapters/pytorch/dcp.py).
+DCP_TOKEN = "dcp"
+# Why aside_name sets something aside; "old" is an overwrite's, without an atomic exchange
+# (checkpoint.OLD_TAIL).
+ASIDE_REASONS = ("replaced", "old", "pruned")
+# The tails, after TMP_MARKER, of the names temporary_name gives, and no others: a random
+# token (8 hex digits: a file's, ShardWriter; 12: a checkpoint directory's, PendingCheckpoint),
+# DCP's fixed token, or a reason and 8 hex digits (aside_name). temporary_name refuses any
+# other tail, so that every temporary made is one that is_temporary_name recognises, and a
+# user's "report.tmp-final.txt" or "photos.tmp-2024/" is never taken for a leftover.
+_TAIL = re.compile(rf"[0-9a-f]{{8}}|[0-9a-f]{{12}}|{DCP_TOKEN}|(?:{'|'.join(ASIDE_REASONS)})-[0-9a-f]{{8}}")
 
 _held_here: dict[int, str] = {}  # the temporaries this process holds, by descriptor
 
@@ -136,9 +149,21 @@ def temporary_stem(name: str) -> str:
 def temporary_name(target: str, tail: str = "") -> str:
     """``<target>.tmp-<tail>``, the name of a temporary of ``target`` (a path or a name),
     its name cut to :func:`temporary_stem`, the same for every temporary of one target,
-    so that :func:`stale_temporaries` finds them all."""
+    so that :func:`stale_temporaries` finds them all. Without ``tail``: the prefix they share."""
+    if tail and not _TAIL.fullmatch(tail):
+        raise ValueError(f"{tail!r} cannot end a temporary's name (a leftover of it would not be recognised): "
+                         f"a token is 8 or 12 hex digits or {DCP_TOKEN!r}")
     parent, name = os.path.split(target)
     return os.path.join(parent, f"{temporary_stem(name)}{TMP_MARKER}{tail}")
+
+
+def is_temporary_name(name: str) -> bool:
+    """Whether ``name`` is one :func:`temporary_name` gives: its part after the last
+    ``TMP_MARKER`` is one of the tails it makes. The last: pruning an old checkpoint set
+    aside (``<name>.tmp-old-<hex>``) names it ``<name>.tmp-old-<hex>.tmp-pruned-<hex>``,
+    its first part cut where too long (:func:`temporary_stem`)."""
+    _, marker, tail = name.rpartition(TMP_MARKER)
+    return bool(marker) and _TAIL.fullmatch(tail) is not None
 
 
 def stale_temporaries(root: str | os.PathLike, target: str | None = None,
@@ -154,7 +179,7 @@ def stale_temporaries(root: str | os.PathLike, target: str | None = None,
     except FileNotFoundError:
         return []
     for entry in entries:
-        if ((prefix is not None and not entry.name.startswith(prefix)) or TMP_MARKER not in entry.name
+        if ((prefix is not None and not entry.name.startswith(prefix)) or not is_temporary_name(entry.name)
                 or os.path.abspath(entry.path) in keep):
             continue
         try:
@@ -245,6 +270,7 @@ def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
     return [path for path in stale_temporaries(root, target, keep) if remove_if_stale(path)]
 
 
-__all__ = ["NEW_TEMPORARY_TRIES", "TMP_MARKER", "aside_name", "discard_later", "held_here", "hold", "hold_new",
-           "refuse_temporary_marker", "release", "remove_if_stale", "remove_stale_temporaries", "set_aside",
-           "stale_temporaries", "temporary_name", "temporary_stem", "wait_for_discards"]
+__all__ = ["DCP_TOKEN", "NEW_TEMPORARY_TRIES", "TMP_MARKER", "aside_name", "discard_later", "held_here", "hold",
+           "hold_new", "is_temporary_name", "refuse_temporary_marker", "release", "remove_if_stale",
+           "remove_stale_temporaries", "set_aside", "stale_temporaries", "temporary_name", "temporary_stem",
+           "wait_for_discards"]

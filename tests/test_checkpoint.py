@@ -24,7 +24,7 @@ import tensorferry
 from tensorferry import CheckpointNotFoundError, CorruptCheckpointError, ShardReader, ShardWriter
 from tensorferry.shard import HEADER_CHECKSUM_KEY, gc_paused
 from tensorferry.temporaries import wait_for_discards
-from tensorferry.temporaries import held_here
+from tensorferry.temporaries import DCP_TOKEN, held_here
 
 DTYPES = [np.float64, np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
           ml_dtypes.float8_e5m2, np.complex64, np.int64, np.int32, np.int16, np.int8,
@@ -587,13 +587,51 @@ def test_directory_without_manifest_is_not_a_checkpoint(tmp_path) -> None:
 def test_latest_and_retention(tmp_path) -> None:
     for step in (1, 2, 10, 9):
         tensorferry.save_checkpoint(tmp_path / f"step_{step}", {"x": np.full(3, step)})
-    (tmp_path / f"step_11{tensorferry.checkpoint.TMP_MARKER}abc").mkdir()
+    (tmp_path / f"step_11{tensorferry.checkpoint.TMP_MARKER}0123456789ab").mkdir()
     assert tensorferry.latest_checkpoint(tmp_path) == str(tmp_path / "step_10")
     removed = tensorferry.prune_checkpoints(tmp_path, keep_last=2)
     assert sorted(os.path.basename(p) for p in removed) == ["step_1", "step_2"]
     assert [os.path.basename(p) for p in tensorferry.list_checkpoints(tmp_path)] == ["step_9", "step_10"]
     tensorferry.prune_checkpoints(tmp_path, keep_last=1, remove_unfinished=True)
     assert sorted(os.listdir(tmp_path)) == ["step_10"]
+
+
+def test_a_save_leaves_a_users_names_with_tmp_in_them_alone(tmp_path) -> None:
+    """A save removes what killed saves to its target left, and took for that any unheld
+    <target>.tmp-*: a user's model.safetensors.tmp-backup, or photos.tmp-2024/ with all in it."""
+    (tmp_path / "model.safetensors.tmp-backup").write_bytes(b"mine")
+    (tmp_path / "photos.tmp-2024").mkdir()
+    (tmp_path / "photos.tmp-2024" / "a.jpg").write_bytes(b"img")
+    (tmp_path / "model.safetensors.tmp-0123abcd").write_bytes(b"partial")  # what killed saves left
+    (tmp_path / "photos.tmp-0123456789ab").mkdir()
+    with ShardWriter(tmp_path / "model.safetensors", atomic=True) as writer:
+        writer.add("x", np.ones(3))
+    tensorferry.save_checkpoint(tmp_path / "photos", {"x": np.ones(3)})
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "model.safetensors.tmp-backup", "photos",
+                                            "photos.tmp-2024"]
+    assert (tmp_path / "photos.tmp-2024" / "a.jpg").read_bytes() == b"img"
+
+
+def test_a_checkpoint_in_a_folder_named_with_tmp_by_its_user_is_listed_and_loads(tmp_path) -> None:
+    """Any folder with '.tmp-' in its name was taken for a save's temporary: a user's
+    copy step_2.tmp-2024 was not listed and did not load ("unfinished checkpoint")."""
+    tensorferry.save_checkpoint(tmp_path / "step_1", {"x": np.arange(3)})
+    shutil.copytree(tmp_path / "step_1", tmp_path / "step_2.tmp-2024")
+    shutil.copytree(tmp_path / "step_1", tmp_path / "step_3.tmp-0123456789ab")  # a save killed before its rename
+    assert tensorferry.list_checkpoints(tmp_path) == [str(tmp_path / "step_1"), str(tmp_path / "step_2.tmp-2024")]
+    assert np.array_equal(tensorferry.load_checkpoint(tmp_path / "step_2.tmp-2024")["x"], np.arange(3))
+    with pytest.raises(CheckpointNotFoundError, match="unfinished"):
+        tensorferry.read_manifest(tmp_path / "step_3.tmp-0123456789ab")
+
+
+def test_every_temporary_name_made_is_one_that_is_recognised() -> None:
+    from tensorferry.temporaries import is_temporary_name, temporary_name
+    for tail in ("0123abcd", "0123456789ab", DCP_TOKEN, "replaced-0123abcd", "old-0123abcd", "pruned-0123abcd"):
+        assert is_temporary_name(temporary_name("step_1", tail))
+    for tail in ("backup", "2024", "old-dcp", "0123ABCD"):  # a tail no leftover could be told by
+        assert not is_temporary_name(f"step_1.tmp-{tail}")
+        with pytest.raises(ValueError, match="cannot end a temporary's name"):
+            temporary_name("step_1", tail)
 
 
 def test_retention_keeps_whole_what_it_cannot_remove(tmp_path) -> None:
@@ -979,13 +1017,13 @@ def test_a_temporary_held_only_by_garbage_is_taken_over_by_the_next_save(tmp_pat
     # in this process frees it, while a holder still reachable (a save running) keeps it.
     target = str(tmp_path / "ck")
     with gc_paused():
-        first = tensorferry.PendingCheckpoint.begin(target, "fixed")
+        first = tensorferry.PendingCheckpoint.begin(target, DCP_TOKEN)
         cycle: list = [first]
         cycle.append(cycle)
         del first, cycle  # the collector is paused: the cycle stays until a collection
-        second = tensorferry.PendingCheckpoint.begin(target, "fixed")
+        second = tensorferry.PendingCheckpoint.begin(target, DCP_TOKEN)
         with pytest.raises(FileExistsError):
-            tensorferry.PendingCheckpoint.begin(target, "fixed")
+            tensorferry.PendingCheckpoint.begin(target, DCP_TOKEN)
     assert held_here(second.tmp_path)
     second.abort()
     assert not held_here(second.tmp_path) and os.listdir(tmp_path) == []
@@ -1002,7 +1040,7 @@ def test_a_save_with_a_fixed_token_right_after_an_overwrite_finds_its_temporary_
         monkeypatch.setattr(tensorferry.checkpoint, "exchange", lambda a, b: False)  # no RENAME_EXCHANGE
     target = str(tmp_path / "latest")
     for value in range(3):
-        pending = tensorferry.PendingCheckpoint.begin(target, "fixed")
+        pending = tensorferry.PendingCheckpoint.begin(target, DCP_TOKEN)
         with pending.writer("x.safetensors") as writer:
             writer.add("x", np.full(4, value))
         pending.commit([writer.info], overwrite=True)
@@ -1154,9 +1192,9 @@ def test_an_interrupted_load_stops_reading(tmp_path, monkeypatch) -> None:
 def test_an_abort_called_again_leaves_a_later_saves_temporary_alone(tmp_path) -> None:
     """Saves with a fixed token (DCP's "<path>.tmp-dcp") reuse one temporary name: a
     second abort() of an earlier, failed save removed the later save's files."""
-    first = tensorferry.PendingCheckpoint.begin(tmp_path / "step_1", "fixed")
+    first = tensorferry.PendingCheckpoint.begin(tmp_path / "step_1", DCP_TOKEN)
     first.abort()
-    later = tensorferry.PendingCheckpoint.begin(tmp_path / "step_1", "fixed")
+    later = tensorferry.PendingCheckpoint.begin(tmp_path / "step_1", DCP_TOKEN)
     with open(os.path.join(later.tmp_path, "part"), "wb") as f:
         f.write(b"written by the later save")
     first.abort()

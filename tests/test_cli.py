@@ -482,3 +482,35 @@ def test_importing_the_cli_stays_light() -> None:
               "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+# What killed saves and prunes leave, one of each name tensorferry gives its temporaries:
+# a file's atomic write, a checkpoint's, DCP's fixed token, a replaced file set aside, a
+# pruned checkpoint, and a pruned old checkpoint an interrupted overwrite had set aside.
+LEFTOVERS = {"model.safetensors.tmp-0123abcd": "file", "step_5.tmp-0123456789ab": "dir", "step_6.tmp-dcp": "dir",
+             "model.safetensors.tmp-replaced-0123abcd": "file", "step_1.tmp-pruned-0123abcd": "dir",
+             "step_2.tmp-old-0123abcd.tmp-pruned-4567cdef": "dir"}
+# The user's own, ".tmp-" in their names all the same.
+USERS = {"report.tmp-final.txt": "file", "photos.tmp-2024": "dir", "model.safetensors.tmp-backup": "file"}
+
+
+def make_entries(root: Path, entries: dict[str, str]) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for name, kind in entries.items():
+        if kind == "dir":
+            (root / name).mkdir(parents=True)
+            (root / name / "data.bin").write_bytes(b"x" * 100)
+        else:
+            (root / name).write_bytes(b"x" * 100)
+
+
+def test_clean_removes_only_the_names_tensorferry_gives(tmp_path: Path) -> None:
+    """clean removed every unheld entry with ".tmp-" in its name: a user's
+    report.tmp-final.txt, and the folder photos.tmp-2024 with all in it."""
+    make_entries(tmp_path, {**LEFTOVERS, **USERS})
+    listed = run_json("clean", tmp_path, "--dry-run")["removed"]
+    assert listed == sorted(str(tmp_path / name) for name in LEFTOVERS)
+    assert sorted(os.listdir(tmp_path)) == sorted([*LEFTOVERS, *USERS]), "a dry run removes nothing"
+    assert run_json("clean", tmp_path)["removed"] == listed
+    assert sorted(os.listdir(tmp_path)) == sorted(USERS)
+    assert (tmp_path / "photos.tmp-2024" / "data.bin").read_bytes() == b"x" * 100

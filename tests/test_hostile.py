@@ -359,17 +359,17 @@ def test_stale_temporaries_go_and_live_ones_stay(tmp_path) -> None:
     from tensorferry.adapters.pytorch import save
     from tensorferry.temporaries import hold, release
     target = tmp_path / "model.tf"
-    stale = tmp_path / "model.tf.tmp-dead"
+    stale = tmp_path / "model.tf.tmp-0000dead"
     stale.write_bytes(b"x" * 4096)  # what a killed save leaves: nobody holds it
-    live = tmp_path / "model.tf.tmp-live"
+    live = tmp_path / "model.tf.tmp-00001111"
     live.write_bytes(b"y")
     lock = hold(str(live))  # as a save in progress holds its temporary
-    other = tmp_path / "other.tf.tmp-dead"
+    other = tmp_path / "other.tf.tmp-0000dead"
     other.write_bytes(b"z")
     try:
         save({"w": torch.ones(2)}, target)
         assert not stale.exists() and live.exists() and other.exists()
-        stale_dir = tmp_path / "step_5.tmp-0123"
+        stale_dir = tmp_path / "step_5.tmp-0123456789ab"
         stale_dir.mkdir()
         (stale_dir / "shard-00000.safetensors").write_bytes(b"partial")
         tensorferry.save_checkpoint(tmp_path / "step_6", {"x": np.arange(3)})
@@ -392,7 +392,7 @@ def test_names_near_name_max_save_overwrite_and_clean_up(tmp_path) -> None:
         save({"w": torch.full((3,), value)}, target)
         wait_for_discards()
         assert os.listdir(tmp_path) == [name] and torch.equal(load(target)["w"], torch.full((3,), value))
-    stale = temporary_name(str(target), "dead")  # what a killed save left
+    stale = temporary_name(str(target), "0000dead")  # what a killed save left
     assert len(os.fsencode(os.path.basename(stale))) <= 255
     open(stale, "wb").close()
     save({"w": torch.ones(3)}, target)
@@ -591,16 +591,16 @@ def test_the_cli_cleans_leftovers_and_keeps_what_is_held(tmp_path, capsys) -> No
     from tensorferry.cli import main
     from tensorferry.temporaries import hold, release
     tensorferry.save_checkpoint(tmp_path / "step_1", {"x": np.arange(3)})
-    (tmp_path / "step_2.tmp-dead").mkdir()
-    (tmp_path / "model.tf.tmp-dead").write_bytes(b"x")
-    (tmp_path / "model.tf.tmp-live").write_bytes(b"y")
-    lock = hold(str(tmp_path / "model.tf.tmp-live"))
+    (tmp_path / "step_2.tmp-00000000dead").mkdir()
+    (tmp_path / "model.tf.tmp-0000dead").write_bytes(b"x")
+    (tmp_path / "model.tf.tmp-00001111").write_bytes(b"y")
+    lock = hold(str(tmp_path / "model.tf.tmp-00001111"))
     try:
         assert main(["clean", "--dry-run", str(tmp_path)]) == 0
         assert "would remove 2 leftovers" in capsys.readouterr().out
         assert len(os.listdir(tmp_path)) == 4
         assert main(["clean", str(tmp_path)]) == 0
-        assert sorted(os.listdir(tmp_path)) == ["model.tf.tmp-live", "step_1"]
+        assert sorted(os.listdir(tmp_path)) == ["model.tf.tmp-00001111", "step_1"]
     finally:
         release(lock)
     assert main(["clean", str(tmp_path)]) == 0

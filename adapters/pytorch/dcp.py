@@ -50,6 +50,7 @@ from ...layouts.dcp import DCP_METADATA, ITEMS_KEY, read_dcp_metadata, unpickle_
 from ...pools import ThreadPool
 from ...shard import (DEFAULT_BUFFER_SIZE, BoxRead, ShardInfo, ShardReader, default_read_ahead, gc_paused,
                      write_order)
+from ...temporaries import DCP_TOKEN
 from .staging import DeviceToHost, leased, stage_state_dict, staging_pool
 from .tensors import FROM_SAFETENSORS, refuse_wrapper_subclass, safetensors_dtype, writable_bytes
 
@@ -66,7 +67,7 @@ NOT_TORCH_SAVE = ("tensorferry-raw-bytes (this is a tensorferry checkpoint: its 
 # path, not from the plan, because torch reuses a rank's plan of an earlier save when
 # its planner caches plans (DefaultSavePlanner(enable_plan_caching=True)), and a token
 # in that plan would name the earlier save's directory.
-SAVE_TOKEN = "dcp"
+SAVE_TOKEN = DCP_TOKEN
 
 
 # The saves this process coordinates, by path: the writer, the thread that planned the
