@@ -26,7 +26,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from .config import parse_size
 from .errors import ConfigError, TensorferryError
 from .layouts.safetensors import to_file_metadata
 from .shard import ShardWriter, write_order
-from .temporaries import remove_stale_temporaries, stale_temporaries
+from .temporaries import is_temporary_name, remove_stale_temporaries, stale_temporaries
 
 EXIT_OK, EXIT_FINDING, EXIT_ERROR = 0, 1, 2
 
@@ -400,18 +400,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- clean
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    """Removes what killed saves left in a directory (temporaries no running save holds)."""
+    """Removes what killed saves left in a directory and those under it (temporaries no running save holds)."""
     if not os.path.isdir(args.root):
         raise CLIError(f"{args.root} is not a directory")
-    keep = recoverable_checkpoints(args.root).values()  # an interrupted overwrite's old checkpoint
-    if args.dry_run:
-        found = stale_temporaries(args.root, keep=keep)
-    else:
-        found = remove_stale_temporaries(args.root, keep=keep)
+    found = []
+    for directory in _directories_to_clean(args.root):
+        keep = recoverable_checkpoints(directory).values()  # an interrupted overwrite's old checkpoint
+        if args.dry_run:
+            found += stale_temporaries(directory, keep=keep)
+        else:
+            found += remove_stale_temporaries(directory, keep=keep)
     verb = "would remove" if args.dry_run else "removed"
     text = [f"{args.root}: {verb} {plural(len(found), 'leftover')}"] + [f"  {p}" for p in found]
     emit(args, {"path": args.root, "dry_run": args.dry_run, "removed": found}, "\n".join(text))
     return EXIT_OK
+
+
+def _directories_to_clean(root: str) -> Iterator[str]:
+    """``root`` and the directories under it where a save's leftovers can be (checkpoints
+    sit in run folders: ckpt/run1/step_5), but not inside a checkpoint (a save writes
+    none there) nor a temporary (it goes whole, or a save holds it), and no symbolic link
+    is followed (it may lead out of ``root``)."""
+    for parent, subdirs, _ in os.walk(root):  # os.walk lists, and does not enter, links to folders
+        yield parent
+        subdirs[:] = sorted(d for d in subdirs if not is_temporary_name(d)
+                            and not os.path.lexists(os.path.join(parent, d, MANIFEST)))
 
 
 # ---------------------------------------------------------------- convert
@@ -718,9 +731,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     p = add("clean", "remove what killed saves left in a directory",
-            "Removes the temporaries (<name>.tmp-*) of interrupted saves under ROOT: files and checkpoint\n"
-            "directories that no running save holds (each save holds a lock on its own). An old checkpoint\n"
-            "that an interrupted overwrite moved aside, with nothing at its name, is kept: it is the checkpoint.")
+            "Removes the temporaries of interrupted saves in ROOT and the directories under it: files and\n"
+            "checkpoint directories named <name>.tmp-<token> (as tensorferry names them: other names with\n"
+            "'.tmp-' in them are left alone) that no running save holds (each save holds a lock on its own).\n"
+            "Checkpoint directories are not searched, nor symbolic links followed. An old checkpoint that an\n"
+            "interrupted overwrite moved aside, with nothing at its name, is kept: it is the checkpoint.")
     p.add_argument("root", metavar="ROOT", help="the directory holding checkpoints or saved files")
     p.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
     p.set_defaults(func=cmd_clean)

@@ -514,3 +514,21 @@ def test_clean_removes_only_the_names_tensorferry_gives(tmp_path: Path) -> None:
     assert run_json("clean", tmp_path)["removed"] == listed
     assert sorted(os.listdir(tmp_path)) == sorted(USERS)
     assert (tmp_path / "photos.tmp-2024" / "data.bin").read_bytes() == b"x" * 100
+
+
+def test_clean_searches_the_folders_under_root_but_not_checkpoints_or_links(tmp_path: Path) -> None:
+    """clean ROOT looked at ROOT's own entries only: a killed save's ckpt/run1/step_5.tmp-...
+    stayed, though the help says "under ROOT"."""
+    root = tmp_path / "ckpt"
+    make_entries(root / "run1", {"step_5.tmp-0123456789ab": "dir"})
+    make_entries(root / "run2" / "deeper", {"model.safetensors.tmp-0123abcd": "file"})
+    tensorferry.save_checkpoint(root / "run1" / "step_4", {"x": np.arange(3)})
+    make_entries(root / "run1" / "step_4", {"inside.tmp-0123abcd": "file"})  # a checkpoint is not searched
+    make_entries(tmp_path / "elsewhere", {"other.tmp-0123abcd": "file"})
+    (root / "link").symlink_to(tmp_path / "elsewhere")  # nor is a link followed
+    removed = run_json("clean", root)["removed"]
+    assert removed == [str(root / "run1" / "step_5.tmp-0123456789ab"),
+                       str(root / "run2" / "deeper" / "model.safetensors.tmp-0123abcd")]
+    assert (root / "run1" / "step_4" / "inside.tmp-0123abcd").exists()
+    assert (tmp_path / "elsewhere" / "other.tmp-0123abcd").exists()
+    assert tensorferry.list_checkpoints(root / "run1") == [str(root / "run1" / "step_4")]
