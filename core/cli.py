@@ -154,12 +154,23 @@ def _backends(text: str | None) -> list[str]:
     if text is None:
         return ["io_uring", "threads"] if bench.io_uring_probe()[0] else ["threads"]
     names = [b.strip() for b in text.split(",") if b.strip()]
+    if not names:  # else tune fails with a traceback and bench measures no engine at all
+        raise CLIError(f"--backends {text!r} names no backend (choose from {', '.join(bench.PARALLELISM)})")
     for name in names:
         if name not in bench.PARALLELISM:
             raise CLIError(f"unknown backend {name!r} (choose from {', '.join(bench.PARALLELISM)})")
         if name == "io_uring" and not bench.io_uring_probe()[0]:
             raise CLIError(f"io_uring is not usable here: {bench.io_uring_probe()[1]}")
     return names
+
+
+def _writable_folder(path: str, option: str) -> None:
+    """Refuses, before minutes of measuring, an output file whose folder is not there or not writable."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CLIError(f"{option} {path}: no such directory {folder}")
+    if not os.access(folder, os.W_OK):
+        raise CLIError(f"{option} {path}: cannot write in {folder}")
 
 
 def _scratch(directory: str, what: str) -> str:
@@ -175,7 +186,12 @@ def _scratch(directory: str, what: str) -> str:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Engine and checkpoint throughput on a directory, against fio and the installed peers."""
     directory = _existing_dir(args.dir)
+    if args.count > args.size // 4:  # each array holds a float32 at least: an empty one has no speed
+        raise CLIError(f"--count {args.count}: at most {args.size // 4:,} arrays in --size {human_bytes(args.size)} "
+                       "(4 bytes each, at least)")
     plt = _pyplot() if args.plot else None  # fail before minutes of measuring, not after
+    if args.plot:
+        _writable_folder(args.plot, "--plot")
     backends = _backends(args.backends)
     if not bench.fio_available():
         note(args, "fio is not installed: no ceiling to compare with")
@@ -190,12 +206,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     rows = bench.report_rows(results)
+    data = {"directory": directory, "size": args.size, "arrays": args.count, "results": rows}
+    header = f"{directory}: {human_bytes(args.size)} per run, checkpoint of {args.count} arrays"
+    emit(args, data, header + "\n" + bench.report(results))  # first: minutes of measuring are not lost to the plot
     if plt is not None:
         _plot_bench(plt, rows, directory, args.plot)
         note(args, f"wrote {args.plot}")
-    data = {"directory": directory, "size": args.size, "arrays": args.count, "results": rows}
-    header = f"{directory}: {human_bytes(args.size)} per run, checkpoint of {args.count} arrays"
-    emit(args, data, header + "\n" + bench.report(results))
     return EXIT_OK
 
 
@@ -223,6 +239,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     """Adaptive search for the fastest engine settings on a directory."""
     directory = _existing_dir(args.dir)
     plt = _pyplot() if args.plot else None
+    for path, option in ((args.output, "--output"), (args.plot, "--plot")):
+        if path:
+            _writable_folder(path, option)
     backends = _backends(args.backends)
     if not bench.fio_available():
         note(args, "fio is not installed: no ceiling to compare with, and no early stop at it")

@@ -87,6 +87,11 @@ def test_every_subcommand_has_help() -> None:
     (["tune", "/tmp", "--size", "lots"], "byte count"),
     (["inspect", "/no/such/ckpt"], "no such file"),
     (["verify", "{empty}"], "not a checkpoint"),
+    # An empty list of backends: tune failed with a traceback, bench measured no engine and said all was well.
+    (["tune", "{empty}", "--backends", ""], "names no backend"),
+    (["bench", "{empty}", "--backends", ","], "names no backend"),
+    # More arrays than --size holds: minutes of empty arrays, then a ZeroDivisionError.
+    (["bench", "{empty}", "--size", "1M", "--count", "262145"], "at most 262,144 arrays"),
 ])
 def test_bad_usage_exits_2_with_a_message_on_stderr(tmp_path: Path, args: list[str], message: str) -> None:
     result = run(*(a.replace("{empty}", str(tmp_path)) for a in args))
@@ -388,13 +393,16 @@ def test_tune_small_finds_a_valid_config(tmp_path: Path) -> None:
 
 
 def test_tune_prints_its_result_even_where_the_output_file_cannot_be_written(tmp_path: Path) -> None:
-    """tune -o into a missing folder: the file was written before the result was
-    printed, so the error left nothing of a search that can take minutes."""
+    """tune -o where no file can be written (a folder's name): the file was written
+    before the result was printed, so the error left nothing of a search that can take
+    minutes. -o into a missing folder is refused before the search."""
     target = tmp_path / "drive"
     target.mkdir()
     result = run("tune", target, "--size", "1M", "--max-seconds", "1", "--backends", "threads", "-q",
                  "-o", tmp_path / "missing" / "tuned.json")
-    assert result.returncode == 2 and "No such file or directory" in result.stderr
+    assert result.returncode == 2 and "no such directory" in result.stderr and result.stdout == ""
+    result = run("tune", target, "--size", "1M", "--max-seconds", "1", "--backends", "threads", "-q", "-o", target)
+    assert result.returncode == 2 and "Is a directory" in result.stderr
     assert "best setting for" in result.stdout and "backend threads" in result.stdout
 
 
@@ -408,6 +416,22 @@ def test_bench_small_reports_every_contender(tmp_path: Path) -> None:
     if bench.torch_available():
         assert {"torch.save", "DCP FileSystemReader"} <= {n.split(",")[0] for n in names}
     assert list(tmp_path.iterdir()) == [], "bench cleans up after itself"
+
+
+def test_bench_prints_its_results_before_the_plot_and_refuses_a_plot_into_a_missing_folder(tmp_path: Path) -> None:
+    """The plot was drawn before the results were printed: a plot path that could not be
+    written lost a run of minutes, and printed nothing."""
+    pytest.importorskip("matplotlib")
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    result = run("bench", drive, "--size", "1M", "--count", "4", "--backends", "threads", "-q",
+                 "--plot", tmp_path / "missing" / "bench.png")
+    assert result.returncode == 2 and "no such directory" in result.stderr and result.stdout == ""
+    taken = tmp_path / "taken.png"
+    taken.mkdir()  # a folder's name: no file can be written there
+    result = run("bench", drive, "--size", "1M", "--count", "4", "--backends", "threads", "-q", "--plot", taken)
+    assert result.returncode == 2 and "Is a directory" in result.stderr
+    assert "checkpoint of 4 arrays" in result.stdout and "tensorferry threads" in result.stdout
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
