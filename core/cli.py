@@ -21,6 +21,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -797,6 +798,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reader_gone() -> int:
+    """The end of a command whose stdout's reader stopped reading (``tensorferry inspect
+    CKPT | head``): no message, as ``cat`` gives none, and the status a shell reports for a
+    command ended by SIGPIPE (128 + 13), which ``set -o pipefail`` scripts already expect
+    of ``cat | head``; the command's own status (0 or 1) would claim a whole output. The
+    rest of stdout goes to /dev/null, or the flush at exit would fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -805,7 +818,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = lambda message, category, *rest, **kw: print(
             f"tensorferry {args.command}: warning: {message}", file=sys.stderr)
         try:
-            return args.func(args)
+            status = args.func(args)
+            sys.stdout.flush()  # a reader gone (| head) is found here, not in the flush at exit
+            return status
+        except BrokenPipeError:
+            return _reader_gone()
         except CLIError as exc:
             print(f"tensorferry {args.command}: {'error: ' if exc.status == EXIT_ERROR else ''}{exc}",
                   file=sys.stderr)

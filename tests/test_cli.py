@@ -556,3 +556,20 @@ def test_clean_searches_the_folders_under_root_but_not_checkpoints_or_links(tmp_
     assert (root / "run1" / "step_4" / "inside.tmp-0123abcd").exists()
     assert (tmp_path / "elsewhere" / "other.tmp-0123abcd").exists()
     assert tensorferry.list_checkpoints(root / "run1") == [str(root / "run1" / "step_4")]
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path: Path) -> None:
+    """tensorferry inspect ... | head -1 printed "error: [Errno 32] Broken pipe" and
+    exited 2, as for bad usage; it now says nothing and exits 141, as a shell reports a
+    command that SIGPIPE ended."""
+    many = tmp_path / "many.safetensors"
+    with tensorferry.ShardWriter(many) as writer:  # about 1 MB of listing: more than a pipe holds
+        for i in range(20_000):
+            writer.add(f"t{i:05d}", np.zeros(1, np.float32))
+    proc = subprocess.Popen([sys.executable, "-m", "tensorferry.cli", "inspect", "--limit", "0", str(many)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(str(many).encode())
+    proc.stdout.close()  # as head does once it has its line
+    stderr = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(timeout=120) == 141 and stderr == b""
