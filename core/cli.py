@@ -404,7 +404,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     names, problems = found.files, found.problems
     bad = [n for n in names if any(p.startswith(n + ": ") for p in problems)]
     data = {"path": path, "format": layout.kind, "ok": not problems, "checked": found.checked, "files": len(names),
-            "bytes": found.nbytes, "bad_files": bad, "problems": problems}
+            "bytes": found.nbytes, "bad_files": bad, "problems": problems}  # "checked": the checks, whatever their outcome
     if problems:
         count = f": {len(bad)} of {plural(len(names), 'file')} bad" if bad else ""
         text = [f"{path}: FAILED{count}"] + [f"  {p}" for p in problems]
@@ -412,7 +412,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
               file=sys.stderr)
     else:
         size = "" if found.nbytes is None else f", {human_bytes(found.nbytes)}"
-        text = [f"{path}: OK: {plural(len(names), 'file')}{size}; {found.checked}"]
+        text = [f"{path}: OK: {plural(len(names), 'file')}{size}; checked: {found.checked}"]
     emit(args, data, "\n".join(text))
     return EXIT_FINDING if problems else EXIT_OK
 

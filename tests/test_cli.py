@@ -573,3 +573,17 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path: Path) -> N
     stderr = proc.stderr.read()
     proc.stderr.close()
     assert proc.wait(timeout=120) == 141 and stderr == b""
+
+
+def test_verify_json_says_what_was_checked_not_the_outcome(damaged: Path) -> None:
+    """A corrupt checkpoint's verify --json said "ok": false beside "checked": "every checksum matches"."""
+    sound = run_json("verify", damaged)
+    assert sound["ok"] and sound["checked"] == "the checksum of every file against the manifest"
+    victim = max(damaged.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x10]))
+    failed = run_json("verify", damaged, expect=1)
+    assert not failed["ok"] and failed["checked"] == sound["checked"]

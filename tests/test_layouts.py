@@ -217,6 +217,11 @@ def test_orbax_step_with_tensorferry_items(orbax_step: Path, tmp_path: Path) -> 
     verified = cli("verify", orbax_step)
     assert verified["ok"] and "1 item(s) of Orbax's own handlers read whole through Orbax" in verified["checked"]
     assert "1 item(s) of other Orbax handlers not checked" in verified["checked"]
+    # The files Orbax read of its own item are counted (a step of Orbax's items alone said "OK: 0 files, 0 B").
+    extra = [f for f in info["files"] if f["name"].startswith("extra/")]
+    assert extra and verified["files"] > len(extra) and verified["bytes"] > sum(f["size"] for f in extra)
+    own = cli("verify", orbax_step / "extra")  # Orbax's item alone: every one of its files
+    assert own["ok"] and own["files"] == len(extra) and own["bytes"] == sum(f["size"] for f in extra)
     assert not any(name.startswith("array/") for name in tensors)
 
     # Both items convert: Orbax's own restored through orbax-checkpoint, whole.

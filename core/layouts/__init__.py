@@ -86,12 +86,17 @@ def tensor_entry(name: str, dtype: str, shape: Sequence[int], **kw: Any) -> Tens
 @dataclass(frozen=True)
 class Verification:
     """What :meth:`Layout.verify` found: the files checked, their bytes (None when not
-    known), the problems (each ``"<file>: ..."`` where a file is to blame) and what was checked."""
+    known), the problems (each ``"<file>: ..."`` where a file is to blame) and what was checked
+    (the checks made, not their outcome: a failed verification names them too)."""
 
     files: list[str]
     nbytes: int | None
     problems: list[str]
     checked: str
+
+
+# Verification.checked of a checkpoint whose manifest lists every file with its checksum.
+CHECKSUMS_AGAINST_MANIFEST = "the checksum of every file against the manifest"
 
 
 class TensorSource:
@@ -328,9 +333,9 @@ def verify_files(directory: str, files: Iterable[str], progress: Callable[[int],
             problems.append(f"{name}: {exc}")
         if not os.path.isfile(path) and not any(p.startswith(f"{name}:") for p in problems):
             problems.append(f"{name}: missing")
-    checked = "every checksum matches" if not unchecked else \
-        "every checksum matches; headers consistent where files carry no checksums" if unchecked < len(names) else \
-        "headers and sizes consistent (the files carry no checksums)"
+    checked = "the checksums the files carry" if not unchecked else \
+        "the checksums the files carry, and the headers of those without" if unchecked < len(names) else \
+        "that headers and sizes are consistent (the files carry no checksums)"
     return Verification(names, total, problems, checked)
 
 

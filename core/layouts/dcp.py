@@ -24,8 +24,8 @@ from ..checkpoint import MANIFEST, open_shard, read_directory_file, read_manifes
 from ..dtypes import TORCH_DTYPE_NAMES, to_numpy_dtype
 from ..errors import CorruptCheckpointError, TensorferryError
 from ..schema import member_path
-from . import (OBJECT, Chunk, ChunkSource, Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row,
-               size_problems, tensor_entry)
+from . import (CHECKSUMS_AGAINST_MANIFEST, OBJECT, Chunk, ChunkSource, Layout, ShardSource, TensorEntry,
+               TensorSource, Verification, file_row, size_problems, tensor_entry)
 
 DCP_METADATA = ".metadata"
 # The key of a DCPWriter manifest's metadata that lists the DCP items: {"tensors": {fqn:
@@ -172,13 +172,13 @@ class DCPFolder(Layout):
             manifest = read_manifest(self.path)
             total = sum(entry["size"] for entry in manifest["files"].values())
             return Verification(list(manifest["files"]), total, verify_checkpoint(self.path, progress=progress),
-                                "every checksum matches")
+                                CHECKSUMS_AGAINST_MANIFEST)
         try:
             _, files, problems, _ = self._items()
         except CorruptCheckpointError as exc:
             return Verification([DCP_METADATA], None, [f"{DCP_METADATA}: {exc}"], "")
         return Verification([f["name"] for f in files], None, problems,
-                            "every file present and long enough (DCP keeps no checksums)")
+                            "that every file is there and long enough (DCP keeps no checksums)")
 
     def open(self, *, verify: bool = True, engine: Any = None) -> TensorSource:
         entries, _, problems, metadata = self._items()

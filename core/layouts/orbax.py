@@ -178,9 +178,13 @@ class OrbaxStep(Layout):
         # data files missing, short or failing to decompress.
         pytrees = self._pytree_items()
         others = [i for i in self._items() if not _is_ferry_item(i) and i not in pytrees]
+        read_by_orbax: dict[str, int] = {}  # files checked too: Orbax reads them all
         for item in pytrees:
             if item not in self._trees:  # its metadata did not read: a problem already
                 continue
+            files = self._item_files(item)
+            read_by_orbax.update(files)
+            total += sum(files.values())
             try:
                 restored = _restore_orbax_item(item, self._prefix(item), self._trees[item])
             except CorruptCheckpointError as exc:
@@ -189,11 +193,17 @@ class OrbaxStep(Layout):
             if progress is not None:
                 progress(sum(a.nbytes for a in restored.values()))
         checked = "; ".join(
-            (["every checksum of the tensorferry items matches"] if shards else []) +
+            (["the checksums of the tensorferry items"] if shards else []) +
             ([f"{len(pytrees)} item(s) of Orbax's own handlers read whole through Orbax (it keeps no checksums)"]
              if pytrees else []) +
             ([f"{len(others)} item(s) of other Orbax handlers not checked"] if others else []))
-        return Verification(list(shards), total, list(dict.fromkeys(problems)), checked or "nothing to check")
+        return Verification(list(shards) + list(read_by_orbax), total, list(dict.fromkeys(problems)),
+                            checked or "nothing to check")
+
+    def _item_files(self, item: str) -> dict[str, int]:
+        """Every file of an item, by its name in the step, with its size: what Orbax reads of it."""
+        return {os.path.relpath(os.path.join(root, name), self.path): os.path.getsize(os.path.join(root, name))
+                for root, _, names in sorted(os.walk(item)) for name in sorted(names)}
 
     def open(self, *, verify: bool = True, engine: Any = None) -> TensorSource:
         entries, problems, shards, readable = self._survey()

@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 from ..checkpoint import MANIFEST, open_shard, read_manifest, refuse_dcp_folder_without_metadata, verify_checkpoint
 from ..errors import CorruptCheckpointError
-from . import Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row, size_problems
+from . import (CHECKSUMS_AGAINST_MANIFEST, Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row,
+               size_problems)
 
 _PLACEMENT = ("dtype", "shape", "data_offsets")
 
@@ -50,7 +51,7 @@ class TensorferryCheckpoint(Layout):
             return Verification([MANIFEST], None, [f"{MANIFEST}: {exc}"], "")
         total = sum(entry["size"] for entry in manifest["files"].values())
         problems = verify_checkpoint(self.path, progress=progress)
-        return Verification(list(manifest["files"]), total, problems, "every checksum matches")
+        return Verification(list(manifest["files"]), total, problems, CHECKSUMS_AGAINST_MANIFEST)
 
     def open(self, *, verify: bool = True, engine: Any = None) -> TensorSource:
         manifest = read_manifest(self.path)
