@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from . import __version__, bench, layouts
-from .checkpoint import DEFAULT_SHARD_BYTES, MANIFEST, PendingCheckpoint, recoverable_checkpoints, split_by_size
+from .checkpoint import (DEFAULT_SHARD_BYTES, MANIFEST, PendingCheckpoint, occupied, recoverable_checkpoints,
+                         split_by_size)
 from .config import parse_size
 from .errors import ConfigError, TensorferryError
 from .layouts.safetensors import to_file_metadata
@@ -471,7 +472,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     source_root = os.path.realpath(src)
     if os.path.commonpath([source_root, os.path.realpath(dst)]) == source_root:
         raise CLIError(f"{dst} is {src} or lies inside it: write it elsewhere")
-    if os.path.lexists(dst):
+    # An empty folder made for the checkpoint is taken, with or without --overwrite, as save_checkpoint takes it.
+    if os.path.lexists(dst) and not (args.to == "tensorferry" and not occupied(dst)):
         if not args.overwrite:
             raise CLIError(f"{dst} exists; pass --overwrite to replace it")
         # Only what this command could have made is replaced, never a directory of other things.

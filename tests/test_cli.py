@@ -587,3 +587,16 @@ def test_verify_json_says_what_was_checked_not_the_outcome(damaged: Path) -> Non
         f.write(bytes([byte[0] ^ 0x10]))
     failed = run_json("verify", damaged, expect=1)
     assert not failed["ok"] and failed["checked"] == sound["checked"]
+
+
+def test_convert_into_an_empty_folder(checkpoint: Path, tmp_path: Path) -> None:
+    """convert --to tensorferry refused an empty folder made for it, even with
+    --overwrite, where save_checkpoint takes one."""
+    source = tmp_path / "one.safetensors"
+    assert run("convert", checkpoint, source, "--to", "safetensors").returncode == 0
+    for overwrite in ([], ["--overwrite"]):
+        dst = tmp_path / f"out{len(overwrite)}"
+        dst.mkdir()
+        result = run("convert", source, dst, "--to", "tensorferry", *overwrite)
+        assert result.returncode == 0, result.stderr
+        assert set(tensorferry.load_checkpoint(dst)) == set(STATE)
