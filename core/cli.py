@@ -98,7 +98,23 @@ def note(args: argparse.Namespace, message: str) -> None:
 
 def emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
     """Prints the command's result: JSON with --json, else the text."""
-    print(json.dumps(data, indent=2) if args.json else text)
+    print(to_json(data) if args.json else text)
+
+
+def to_json(data: Any) -> str:
+    """``data`` as JSON, an infinite or NaN number as null: Python's ``Infinity`` and
+    ``NaN`` are no JSON, and strict parsers (jq, JSON.parse) refuse the whole document."""
+    return json.dumps(_finite(data), indent=2, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def human_bytes(n: float | None) -> str:
@@ -258,8 +274,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     emit(args, data, _tune_text(result, directory))  # first: a search of minutes is not lost to a bad -o path
     if args.output:
         with open(args.output, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
+            f.write(to_json(data) + "\n")
         note(args, f"wrote {args.output}")
     if plt is not None:
         _plot_tune(plt, result, directory, args.plot)
@@ -627,6 +642,10 @@ def cmd_interval(args: argparse.Namespace) -> int:
     plan = checkpoint_interval(args.model_gb, args.samples_per_sec, bandwidth, args.rework_hours,
                                args.max_overhead_pct / 100)
     plan["measured"] = measured
+    overflowed = [key for key, value in plan.items() if isinstance(value, float) and not math.isfinite(value)]
+    if overflowed:
+        print(f"tensorferry interval: warning: with these inputs the results overflow: {', '.join(overflowed)} "
+              "(null with --json)", file=sys.stderr)
     if not plan["rework_bound_met"]:
         print(f"tensorferry interval: warning: keeping saves under {args.max_overhead_pct:g}% of training time "
               f"needs an interval of {human_duration(plan['min_interval_seconds'])}, longer than the "

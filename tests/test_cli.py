@@ -600,3 +600,16 @@ def test_convert_into_an_empty_folder(checkpoint: Path, tmp_path: Path) -> None:
         result = run("convert", source, dst, "--to", "tensorferry", *overwrite)
         assert result.returncode == 0, result.stderr
         assert set(tensorferry.load_checkpoint(dst)) == set(STATE)
+
+
+def test_interval_json_is_json_where_the_arithmetic_overflows() -> None:
+    """interval --json printed Infinity and NaN, which no JSON parser but Python's takes."""
+    result = run("interval", "--model-gb", "1e300", "--samples-per-sec", "1", "--bandwidth-gbps", "1e-300", "--json")
+    assert result.returncode == 0, result.stderr
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    plan = json.loads(result.stdout, parse_constant=refuse)
+    assert plan["checkpoint_seconds"] is None and plan["overhead"] is None and plan["rework_samples"] == 1800
+    assert "overflow: checkpoint_seconds" in result.stderr
