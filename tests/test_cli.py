@@ -613,3 +613,9 @@ def test_interval_json_is_json_where_the_arithmetic_overflows() -> None:
     plan = json.loads(result.stdout, parse_constant=refuse)
     assert plan["checkpoint_seconds"] is None and plan["overhead"] is None and plan["rework_samples"] == 1800
     assert "overflow: checkpoint_seconds" in result.stderr
+
+
+def test_python_m_tensorferry_runs_the_command() -> None:
+    result = subprocess.run([sys.executable, "-m", "tensorferry", "--version"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("tensorferry ")
