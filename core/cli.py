@@ -34,8 +34,8 @@ import numpy as np
 from . import __version__, bench, layouts
 from .checkpoint import (DEFAULT_SHARD_BYTES, MANIFEST, PendingCheckpoint, occupied, recoverable_checkpoints,
                          split_by_size)
-from .config import parse_size
-from .errors import ConfigError, TensorferryError
+from .config import count_arg, parse_size, size_arg
+from .errors import TensorferryError
 from .layouts.safetensors import to_file_metadata
 from .shard import ShardWriter, write_order
 from .temporaries import is_temporary_name, remove_stale_temporaries, stale_temporaries
@@ -669,16 +669,6 @@ def cmd_interval(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- arguments
 
-def _size_arg(text: str) -> int:
-    try:
-        value = parse_size(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if value < 1 << 20:
-        raise argparse.ArgumentTypeError(f"{text}: at least 1M, please")
-    return value
-
-
 def _positive_float(text: str, name: str = "value") -> float:
     try:
         value = float(text)
@@ -694,16 +684,6 @@ def _positive_arg(text: str) -> float:
         return _positive_float(text)
     except CLIError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _count_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -726,8 +706,8 @@ def build_parser() -> argparse.ArgumentParser:
             "are timed until durable (fsync), reads start from a dropped page cache. Everything is\n"
             "written in a private temporary directory under DIR and removed afterwards.")
     p.add_argument("dir", metavar="DIR", help="a directory on the drive to measure")
-    p.add_argument("--size", type=_size_arg, default=parse_size("2G"), help="bytes per run (default 2G)")
-    p.add_argument("--count", type=_count_arg, default=64, help="arrays in the checkpoint (default 64)")
+    p.add_argument("--size", type=size_arg, default=parse_size("2G"), help="bytes per run (default 2G)")
+    p.add_argument("--count", type=count_arg, default=64, help="arrays in the checkpoint (default 64)")
     p.add_argument("--backends", help="comma-separated engine backends (default: every usable one)")
     p.add_argument("--plot", metavar="PNG", help="also draw a bar chart (needs the [plot] extra)")
     p.set_defaults(func=cmd_bench)
@@ -739,7 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
             "with an fsync and reads them back from a dropped page cache. Prints (or writes with -o) the\n"
             "result as IOConfig keywords (\"io_config\") and as a DeepSpeed \"aio\" section (\"deepspeed\").")
     p.add_argument("dir", metavar="DIR", help="a directory on the drive to tune for")
-    p.add_argument("--size", type=_size_arg, default=parse_size("1G"), help="bytes per trial (default 1G)")
+    p.add_argument("--size", type=size_arg, default=parse_size("1G"), help="bytes per trial (default 1G)")
     p.add_argument("--op", choices=("both", "write", "read"), default="both",
                    help="what to be fast at (default both: a write and a read)")
     p.add_argument("--max-seconds", type=_positive_arg, default=120.0,
@@ -792,7 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", metavar="DST", help="destination file (--to safetensors) or directory")
     p.add_argument("--to", choices=("safetensors", "tensorferry"), required=True, help="the format to write")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    p.add_argument("--shard-size", type=_size_arg, default=DEFAULT_SHARD_BYTES,
+    p.add_argument("--shard-size", type=size_arg, default=DEFAULT_SHARD_BYTES,
                    help="--to tensorferry: about this many bytes per shard file (default 512M)")
     p.add_argument("--select", metavar="PREFIX",
                    help="only the tensors whose names start with PREFIX, written without it: --select model. "
@@ -813,7 +793,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-overhead-pct", type=_positive_arg, default=5.0,
                    help="most of training time saving may take (default 5)")
     p.add_argument("--dir", default=".", help="where to measure with auto (default: the current directory)")
-    p.add_argument("--probe-size", type=_size_arg, default=parse_size("1G"),
+    p.add_argument("--probe-size", type=size_arg, default=parse_size("1G"),
                    help="bytes to write when measuring (default 1G)")
     p.set_defaults(func=cmd_interval)
     return parser
