@@ -18,7 +18,6 @@ import errno
 import gc
 import json
 import os
-import secrets
 import shutil
 import threading
 import time
@@ -40,7 +39,7 @@ from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo
                     first_names, foreign_files_hint, fsync_after_commit, fsync_dir, gc_paused, subfolders_holding)
 from .temporaries import (NEW_TEMPORARY_TRIES, TMP_MARKER, aside_name, discard_later, held_here, hold_new,
                           is_temporary_name, refuse_temporary_marker, release, remove_stale_temporaries,
-                          temporary_name, temporary_stem)
+                          temporary_name, temporary_stem, temporary_token)
 
 MANIFEST = "tensorferry.json"
 FORMAT_VERSION = MANIFEST_VERSION
@@ -93,7 +92,7 @@ class PendingCheckpoint:
         recoverable = list(recoverable_checkpoints(parent).values())
         remove_stale_temporaries(parent, name, keep=recoverable)
         for _ in range(NEW_TEMPORARY_TRIES if token is None else 1):
-            pending = cls(directory, token or secrets.token_hex(6))
+            pending = cls(directory, token or temporary_token(6))
             try:
                 os.makedirs(pending.tmp_path)
             except FileExistsError:
@@ -191,7 +190,7 @@ class PendingCheckpoint:
                 return swapping
             # No atomic exchange here: between the two renames the old checkpoint lives
             # under a name that list_checkpoints and the loaders find (recoverable_checkpoints).
-            old = temporary_name(self.directory, f"{OLD_TAIL}{secrets.token_hex(4)}")
+            old = temporary_name(self.directory, f"{OLD_TAIL}{temporary_token()}")
             os.rename(self.directory, old)
             os.rename(swapping, self.directory)
             in_place = True

@@ -20,7 +20,6 @@ import gc
 import io
 import mmap
 import os
-import secrets
 import struct
 import sys
 import threading
@@ -41,7 +40,7 @@ from .schema import (ORBAX_STEP_MARKER, PART_FILE, STEP_NUMBER, check_tensor_ent
 from .streams import (STREAM_PIECE, fill_from, is_stream, naming_stream_errors, read_exactly, remaining_bytes, require,
                       stream_name)
 from .temporaries import (NEW_TEMPORARY_TRIES, discard_later, hold_new, refuse_temporary_marker, release,
-                          remove_stale_temporaries, set_aside, temporary_name)
+                          remove_stale_temporaries, set_aside, temporary_name, temporary_token)
 
 ALIGNMENT = 4096
 _OWN_MAPPING = 1 << 20  # from this size on, aligned_empty maps memory of its own
@@ -786,7 +785,7 @@ def fsync_after_commit(committed: str) -> None:
 
 def _temporary_name(path: str) -> str:
     """Where an atomic write of ``path`` writes before its rename."""
-    return temporary_name(path, secrets.token_hex(4))
+    return temporary_name(path, temporary_token())
 
 
 def _remove_quietly(path: str) -> None:

@@ -37,8 +37,19 @@ ASIDE_REASONS = ("replaced", "old", "pruned")
 # token (8 hex digits: a file's, ShardWriter; 12: a checkpoint directory's, PendingCheckpoint),
 # DCP's fixed token, or a reason and 8 hex digits (aside_name). temporary_name refuses any
 # other tail, so that every temporary made is one that is_temporary_name recognises, and a
-# user's "report.tmp-final.txt" or "photos.tmp-2024/" is never taken for a leftover.
-_TAIL = re.compile(rf"[0-9a-f]{{8}}|[0-9a-f]{{12}}|{DCP_TOKEN}|(?:{'|'.join(ASIDE_REASONS)})-[0-9a-f]{{8}}")
+# user's "report.tmp-final.txt" or "photos.tmp-2024/" is never taken for a leftover. A token
+# has a letter (temporary_token), so that a date ("backup.tmp-20240315") is not one either.
+_TOKEN = r"(?=[0-9]*[a-f])[0-9a-f]{{{}}}"
+_TAIL = re.compile(rf"{_TOKEN.format(8)}|{_TOKEN.format(12)}|{DCP_TOKEN}|"
+                   rf"(?:{'|'.join(ASIDE_REASONS)})-{_TOKEN.format(8)}")
+
+
+def temporary_token(nbytes: int = 4) -> str:
+    """A random token of ``2 * nbytes`` hex digits, with a letter among them (see ``_TAIL``)."""
+    while True:
+        token = secrets.token_hex(nbytes)
+        if not token.isdigit():
+            return token
 
 _held_here: dict[int, str] = {}  # the temporaries this process holds, by descriptor
 
@@ -152,7 +163,7 @@ def temporary_name(target: str, tail: str = "") -> str:
     so that :func:`stale_temporaries` finds them all. Without ``tail``: the prefix they share."""
     if tail and not _TAIL.fullmatch(tail):
         raise ValueError(f"{tail!r} cannot end a temporary's name (a leftover of it would not be recognised): "
-                         f"a token is 8 or 12 hex digits or {DCP_TOKEN!r}")
+                         f"a token is 8 or 12 hex digits, a letter among them, or {DCP_TOKEN!r}")
     parent, name = os.path.split(target)
     return os.path.join(parent, f"{temporary_stem(name)}{TMP_MARKER}{tail}")
 
@@ -198,7 +209,7 @@ def stale_temporaries(root: str | os.PathLike, target: str | None = None,
 
 def aside_name(path: str, why: str) -> str:
     """A temporary name beside ``path`` for what is about to go (``why``: "replaced", ...)."""
-    return temporary_name(path, f"{why}-{secrets.token_hex(4)}")
+    return temporary_name(path, f"{why}-{temporary_token()}")
 
 
 def set_aside(path: str) -> str | None:
@@ -272,5 +283,5 @@ def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
 
 __all__ = ["DCP_TOKEN", "NEW_TEMPORARY_TRIES", "TMP_MARKER", "aside_name", "discard_later", "held_here", "hold",
            "hold_new", "is_temporary_name", "refuse_temporary_marker", "release", "remove_if_stale",
-           "remove_stale_temporaries", "set_aside", "stale_temporaries", "temporary_name", "temporary_stem",
+           "remove_stale_temporaries", "set_aside", "stale_temporaries", "temporary_name", "temporary_stem", "temporary_token",
            "wait_for_discards"]

@@ -625,10 +625,12 @@ def test_a_checkpoint_in_a_folder_named_with_tmp_by_its_user_is_listed_and_loads
 
 
 def test_every_temporary_name_made_is_one_that_is_recognised() -> None:
-    from tensorferry.temporaries import is_temporary_name, temporary_name
-    for tail in ("0123abcd", "0123456789ab", DCP_TOKEN, "replaced-0123abcd", "old-0123abcd", "pruned-0123abcd"):
+    from tensorferry.temporaries import is_temporary_name, temporary_name, temporary_token
+    for tail in ("0123abcd", "0123456789ab", DCP_TOKEN, "replaced-0123abcd", "old-0123abcd", "pruned-0123abcd",
+                 *(temporary_token() for _ in range(200)), *(temporary_token(6) for _ in range(200))):
         assert is_temporary_name(temporary_name("step_1", tail))
-    for tail in ("backup", "2024", "old-dcp", "0123ABCD"):  # a tail no leftover could be told by
+    # Tails no leftover could be told by: a word, a year, a date (digits alone), capitals.
+    for tail in ("backup", "2024", "20240315", "202403151200", "old-20240315", "old-dcp", "0123ABCD"):
         assert not is_temporary_name(f"step_1.tmp-{tail}")
         with pytest.raises(ValueError, match="cannot end a temporary's name"):
             temporary_name("step_1", tail)

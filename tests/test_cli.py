@@ -515,7 +515,9 @@ LEFTOVERS = {"model.safetensors.tmp-0123abcd": "file", "step_5.tmp-0123456789ab"
              "model.safetensors.tmp-replaced-0123abcd": "file", "step_1.tmp-pruned-0123abcd": "dir",
              "step_2.tmp-old-0123abcd.tmp-pruned-4567cdef": "dir"}
 # The user's own, ".tmp-" in their names all the same.
-USERS = {"report.tmp-final.txt": "file", "photos.tmp-2024": "dir", "model.safetensors.tmp-backup": "file"}
+# A date is no token: a token has a letter among its hex digits (temporary_token).
+USERS = {"report.tmp-final.txt": "file", "photos.tmp-2024": "dir", "model.safetensors.tmp-backup": "file",
+         "backup.tmp-20240315": "dir", "run.tmp-202403151200": "file"}
 
 
 def make_entries(root: Path, entries: dict[str, str]) -> None:

@@ -361,7 +361,7 @@ def test_stale_temporaries_go_and_live_ones_stay(tmp_path) -> None:
     target = tmp_path / "model.tf"
     stale = tmp_path / "model.tf.tmp-0000dead"
     stale.write_bytes(b"x" * 4096)  # what a killed save leaves: nobody holds it
-    live = tmp_path / "model.tf.tmp-00001111"
+    live = tmp_path / "model.tf.tmp-0000beef"
     live.write_bytes(b"y")
     lock = hold(str(live))  # as a save in progress holds its temporary
     other = tmp_path / "other.tf.tmp-0000dead"
@@ -593,14 +593,14 @@ def test_the_cli_cleans_leftovers_and_keeps_what_is_held(tmp_path, capsys) -> No
     tensorferry.save_checkpoint(tmp_path / "step_1", {"x": np.arange(3)})
     (tmp_path / "step_2.tmp-00000000dead").mkdir()
     (tmp_path / "model.tf.tmp-0000dead").write_bytes(b"x")
-    (tmp_path / "model.tf.tmp-00001111").write_bytes(b"y")
-    lock = hold(str(tmp_path / "model.tf.tmp-00001111"))
+    (tmp_path / "model.tf.tmp-0000beef").write_bytes(b"y")
+    lock = hold(str(tmp_path / "model.tf.tmp-0000beef"))
     try:
         assert main(["clean", "--dry-run", str(tmp_path)]) == 0
         assert "would remove 2 leftovers" in capsys.readouterr().out
         assert len(os.listdir(tmp_path)) == 4
         assert main(["clean", str(tmp_path)]) == 0
-        assert sorted(os.listdir(tmp_path)) == ["model.tf.tmp-00001111", "step_1"]
+        assert sorted(os.listdir(tmp_path)) == ["model.tf.tmp-0000beef", "step_1"]
     finally:
         release(lock)
     assert main(["clean", str(tmp_path)]) == 0
