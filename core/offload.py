@@ -64,8 +64,12 @@ class _Slot:
 _STORE_PREFIX = "tensorferry-offload-"
 
 
-def _remove_store(path: str, lock: int) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def _remove_store(path: str, lock: int, owner: int) -> None:
+    """The store's clean-up, at close, garbage collection or exit. A forked child inherits
+    the store and runs this at its own exit: there it only closes its copy of the lock's
+    descriptor (the parent's keeps the lock), and the files, the parent's, stay."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
     release(lock)
 
 
@@ -99,7 +103,8 @@ class OffloadStore:
         directory: an existing directory on the drive. The store works in a fresh
             subdirectory ``tensorferry-offload-<pid>-<random>`` of it, which
             :meth:`close` removes (as does garbage collection or interpreter exit if
-            close is never called), so no later run mistakes its files for state.
+            close is never called), so no later run mistakes its files for state. Only
+            the process that made the store removes it: a forked child's exit leaves it.
         engine: the :class:`Engine` to use; by default the store creates one and
             closes it in :meth:`close`. Files are opened with O_DIRECT whatever the
             engine's ``direct`` setting (filesystems that refuse it fall back to the
@@ -142,7 +147,7 @@ class OffloadStore:
             raise type(exc)(exc.errno, f"cannot create the offload store's files in {directory}: "
                                        f"{exc.strerror}", directory) from exc
         lock = hold(self.path)  # while held, no other process takes this store for a dead one's
-        self._cleanup = weakref.finalize(self, _remove_store, self.path, lock)
+        self._cleanup = weakref.finalize(self, _remove_store, self.path, lock, os.getpid())
         self.max_pool_bytes = max_pool_bytes
         self._engine = engine if engine is not None else Engine()
         self._owns_engine = engine is None

@@ -3,6 +3,8 @@
 import errno
 import gc
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 
@@ -285,6 +287,38 @@ def test_files_live_in_a_private_directory_that_goes_away(tmp_path):
     forgotten.swap_out("k", np.ones(10_000, np.uint8)).result()
     del forgotten
     gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
+# Run in a process of its own, which forks: a fork of pytest's process would run pytest's
+# own exit handlers in the child.
+FORKED_CHILD_EXITS = """
+import os, sys
+import numpy as np
+from tensorferry.offload import OffloadStore
+from tensorferry.temporaries import remove_if_stale
+
+store = OffloadStore(sys.argv[1])
+data = np.arange(100_000, dtype=np.uint32)
+store.swap_out("k", data).result()
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # a normal exit, as a DataLoader worker's: exit handlers and finalizers run
+assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+assert os.path.isdir(store.path), "the child's exit removed the parent's store"
+assert not remove_if_stale(store.path), "the child's exit let go of the parent's lock"
+back = np.zeros_like(data)
+store.swap_in("k", back).result()
+assert (back == data).all()
+store.close()
+assert not os.path.exists(store.path)
+"""
+
+
+def test_a_forked_child_exiting_leaves_the_parents_store(tmp_path):
+    run = subprocess.run([sys.executable, "-c", FORKED_CHILD_EXITS, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
     assert os.listdir(tmp_path) == []
 
 
