@@ -233,8 +233,16 @@ class IOFuture:
         return merged
 
     def done(self) -> bool:
-        """True once every part has finished, successfully or not."""
-        return all(r.done() for r in self._requests)
+        """True once every part has finished, successfully or not; the future then lets go
+        of its buffers, as :meth:`wait` does, so that a finished future someone keeps (a
+        store's record of a key's last write) does not hold the caller's memory."""
+        if not all(r.done() for r in self._requests):
+            return False
+        # A request is done only once its last block has completed (a cancelled one's
+        # unissued blocks included): neither the kernel nor an I/O thread touches the
+        # buffers any more. Setting None is atomic, and every thread that gets here sets the same.
+        self._keepalive = None
+        return True
 
     def cancel(self) -> None:
         """Stops what has not started: blocks not yet handed to the kernel are skipped,

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+import weakref
 
 import numpy as np
 import psutil
@@ -212,6 +214,21 @@ def test_rss_stays_bounded_over_many_large_swaps(tmp_path, engine):
         assert store.stats()["prefetch_hits"] == 7
     np.testing.assert_array_equal(out, data)
     assert growth < 16 * MiB, f"RSS grew by {growth / MiB:.1f} MiB over 6 swaps of 64 MiB"
+
+
+def test_a_finished_write_lets_go_of_the_callers_buffer(store):
+    """The store keeps a key's last write future; once done() has said it finished, that
+    future must not keep the caller's buffer alive (128 MiB of RSS, in the review's case)."""
+    data = random_bytes(np.random.default_rng(13), 3 * MiB)
+    expected = data.copy()
+    buffer_alive = weakref.ref(data)
+    future = store.swap_out("k", data)
+    while not future.done():
+        time.sleep(0.001)
+    del data, future
+    gc.collect()
+    assert buffer_alive() is None, "the store's finished write future still holds the buffer"
+    np.testing.assert_array_equal(swapped_back(store, "k"), expected)
 
 
 def test_delete(store):

@@ -147,11 +147,7 @@ class _CopyStreams:
 
 
 def _check_io(futures: Iterable[IOFuture]) -> None:
-    """Waits for every future, then raises the first error among them.
-
-    Calls result() on each: the store keeps futures, and only result() makes one let go
-    of its buffer.
-    """
+    """Waits for every future, then raises the first error among them."""
     futures = list(futures)
     for future in futures:
         future.wait()
@@ -974,8 +970,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             pending.start_if_copied(self.store)
         for write in pending.writes:
             if write.error is None:
-                # result(), not exception(): only it lets the future (which the store keeps)
-                # drop its hold on the buffer.
                 try:
                     write.future.result()
                 except OSError as exc:
