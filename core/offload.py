@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import itertools
@@ -186,7 +187,7 @@ class OffloadStore:
         if slot is not None:
             self._unstage(slot)
             if slot.write_error() is not None:
-                self._drop(key)
+                self._drop_failed(key)
                 slot = None
         if slot is None:
             slot = _Slot(os.path.join(self.path, f"{next(self._names)}.swap"), view.nbytes)
@@ -202,7 +203,7 @@ class OffloadStore:
             future = self._engine.pwrite(view, open_file(slot.path, mode, direct=True), 0, view.nbytes)
         except BaseException:
             # The file is truncated or half-allocated: whatever it held is gone.
-            self._drop(key)
+            self._drop_failed(key)
             raise
         slot.write = future
         self._stats["bytes_out"] += view.nbytes
@@ -376,7 +377,7 @@ class OffloadStore:
         """Drops ``key`` if its last write failed, and returns that write's error."""
         error = self._slots[key].write_error()
         if error is not None:
-            self._drop(key)
+            self._drop_failed(key)
         return error
 
     def _live_slot(self, key: str) -> _Slot:
@@ -394,6 +395,13 @@ class OffloadStore:
             os.unlink(slot.path)
         except FileNotFoundError:
             pass
+
+    def _drop_failed(self, key: str) -> None:
+        """:meth:`_drop` of a key whose write failed. Removing its file may fail too (on a
+        filesystem gone read-only, say): that error must not take the place of the write's
+        own, and the file goes with the store's folder at close all the same."""
+        with contextlib.suppress(OSError):
+            self._drop(key)
 
     def _unstage(self, slot: _Slot) -> None:
         """Frees the slot's prefetch buffer; its read must have finished."""

@@ -390,3 +390,18 @@ def test_disk_full_raises_enospc_and_forgets_the_key(engine):
         with pytest.raises(KeyError, match="failed"):
             store.swap_in("tiny", bytearray(100))
         assert "tiny" not in store and store.keys() == ["big"]
+
+
+def test_a_failed_swap_out_raises_the_writes_error_not_the_clean_ups(engine):
+    """On a filesystem gone read-only the key's file cannot be made, nor removed: the
+    clean-up's bare OSError (EROFS, no file named) replaced the engine's error."""
+    with mounted("tmpfs", "size=8m") as small, OffloadStore(small, engine) as store:
+        subprocess.run(["mount", "-o", "remount,ro", small], check=True)
+        try:
+            with pytest.raises(tensorferry.TensorferryIOError) as info:
+                store.swap_out("k", np.ones(4096, np.uint8))
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", small], check=True)
+        assert info.value.errno == errno.EROFS
+        assert os.path.dirname(info.value.filename) == store.path
+        assert "k" not in store and store.keys() == []
