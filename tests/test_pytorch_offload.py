@@ -356,6 +356,12 @@ def test_full_directory():
         with pytest.raises(TensorferryIOError, match="could not offload") as info:
             wrapped.step()
         assert info.value.errno == errno.ENOSPC
+        assert "parameters" in str(info.value) and "stays in memory" in str(info.value)
+        # Named as the first failed write: its file in the store (not the store's folder), offset, length.
+        failure = info.value.__cause__
+        assert os.path.dirname(info.value.filename) == wrapped.store.path
+        assert (info.value.filename, info.value.offset, info.value.length) == \
+            (failure.filename, failure.offset, failure.length)
         # The step was applied everywhere and the state that did not fit stayed in memory.
         assert_same_params(plain, offloaded)
         assert any(wrapped.optimizer.state.values())

@@ -462,7 +462,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 are not supported).
 
         Raises:
-            TensorferryIOError: some state could not be written (ENOSPC, EIO). The step
+            TensorferryIOError: some state could not be written (ENOSPC, EIO); it names
+                the first failed write's file, offset and length. The step
                 has still been applied to every parameter, and that state stays in memory,
                 beyond ``resident_bytes``, until a later step or :meth:`load_state_dict`
                 writes it.
@@ -871,12 +872,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     future.wait()
                 self._resident -= arena.nbytes
         if failed:
+            # Named as the first failed write names itself: its file, offset and length.
             first = failed[0].error
+            err = first.errno or errno.EIO
             raise TensorferryIOError(
-                first.errno or errno.EIO,
-                f"could not offload the optimizer state of {len(failed)} parameters to "
-                f"{self.store.path} ({first.strerror or first}); it stays in memory and a later "
-                f"step retries", self.store.path) from first
+                err, f"could not offload the optimizer state of {len(failed)} parameters (it stays in memory "
+                     f"and a later step retries); the first: {os.strerror(err)}",
+                first.filename or self.store.path, getattr(first, "offset", 0), getattr(first, "length", 0)) from first
 
     def _to_device(self, arena: _Buffer) -> _Buffer:
         """The chunk's state where the optimizer steps it: the arena itself on the CPU, a
