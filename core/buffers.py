@@ -55,14 +55,28 @@ def _torch_bytes(tensor: Any) -> np.ndarray | None:
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
+def _refuse_lazy_torch_view(buffer: Any) -> None:
+    """Refuses a torch tensor whose values are not its bytes: a lazy negation
+    (``torch._neg_view``, ``x.conj().imag``) or conjugation (``x.conj()``) carries a bit
+    that DLPack does not, so its bytes would be written (or read into) with the wrong sign."""
+    torch = sys.modules.get("torch")  # a torch tensor exists only once torch is imported
+    if torch is None or not isinstance(buffer, torch.Tensor):
+        return
+    if buffer.is_neg() or buffer.is_conj():
+        raise ValueError("the tensor is a lazy negation or conjugation, whose memory holds other values than "
+                         "it shows: call resolve_neg() / resolve_conj() on it first (a copy)")
+
+
 def byte_view(buffer: Any, *, writable: bool) -> np.ndarray:
     """A zero-copy, contiguous uint8 view of a host buffer.
 
     Accepts numpy arrays, anything with the buffer protocol (bytes, bytearray,
     memoryview, mmap) and DLPack producers on the host (torch CPU tensors, jax
     arrays). Raises TypeError for device memory and ValueError for memory that is
-    not contiguous or, where ``writable`` is asked, read-only.
+    not contiguous or, where ``writable`` is asked, read-only, and for a torch tensor
+    whose lazy negation or conjugation bit is set (no copy is made silently).
     """
+    _refuse_lazy_torch_view(buffer)
     if isinstance(buffer, np.ndarray):
         array = buffer
     elif hasattr(buffer, "__dlpack__") and not isinstance(buffer, (bytes, bytearray, memoryview)):

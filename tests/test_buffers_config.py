@@ -249,3 +249,29 @@ def test_reads_go_into_memory_whose_dlpack_export_says_read_only(tmp_path) -> No
     immutable.numpy = None
     with pytest.raises(ValueError, match="read-only"):
         byte_view(immutable, writable=True)
+
+
+def test_lazy_negations_and_conjugations_of_torch_are_refused(tmp_path) -> None:
+    """A lazy negation's memory holds the values unnegated, and DLPack does not carry the
+    bit: swap_out(torch._neg_view(t)) stored the values with the wrong sign. Every write
+    and read path takes its bytes through byte_view, which refuses such a tensor."""
+    torch = pytest.importorskip("torch")
+    from tensorferry.buffers import byte_view
+    values = torch.tensor([1.0, 2.0, 3.0])
+    lazy = [torch._neg_view(values), torch._neg_view(values.to(torch.bfloat16)),
+            torch.tensor([1 + 2j, 3 - 4j]).conj(), torch.tensor([1 + 2j]).conj().imag]
+    for tensor in lazy:
+        assert tensor.is_neg() or tensor.is_conj()
+        for writable in (False, True):
+            with pytest.raises(ValueError, match=r"resolve_neg\(\) / resolve_conj\(\)"):
+                byte_view(tensor, writable=writable)
+    with tensorferry.OffloadStore(tmp_path) as store:
+        with pytest.raises(ValueError, match="lazy negation"):
+            store.swap_out("k", torch._neg_view(values))
+        assert "k" not in store
+        store.swap_out("k", torch._neg_view(values).resolve_neg()).result()
+        with pytest.raises(ValueError, match="lazy negation"):
+            store.swap_in("k", torch._neg_view(torch.zeros(3)))
+        back = torch.zeros(3)
+        store.swap_in("k", back).result()
+    assert torch.equal(back, -values)

@@ -695,8 +695,10 @@ def test_lazy_conjugates_and_negations_are_saved_as_their_values(tmp_path) -> No
     c = torch.randn(6, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
     # Beside the tensors they view (same memory, shape and strides), they were taken for ties
     # of them and stored once, unconjugated.
-    state = {"conj": c.conj(), "neg": c.conj().imag, "plain": c, "imag": c.imag}
-    assert state["conj"].is_conj() and state["neg"].is_neg()
+    real = torch.randn(6, generator=torch.Generator().manual_seed(1))
+    state = {"conj": c.conj(), "neg": c.conj().imag, "plain": c, "imag": c.imag,
+             "neg_view": torch._neg_view(real), "bf16_neg_view": torch._neg_view(real.to(torch.bfloat16))}
+    assert state["conj"].is_conj() and state["neg"].is_neg() and state["bf16_neg_view"].is_neg()
     expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in state.items()}
     save(state, tmp_path / "s.safetensors")
     save_checkpoint(tmp_path / "ckpt", state)
