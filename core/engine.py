@@ -6,19 +6,20 @@ from __future__ import annotations
 import atexit
 import collections
 import errno
+import functools
 import os
 import re
 import threading
 import time
 import warnings
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import numpy as np
 
 from . import _native, gds
 from .buffers import byte_view
 from .config import IOConfig, default_config
-from .errors import ConfigError, EngineClosedError, TensorferryIOError
+from .errors import ConfigError, EngineClosedError, TensorferryError, TensorferryIOError
 
 _native.set_io_error_type(TensorferryIOError)
 
@@ -203,16 +204,19 @@ class IOFuture:
     """The pending result of one or more reads or writes.
 
     ``result(timeout=None)`` waits (without holding the GIL) and returns the bytes
-    transferred, or raises :class:`TensorferryIOError` naming file, offset and errno.
+    transferred, or raises :class:`TensorferryIOError` naming file, offset and errno (or
+    the error of the check of a :meth:`checked` future).
     """
 
-    __slots__ = ("_requests", "_keepalive", "_paths", "_nbytes")
+    __slots__ = ("_requests", "_keepalive", "_paths", "_nbytes", "_check")
 
-    def __init__(self, requests: Iterable[Any] = (), keepalive: Any = None, paths: Iterable[str] = ()) -> None:
+    def __init__(self, requests: Iterable[Any] = (), keepalive: Any = None, paths: Iterable[str] = (),
+                 check: Callable[[], TensorferryError | None] | None = None) -> None:
         self._requests = list(requests)
         self._keepalive = keepalive  # the buffers must outlive the I/O
         self._paths = list(paths)
         self._nbytes = sum(r.nbytes for r in self._requests)
+        self._check = check  # of the data, once the I/O has succeeded (see checked)
 
     @classmethod
     def completed(cls, nbytes: int = 0) -> "IOFuture":
@@ -225,12 +229,22 @@ class IOFuture:
     def gather(cls, futures: Iterable["IOFuture"]) -> "IOFuture":
         """One future for several: done when all are, its result their total."""
         parts = list(futures)
-        merged = cls(keepalive=parts)  # the parts hold the buffers
-        for f in parts:
+        checks = [f._check for f in parts if f._check is not None]
+        merged = cls(keepalive=parts, check=functools.partial(_first_error, checks) if checks else None)
+        for f in parts:  # the parts hold the buffers
             merged._requests += f._requests
             merged._paths += f._paths
             merged._nbytes += f._nbytes
         return merged
+
+    def checked(self, check: Callable[[], TensorferryError | None]) -> "IOFuture":
+        """A future of the same I/O that, once it has succeeded, also asks ``check`` (a
+        checksum of the bytes read, say), whose error :meth:`exception` returns and
+        :meth:`result` raises. ``check`` is asked at each of those calls, from any thread:
+        it must do its work once and give the same answer after."""
+        future = IOFuture(self._requests, keepalive=self, paths=self._paths, check=check)
+        future._nbytes = self._nbytes
+        return future
 
     def done(self) -> bool:
         """True once every part has finished, successfully or not; the future then lets go
@@ -261,15 +275,16 @@ class IOFuture:
         self._keepalive = None  # the I/O is over: the buffers may go
         return True
 
-    def exception(self, timeout: float | None = None) -> TensorferryIOError | None:
-        """The error of the first failed part, or None."""
+    def exception(self, timeout: float | None = None) -> TensorferryError | None:
+        """The error of the first failed part (a :class:`TensorferryIOError`), else that of
+        the check the future was made with (:meth:`checked`), or None."""
         if not self.wait(timeout):
             raise TimeoutError(f"I/O not finished after {timeout} s")
         for request, path in zip(self._requests, self._paths):
             if request.failed:
                 err, what, offset, length = request.error
                 return TensorferryIOError(err, f"{what}: {os.strerror(err)}", path, offset, length)
-        return None
+        return self._check() if self._check is not None else None
 
     def result(self, timeout: float | None = None) -> int:
         """Bytes transferred; raises the I/O error if any part failed."""
@@ -280,6 +295,11 @@ class IOFuture:
 
     def __repr__(self) -> str:
         return f"<IOFuture {self._nbytes} bytes {'done' if self.done() else 'pending'}>"
+
+
+def _first_error(checks: Iterable[Callable[[], TensorferryError | None]]) -> TensorferryError | None:
+    """The first error that ``checks`` return, asked in order; a gathered future's check."""
+    return next((error for error in (check() for check in checks) if error is not None), None)
 
 
 def _resolve_backend(name: str) -> str:

@@ -19,7 +19,8 @@ import numpy as np
 from .buffers import PinnedPool, byte_view
 from .engine import Engine, IOFuture, PathLike, local_path
 from .engine import open as open_file
-from .errors import EngineClosedError, TensorferryIOError
+from .errors import CorruptCheckpointError, EngineClosedError, TensorferryIOError
+from .shard import CHECKSUM_ALGORITHM, digest
 from .temporaries import hold, release, remove_if_stale
 
 
@@ -38,6 +39,7 @@ class _Slot:
 
     path: str
     nbytes: int
+    checksum: str | None = None  # of the bytes the last write took (verify=True)
     write: IOFuture | None = None
     reads: list[IOFuture] = dataclasses.field(default_factory=list)
     staged: _Staged | None = None
@@ -60,6 +62,31 @@ class _Slot:
         if self.write is None or not self.write.done():
             return None
         return self.write.exception()
+
+
+class _Verification:
+    """Checks the bytes a swap_in landed against the checksum their swap_out took: once,
+    in the first thread that asks (the future's ``result()``); the others get its answer."""
+
+    def __init__(self, landed: np.ndarray, expected: str, key: str, path: str) -> None:
+        self._landed: np.ndarray | None = landed
+        self._expected = expected
+        self._key = key
+        self._path = path
+        self._error: CorruptCheckpointError | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> CorruptCheckpointError | None:
+        with self._lock:
+            if self._landed is not None:
+                actual = digest(self._landed)
+                if actual != self._expected:
+                    self._error = CorruptCheckpointError(
+                        f"{self._path}: the data of offload key {self._key!r} failed its {CHECKSUM_ALGORITHM} "
+                        f"checksum on swap_in (written {self._expected}, read {actual}): the file was changed "
+                        "underneath the store, or the drive gave back other bytes")
+                self._landed = None  # checked: the caller's buffer is theirs again
+            return self._error
 
 
 _STORE_PREFIX = "tensorferry-offload-"
@@ -113,6 +140,17 @@ class OffloadStore:
         max_pool_bytes: bound on the pinned memory of prefetch buffers, in use and
             idle together. Buffers come in power-of-two size classes, so a key
             charges up to twice its size.
+        verify: whether to check what comes back. :meth:`swap_out` takes an xxh3-64
+            checksum of the buffer (the checkpoints' checksum), and the future of
+            :meth:`swap_in` raises :class:`CorruptCheckpointError` from ``result()``
+            (and returns it from ``exception()``) when the bytes read, from the drive
+            or from a prefetch, are not those written: a file changed underneath the
+            store, or a drive that returned bad data. Each byte is hashed once out and
+            once in (the caller's buffer just before its write, the destination when
+            ``result()`` is first called, a prefetched key's as it is copied out): 0.07
+            CPU-seconds per GB swapped out and back in, 0.035 per GB hashed (timed where
+            it runs, 256 MiB swaps, from the drive or prefetched, one core of a 2-core
+            VM). ``False`` checks nothing, as DeepSpeed's swapper does not.
 
     Layout: one file per key. Deleting or resizing a key returns its space to the
     filesystem at once (so an ENOSPC can be cured by deleting keys), the
@@ -133,7 +171,7 @@ class OffloadStore:
     """
 
     def __init__(self, directory: PathLike, engine: Engine | None = None, *,
-                 max_pool_bytes: int = 256 << 20) -> None:
+                 max_pool_bytes: int = 256 << 20, verify: bool = True) -> None:
         directory = local_path(directory)
         if max_pool_bytes < 0:
             raise ValueError(f"max_pool_bytes must not be negative, got {max_pool_bytes}")
@@ -150,6 +188,7 @@ class OffloadStore:
         lock = hold(self.path)  # while held, no other process takes this store for a dead one's
         self._cleanup = weakref.finalize(self, _remove_store, self.path, lock, os.getpid())
         self.max_pool_bytes = max_pool_bytes
+        self.verify = verify
         self._engine = engine if engine is not None else Engine()
         self._owns_engine = engine is None
         self._pool = PinnedPool(max_cached_bytes=max_pool_bytes)
@@ -173,17 +212,20 @@ class OffloadStore:
         the store.
         """
         view = byte_view(buffer, writable=False)
+        # Hashed here, while the caller's data is likely still in the CPU caches, and outside
+        # the lock, so that calls on other keys go on meanwhile.
+        checksum = digest(view) if self.verify else None
         while True:
             with self._lock:
                 self._check_open()
                 slot = self._slots.get(key)
                 busy = slot.in_flight() if slot is not None else []
                 if not busy:
-                    return self._start_write(key, slot, view)
+                    return self._start_write(key, slot, view, checksum)
             for future in busy:
                 future.wait()
 
-    def _start_write(self, key: str, slot: _Slot | None, view: np.ndarray) -> IOFuture:
+    def _start_write(self, key: str, slot: _Slot | None, view: np.ndarray, checksum: str | None) -> IOFuture:
         if slot is not None:
             self._unstage(slot)
             if slot.write_error() is not None:
@@ -206,6 +248,7 @@ class OffloadStore:
             self._drop_failed(key)
             raise
         slot.write = future
+        slot.checksum = checksum
         self._stats["bytes_out"] += view.nbytes
         self._stats["swaps_out"] += 1
         return future
@@ -215,7 +258,9 @@ class OffloadStore:
 
         Sees the data of a swap_out still in flight (waits for it first). For a key
         that :meth:`prefetch` staged, waits for the prefetch read if it is still
-        running, copies from memory and returns a finished future.
+        running, copies from memory and returns a finished future. With ``verify``,
+        the future's ``result()`` checks the bytes read against the checksum taken at
+        swap_out and raises :class:`CorruptCheckpointError` if they differ.
 
         Raises:
             KeyError: ``key`` is not in the store (or its last write failed).
@@ -232,13 +277,13 @@ class OffloadStore:
                 pending_write = slot.write_in_flight()
                 if pending_write is None:
                     staged, slot.staged = slot.staged, None
-                    nbytes = slot.nbytes
+                    nbytes, path, checksum = slot.nbytes, slot.path, slot.checksum
                     if staged is None:
-                        future = self._engine.pread(view, open_file(slot.path, "r", direct=True), 0, nbytes)
-                        slot.reads.append(future)
+                        future = self._engine.pread(view, open_file(path, "r", direct=True), 0, nbytes)
+                        slot.reads.append(future)  # not the checked future, which holds `into` until checked
                         self._stats["bytes_in"] += nbytes
                         self._stats["swaps_in"] += 1
-                        return future
+                        return self._checked(future, view[:nbytes], checksum, key, path)
             if pending_write is not None:
                 pending_write.wait()
                 continue
@@ -246,6 +291,8 @@ class OffloadStore:
             hit = staged.future.exception() is None
             if hit:
                 np.copyto(view[:nbytes], staged.buffer)
+                copied = self._checked(IOFuture.completed(nbytes), view[:nbytes], checksum, key, path)
+                copied.exception()  # checks now, as the copy has just brought the bytes into the caches
             with self._lock:
                 if not self._closed:
                     self._release(staged.buffer, staged.charge)
@@ -253,7 +300,7 @@ class OffloadStore:
                     self._stats["bytes_in"] += nbytes
                     self._stats["swaps_in"] += 1
                     self._stats["prefetch_hits"] += 1
-                    return IOFuture.completed(nbytes)
+                    return copied
             # The prefetch read failed: read again from the drive, whose future reports why.
 
     def prefetch(self, keys: Iterable[str]) -> int:
@@ -366,6 +413,11 @@ class OffloadStore:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._slots)} keys"
         return f"<tensorferry.OffloadStore {self.path!r} {state}>"
+
+    @staticmethod
+    def _checked(read: IOFuture, landed: np.ndarray, checksum: str | None, key: str, path: str) -> IOFuture:
+        """``read``, checked against ``checksum`` once it has succeeded (as is, with no checksum)."""
+        return read if checksum is None else read.checked(_Verification(landed, checksum, key, path))
 
     # The helpers below run with self._lock held.
 

@@ -231,6 +231,50 @@ def test_a_finished_write_lets_go_of_the_callers_buffer(store):
     np.testing.assert_array_equal(swapped_back(store, "k"), expected)
 
 
+def overwrite_within(store, new_bytes: bytes, at: int) -> str:
+    """Changes bytes of the store's one file underneath it; returns the file's path."""
+    (name,) = os.listdir(store.path)
+    path = os.path.join(store.path, name)
+    with open(path, "r+b") as file:
+        file.seek(at)
+        file.write(new_bytes)
+    return path
+
+
+def test_bytes_changed_underneath_the_store_fail_the_checksum(store):
+    data = random_bytes(np.random.default_rng(14), MiB + 3)
+    store.swap_out("k", data).result()
+    path = overwrite_within(store, bytes(255 - b for b in data[5000:5008].tobytes()), 5000)
+    out = np.zeros_like(data)
+    read = store.swap_in("k", out)
+    with pytest.raises(tensorferry.CorruptCheckpointError, match="checksum") as info:
+        read.result()
+    assert path in str(info.value) and "'k'" in str(info.value)
+    assert isinstance(read.exception(), tensorferry.CorruptCheckpointError)  # the same answer again
+    with pytest.raises(tensorferry.CorruptCheckpointError):
+        tensorferry.IOFuture.gather([store.swap_in("k", out)]).result()
+
+    assert store.prefetch(["k"]) == 1  # a prefetched key is checked as well
+    with pytest.raises(tensorferry.CorruptCheckpointError, match="checksum"):
+        store.swap_in("k", out).result()
+    assert store.stats()["prefetch_hits"] == 1
+
+    store.swap_out("k", data).result()  # written again, it reads back good
+    store.prefetch(["k"])
+    np.testing.assert_array_equal(swapped_back(store, "k"), data)
+    np.testing.assert_array_equal(swapped_back(store, "k"), data)
+
+
+def test_verify_false_checks_nothing(tmp_path, engine):
+    data = np.zeros(8192, np.uint8)
+    with OffloadStore(tmp_path, engine, verify=False) as store:
+        store.swap_out("k", data).result()
+        overwrite_within(store, b"\xff", 100)
+        out = np.empty_like(data)
+        assert store.swap_in("k", out).result() == data.nbytes
+    assert out[100] == 0xFF and out.sum() == 0xFF
+
+
 def test_delete(store):
     rng = np.random.default_rng(10)
     store.swap_out("a", random_bytes(rng, 5000)).result()

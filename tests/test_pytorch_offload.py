@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 psutil = pytest.importorskip("psutil")
 
 from conftest import mounted  # noqa: E402
-from tensorferry import TensorferryIOError  # noqa: E402
+from tensorferry import CorruptCheckpointError, TensorferryIOError  # noqa: E402
 from tensorferry.adapters.pytorch import OffloadedOptimizer, stream_weights  # noqa: E402
 
 
@@ -379,6 +379,38 @@ def test_full_directory():
         assert info.value.errno == errno.ENOSPC
         assert torch.equal(big.weight, weight)
         assert os.listdir(small) == []
+
+
+def damage_every_file(folder: str) -> None:
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name), "r+b") as file:
+            first = file.read(1)
+            file.seek(0)
+            file.write(bytes([first[0] ^ 0xFF]))
+
+
+def test_state_and_weights_damaged_on_the_drive_are_detected(tmp_path):
+    model = mlp()
+    optimizer = OffloadedOptimizer(torch.optim.Adam(model.parameters()), tmp_path, resident_bytes=1 << 20)
+    train(model, optimizer, 1)
+    damage_every_file(optimizer.store.path)
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        train(model, optimizer, 1)
+    optimizer.close()
+    unchecked = OffloadedOptimizer(torch.optim.Adam(mlp().parameters()), tmp_path, verify=False)
+    assert not unchecked.store.verify
+    unchecked.close()
+
+    model = mlp()
+    streamed = stream_weights(model, tmp_path, resident_bytes=1 << 20)
+    damage_every_file(streamed.store.path)
+    with torch.no_grad(), pytest.raises(CorruptCheckpointError, match="checksum"):
+        model(torch.randn(2, 32))
+    with pytest.raises(CorruptCheckpointError):
+        streamed.remove()  # the weights cannot be read back either; the store goes all the same
+    assert streamed.store.closed and os.listdir(tmp_path) == []
+    with stream_weights(mlp(), tmp_path, verify=False) as streamed:
+        assert not streamed.store.verify
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:

@@ -24,7 +24,7 @@ import torch
 
 from ...buffers import round_up
 from ...engine import Engine, IOFuture, PathLike
-from ...errors import TensorferryIOError
+from ...errors import CorruptCheckpointError, TensorferryIOError
 from ...offload import OffloadStore
 from ...shard import aligned_empty
 
@@ -155,7 +155,7 @@ def _check_io(futures: Iterable[IOFuture]) -> None:
     for future in futures:
         try:
             future.result()
-        except OSError as exc:
+        except (OSError, CorruptCheckpointError) as exc:
             errors.append(exc)
     if errors:
         raise errors[0]
@@ -369,6 +369,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             ``"master"``) in the store. The wrapped optimizer steps the master, from the
             gradient cast to fp32, so its state is fp32 too, and the parameter becomes the
             master rounded to its dtype. The first step makes the master from the parameter.
+        verify: whether the store checks the state it reads back against a checksum taken
+            as it was written (:class:`tensorferry.OffloadStore`'s ``verify``, which says
+            what it costs); a step that reads damaged state raises ``CorruptCheckpointError``.
 
     Example::
 
@@ -384,7 +387,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, store_dir: PathLike, *,
                  resident_bytes: int = 1 << 30, prefetch: int = 1, engine: Engine | None = None,
-                 elementwise: bool | None = None, master_weights: bool = False) -> None:
+                 elementwise: bool | None = None, master_weights: bool = False, verify: bool = True) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError(f"expected a torch optimizer to wrap, got {type(optimizer).__name__}")
         if resident_bytes <= 0:
@@ -408,7 +411,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         self.resident_bytes = resident_bytes
         self.prefetch = prefetch
-        self.store = OffloadStore(store_dir, engine, max_pool_bytes=0)
+        self.store = OffloadStore(store_dir, engine, max_pool_bytes=0, verify=verify)
         self.elementwise = isinstance(optimizer, _ELEMENTWISE) if elementwise is None else elementwise
         self.master_weights = master_weights
         # What the optimizer steps: each parameter itself, or views of its slices
@@ -1027,7 +1030,7 @@ class StreamedWeights:
     """
 
     def __init__(self, model: torch.nn.Module, store_dir: PathLike, *, resident_bytes: int,
-                 prefetch: int, engine: Engine | None) -> None:
+                 prefetch: int, engine: Engine | None, verify: bool = True) -> None:
         if resident_bytes <= 0:
             raise ValueError(f"resident_bytes must be positive, got {resident_bytes}")
         if prefetch < 0:
@@ -1057,7 +1060,7 @@ class StreamedWeights:
                              f"of the layers around it (held while it runs), take {largest} bytes")
         total = sum(self._param_bytes(p) for p in self._params)
         free = shutil.disk_usage(store_dir).free if os.path.isdir(store_dir) else None
-        self.store = OffloadStore(store_dir, engine, max_pool_bytes=0)
+        self.store = OffloadStore(store_dir, engine, max_pool_bytes=0, verify=verify)
         if free is not None and free < total:
             self.store.close()
             raise TensorferryIOError(errno.ENOSPC, f"the model's weights take {total} bytes and "
@@ -1273,7 +1276,8 @@ class StreamedWeights:
             return
         for hook in self._hooks:
             hook.remove()
-        _check_io(future for _, future in self._pending.values())
+        for _, future in self._pending.values():
+            future.wait()  # reads ahead, of weights read again below: their errors would be raised there
         self._pending.clear()
         self._uploaded.clear()
         self._releasing.clear()
@@ -1302,7 +1306,7 @@ class StreamedWeights:
 
 
 def stream_weights(model: torch.nn.Module, store_dir: PathLike, *, resident_bytes: int = 1 << 30,
-                   prefetch: int = 1, engine: Engine | None = None) -> StreamedWeights:
+                   prefetch: int = 1, engine: Engine | None = None, verify: bool = True) -> StreamedWeights:
     """Moves a model's weights to NVMe and reads each layer's just before its forward (ZeRO-Inference style).
 
     Every module with parameters of its own gets a forward pre-hook that reads them
@@ -1331,11 +1335,15 @@ def stream_weights(model: torch.nn.Module, store_dir: PathLike, *, resident_byte
             also have weights holds its own while they run), which is checked here.
         prefetch: how many layers to read ahead.
         engine: the :class:`tensorferry.Engine` to use; by default the store's own.
+        verify: whether each weight read is checked against a checksum taken as it was
+            written (:class:`tensorferry.OffloadStore`'s ``verify``, which says what it
+            costs); a forward that reads a damaged weight raises ``CorruptCheckpointError``.
 
     Example::
 
         with torch.no_grad(), stream_weights(model, "/nvme/tmp", resident_bytes=1 << 30):
             logits = model(tokens)
     """
-    return StreamedWeights(model, store_dir, resident_bytes=resident_bytes, prefetch=prefetch, engine=engine)
+    return StreamedWeights(model, store_dir, resident_bytes=resident_bytes, prefetch=prefetch, engine=engine,
+                           verify=verify)
 
