@@ -37,19 +37,21 @@ ASIDE_REASONS = ("replaced", "old", "pruned")
 # token (8 hex digits: a file's, ShardWriter; 12: a checkpoint directory's, PendingCheckpoint),
 # DCP's fixed token, or a reason and 8 hex digits (aside_name). temporary_name refuses any
 # other tail, so that every temporary made is one that is_temporary_name recognises, and a
-# user's "report.tmp-final.txt" or "photos.tmp-2024/" is never taken for a leftover. A token
-# has a letter (temporary_token), so that a date ("backup.tmp-20240315") is not one either.
-_TOKEN = r"(?=[0-9]*[a-f])[0-9a-f]{{{}}}"
-_TAIL = re.compile(rf"{_TOKEN.format(8)}|{_TOKEN.format(12)}|{DCP_TOKEN}|"
-                   rf"(?:{'|'.join(ASIDE_REASONS)})-{_TOKEN.format(8)}")
+# user's "report.tmp-final.txt" or "photos.tmp-2024/" is never taken for one.
+_TAIL = re.compile(rf"[0-9a-f]{{8}}|[0-9a-f]{{12}}|{DCP_TOKEN}|(?:{'|'.join(ASIDE_REASONS)})-[0-9a-f]{{8}}")
+# A token of digits alone may be a user's date ("backup.tmp-20240315"): such a temporary is
+# never listed nor loaded as a checkpoint, but only its user removes it. The tokens made here
+# have a letter (temporary_token); an earlier version's were all digits 1 time in 43.
+_DATE_LIKE = re.compile(r"[0-9]{8}|[0-9]{12}")
 
 
 def temporary_token(nbytes: int = 4) -> str:
-    """A random token of ``2 * nbytes`` hex digits, with a letter among them (see ``_TAIL``)."""
+    """A random token of ``2 * nbytes`` hex digits, with a letter among them (see ``_DATE_LIKE``)."""
     while True:
         token = secrets.token_hex(nbytes)
         if not token.isdigit():
             return token
+
 
 _held_here: dict[int, str] = {}  # the temporaries this process holds, by descriptor
 
@@ -163,7 +165,7 @@ def temporary_name(target: str, tail: str = "") -> str:
     so that :func:`stale_temporaries` finds them all. Without ``tail``: the prefix they share."""
     if tail and not _TAIL.fullmatch(tail):
         raise ValueError(f"{tail!r} cannot end a temporary's name (a leftover of it would not be recognised): "
-                         f"a token is 8 or 12 hex digits, a letter among them, or {DCP_TOKEN!r}")
+                         f"a token is 8 or 12 hex digits or {DCP_TOKEN!r}")
     parent, name = os.path.split(target)
     return os.path.join(parent, f"{temporary_stem(name)}{TMP_MARKER}{tail}")
 
@@ -175,6 +177,12 @@ def is_temporary_name(name: str) -> bool:
     its first part cut where too long (:func:`temporary_stem`)."""
     _, marker, tail = name.rpartition(TMP_MARKER)
     return bool(marker) and _TAIL.fullmatch(tail) is not None
+
+
+def is_leftover_name(name: str) -> bool:
+    """Whether ``name`` is a temporary's that clean-up may remove once nobody holds it:
+    :func:`is_temporary_name`, but not a token of digits alone, which may be a user's date."""
+    return is_temporary_name(name) and _DATE_LIKE.fullmatch(name.rpartition(TMP_MARKER)[2]) is None
 
 
 def stale_temporaries(root: str | os.PathLike, target: str | None = None,
@@ -190,7 +198,7 @@ def stale_temporaries(root: str | os.PathLike, target: str | None = None,
     except FileNotFoundError:
         return []
     for entry in entries:
-        if ((prefix is not None and not entry.name.startswith(prefix)) or not is_temporary_name(entry.name)
+        if ((prefix is not None and not entry.name.startswith(prefix)) or not is_leftover_name(entry.name)
                 or os.path.abspath(entry.path) in keep):
             continue
         try:
@@ -282,6 +290,6 @@ def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
 
 
 __all__ = ["DCP_TOKEN", "NEW_TEMPORARY_TRIES", "TMP_MARKER", "aside_name", "discard_later", "held_here", "hold",
-           "hold_new", "is_temporary_name", "refuse_temporary_marker", "release", "remove_if_stale",
-           "remove_stale_temporaries", "set_aside", "stale_temporaries", "temporary_name", "temporary_stem", "temporary_token",
-           "wait_for_discards"]
+           "hold_new", "is_leftover_name", "is_temporary_name", "refuse_temporary_marker", "release",
+           "remove_if_stale", "remove_stale_temporaries", "set_aside", "stale_temporaries", "temporary_name",
+           "temporary_stem", "temporary_token", "wait_for_discards"]

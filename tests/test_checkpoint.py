@@ -625,15 +625,38 @@ def test_a_checkpoint_in_a_folder_named_with_tmp_by_its_user_is_listed_and_loads
 
 
 def test_every_temporary_name_made_is_one_that_is_recognised() -> None:
-    from tensorferry.temporaries import is_temporary_name, temporary_name, temporary_token
-    for tail in ("0123abcd", "0123456789ab", DCP_TOKEN, "replaced-0123abcd", "old-0123abcd", "pruned-0123abcd",
-                 *(temporary_token() for _ in range(200)), *(temporary_token(6) for _ in range(200))):
-        assert is_temporary_name(temporary_name("step_1", tail))
-    # Tails no leftover could be told by: a word, a year, a date (digits alone), capitals.
-    for tail in ("backup", "2024", "20240315", "202403151200", "old-20240315", "old-dcp", "0123ABCD"):
-        assert not is_temporary_name(f"step_1.tmp-{tail}")
+    from tensorferry.temporaries import is_leftover_name, is_temporary_name, temporary_name, temporary_token
+    made = ("0123abcd", "0123456789ab", DCP_TOKEN, "replaced-0123abcd", "old-0123abcd", "pruned-0123abcd",
+            *(temporary_token() for _ in range(200)), *(temporary_token(6) for _ in range(200)))
+    for tail in made:
+        assert is_temporary_name(temporary_name("step_1", tail)) and is_leftover_name(f"step_1.tmp-{tail}")
+    # An earlier version's token of digits alone (1 in 43): never a checkpoint, but it may be
+    # a user's date, so clean-up leaves it; after a reason it is ours whatever its digits.
+    for tail in ("20240315", "202403151200"):
+        assert is_temporary_name(f"step_1.tmp-{tail}") and not is_leftover_name(f"step_1.tmp-{tail}")
+    for tail in ("old-20240315", "pruned-31415926", "replaced-31415926"):
+        assert is_temporary_name(f"step_1.tmp-{tail}") and is_leftover_name(f"step_1.tmp-{tail}")
+    for tail in ("backup", "2024", "old-dcp", "0123ABCD"):  # a tail no leftover could be told by
+        assert not is_temporary_name(f"step_1.tmp-{tail}") and not is_leftover_name(f"step_1.tmp-{tail}")
         with pytest.raises(ValueError, match="cannot end a temporary's name"):
             temporary_name("step_1", tail)
+
+
+def test_an_earlier_versions_asides_of_digits_alone_are_neither_listed_nor_kept_over_checkpoints(tmp_path) -> None:
+    """Asides an earlier version named with a token of digits alone (1 in 43) were listed as
+    checkpoints once tokens had to have a letter: the newest step "latest", and a prune kept
+    it and removed every real checkpoint."""
+    for step in (1, 2, 3):
+        tensorferry.save_checkpoint(tmp_path / f"step_{step}", {"x": np.full(2, step)})
+    shutil.copytree(tmp_path / "step_1", tmp_path / "step_1.tmp-pruned-20481024")
+    shutil.copytree(tmp_path / "step_2", tmp_path / "step_2.tmp-replaced-31415926")
+    shutil.copytree(tmp_path / "step_1", tmp_path / "step_4.tmp-123456789012")  # a killed save's, complete
+    names = ["step_1", "step_2", "step_3"]
+    assert [os.path.basename(p) for p in tensorferry.list_checkpoints(tmp_path)] == names
+    assert os.path.basename(tensorferry.latest_checkpoint(tmp_path)) == "step_3"
+    tensorferry.prune_checkpoints(tmp_path, keep_last=1, remove_unfinished=True)
+    assert [os.path.basename(p) for p in tensorferry.list_checkpoints(tmp_path)] == ["step_3"]
+    assert "step_4.tmp-123456789012" in os.listdir(tmp_path), "digits alone may be a user's: left to them"
 
 
 def test_retention_keeps_whole_what_it_cannot_remove(tmp_path) -> None:
