@@ -419,8 +419,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         found = layout.verify(bar.update)
     names, problems = found.files, found.problems
     bad = [n for n in names if any(p.startswith(n + ": ") for p in problems)]
+    # "checked": the checks made, whatever their outcome
     data = {"path": path, "format": layout.kind, "ok": not problems, "checked": found.checked, "files": len(names),
-            "bytes": found.nbytes, "bad_files": bad, "problems": problems}  # "checked": the checks, whatever their outcome
+            "bytes": found.nbytes, "bad_files": bad, "problems": problems}
     if problems:
         count = f": {len(bad)} of {plural(len(names), 'file')} bad" if bad else ""
         text = [f"{path}: FAILED{count}"] + [f"  {p}" for p in problems]
@@ -439,8 +440,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
     """Removes what killed saves left in a directory and those under it (temporaries no running save holds)."""
     if not os.path.isdir(args.root):
         raise CLIError(f"{args.root} is not a directory")
-    found = []
-    for directory in _directories_to_clean(args.root):
+    found: list[str] = []
+    unread: list[str] = []  # folders under the root it could not list: not cleaned
+    for directory in _directories_to_clean(args.root, unread):
         keep = recoverable_checkpoints(directory).values()  # an interrupted overwrite's old checkpoint
         if args.dry_run:
             found += stale_temporaries(directory, keep=keep)
@@ -448,19 +450,38 @@ def cmd_clean(args: argparse.Namespace) -> int:
             found += remove_stale_temporaries(directory, keep=keep)
     verb = "would remove" if args.dry_run else "removed"
     text = [f"{args.root}: {verb} {plural(len(found), 'leftover')}"] + [f"  {p}" for p in found]
-    emit(args, {"path": args.root, "dry_run": args.dry_run, "removed": found}, "\n".join(text))
-    return EXIT_OK
+    text += [f"not searched (could not list it): {p}" for p in unread]
+    emit(args, {"path": args.root, "dry_run": args.dry_run, "removed": found, "not_searched": unread},
+         "\n".join(text))
+    return EXIT_FINDING if unread else EXIT_OK
 
 
-def _directories_to_clean(root: str) -> Iterator[str]:
+def _directories_to_clean(root: str, unread: list[str]) -> Iterator[str]:
     """``root`` and the directories under it where a save's leftovers can be (checkpoints
     sit in run folders: ckpt/run1/step_5), but not inside a checkpoint (a save writes
-    none there) nor a temporary (it goes whole, or a save holds it), and no symbolic link
-    is followed (it may lead out of ``root``)."""
-    for parent, subdirs, _ in os.walk(root):  # os.walk lists, and does not enter, links to folders
+    none there) nor a temporary (it goes whole, or a save holds it), on another filesystem
+    (a mount under the root: as ``find -xdev``), nor through a symbolic link (it may lead
+    out of ``root``). A folder it cannot list goes into ``unread``; ``root`` itself, an
+    error."""
+    device = os.stat(root).st_dev
+
+    def unlisted(error: OSError) -> None:
+        if os.path.samefile(error.filename, root):
+            raise error
+        unread.append(error.filename)
+
+    for parent, subdirs, _ in os.walk(root, onerror=unlisted):  # os.walk does not enter links to folders
         yield parent
         subdirs[:] = sorted(d for d in subdirs if not is_temporary_name(d)
-                            and not os.path.lexists(os.path.join(parent, d, MANIFEST)))
+                            and not os.path.lexists(os.path.join(parent, d, MANIFEST))
+                            and _on_device(os.path.join(parent, d), device))
+
+
+def _on_device(path: str, device: int) -> bool:
+    try:
+        return os.lstat(path).st_dev == device
+    except FileNotFoundError:  # gone since it was listed
+        return False
 
 
 # ---------------------------------------------------------------- convert
@@ -755,7 +776,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Removes the temporaries of interrupted saves in ROOT and the directories under it: files and\n"
             "checkpoint directories named <name>.tmp-<token> (as tensorferry names them: other names with\n"
             "'.tmp-' in them are left alone) that no running save holds (each save holds a lock on its own).\n"
-            "Checkpoint directories are not searched, nor symbolic links followed. An old checkpoint that an\n"
+            "Checkpoint directories are not searched, nor other filesystems, nor symbolic links followed; a\n"
+            "directory it cannot list is named, and the exit status is 1. An old checkpoint that an\n"
             "interrupted overwrite moved aside, with nothing at its name, is kept: it is the checkpoint.")
     p.add_argument("root", metavar="ROOT", help="the directory holding checkpoints or saved files")
     p.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")

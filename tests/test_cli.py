@@ -514,8 +514,8 @@ def test_importing_the_cli_stays_light() -> None:
 LEFTOVERS = {"model.safetensors.tmp-0123abcd": "file", "step_5.tmp-0123456789ab": "dir", "step_6.tmp-dcp": "dir",
              "model.safetensors.tmp-replaced-0123abcd": "file", "step_1.tmp-pruned-0123abcd": "dir",
              "step_2.tmp-old-0123abcd.tmp-pruned-4567cdef": "dir"}
-# The user's own, ".tmp-" in their names all the same.
-# A date is no token: a token has a letter among its hex digits (temporary_token).
+# The user's own, ".tmp-" in their names all the same; a date is no token either: the
+# tokens made have a letter among their hex digits (temporary_token).
 USERS = {"report.tmp-final.txt": "file", "photos.tmp-2024": "dir", "model.safetensors.tmp-backup": "file",
          "backup.tmp-20240315": "dir", "run.tmp-202403151200": "file"}
 
@@ -558,6 +558,37 @@ def test_clean_searches_the_folders_under_root_but_not_checkpoints_or_links(tmp_
     assert (root / "run1" / "step_4" / "inside.tmp-0123abcd").exists()
     assert (tmp_path / "elsewhere" / "other.tmp-0123abcd").exists()
     assert tensorferry.list_checkpoints(root / "run1") == [str(root / "run1" / "step_4")]
+
+
+def test_clean_names_what_it_cannot_list_and_stays_on_its_filesystem(tmp_path: Path) -> None:
+    """clean of a ROOT it could not list said "0 leftovers", exit 0, as did a folder under it it
+    could not list (said nothing of it); and it searched filesystems mounted under ROOT."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv, to take root's right to read every folder away")
+    root = tmp_path / "ckpt"
+    make_entries(root / "locked", {"step_2.tmp-0123456789ab": "dir"})
+    make_entries(root / "open", {"step_3.tmp-0123456789ab": "dir"})
+    (root / "mnt").mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(root / "mnt")], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        make_entries(root / "mnt", {"step_4.tmp-0123456789ab": "dir"})
+        # As root without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH: folder permissions apply.
+        as_user = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-m",
+                   "tensorferry.cli", "clean", "--dry-run", "--json"]
+        (root / "locked").chmod(0)
+        result = subprocess.run([*as_user, str(root)], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1, result.stderr
+        assert json.loads(result.stdout) == {"path": str(root), "dry_run": True, "not_searched": [str(root / "locked")],
+                                             "removed": [str(root / "open" / "step_3.tmp-0123456789ab")]}
+        (root / "locked").chmod(0o755)
+        root.chmod(0)
+        result = subprocess.run([*as_user, str(root)], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and "Permission denied" in result.stderr
+    finally:
+        root.chmod(0o755)
+        (root / "locked").chmod(0o755)
+        subprocess.run(["umount", "-l", str(root / "mnt")], capture_output=True)
 
 
 def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path: Path) -> None:
