@@ -31,8 +31,8 @@ class TensorferryIOError(TensorferryError, OSError):
         """The same error, naming ``path`` as the file."""
         return type(self)(self.errno, self._message, path, self.offset, self.length)
 
-    def __reduce__(self):
-        return (type(self), (self.errno, self._message, self.filename, self.offset, self.length))
+    def __reduce__(self):  # with the attributes set on it since (__notes__, say), as other exceptions keep theirs
+        return (type(self), (self.errno, self._message, self.filename, self.offset, self.length), self.__dict__)
 
 
 class EngineClosedError(TensorferryError, ValueError):
@@ -60,7 +60,7 @@ class CheckpointNotFoundError(TensorferryError, FileNotFoundError):
         super().__init__(_errno.ENOENT, message, None if path is None else os.fspath(path))
 
     def __reduce__(self):  # OSError's own passes (errno, strerror, filename), which __init__ does not take
-        return (type(self), (self.strerror, self.filename))
+        return (type(self), (self.strerror, self.filename), self.__dict__)
 
 
 class CheckpointSkippedWarning(UserWarning):

@@ -318,9 +318,12 @@ def test_every_error_crosses_processes_as_it_was() -> None:
               errors.GDSUnavailableError("no kvikio"), errors.EngineClosedError("closed"),
               errors.TensorferryError("any")]
     for error in raised:
+        error.__notes__ = ["while saving step 7"]  # what add_note (3.11) makes
+        error.rank = 1
         for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
             assert type(again) is type(error) and str(again) == str(error)
             assert getattr(again, "filename", None) == getattr(error, "filename", None)
+            assert (again.__notes__, again.rank) == (["while saving step 7"], 1)
 
 
 def test_use_after_close(backend: str, tmp_path) -> None:
