@@ -342,9 +342,12 @@ class FSDPCheckpointer:
         path = self.step_path(step)
 
         def gather() -> dict[str, Any]:
+            # The state first: its helpers may run collectives (FSDP1's optimizer state), which a rank
+            # whose manifest read failed first would leave the others waiting in.
+            state = self._state()
             if not written_by_torch(path):  # a step from before a switch: DCPReader hands it to torch's reader
                 read_manifest(path)  # a clear error here, before DCP wraps it
-            return self._state()
+            return state
 
         state = self._on_every_rank(gather, "load", path)
         try:
