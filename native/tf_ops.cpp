@@ -384,8 +384,9 @@ constexpr uint64_t kSlotRecordBytes = 256u << 10;
 // depth is then how far tf.data runs ahead, not the number of threads.
 class Prefetcher {
  public:
-  Prefetcher(const tf::Config &config, bool direct, int64_t record_bytes, int64_t batch_size)
+  Prefetcher(const tf::Config &config, bool direct, int64_t record_bytes, int64_t batch_size, int64_t read_ahead)
       : engine_(config), direct_(direct), record_bytes_(static_cast<uint64_t>(record_bytes)),
+        kept_calls_(static_cast<size_t>(2 * (read_ahead > 0 ? read_ahead : kUnknownReadAhead) + kCallsInTransit)),
         slots_(record_bytes >= static_cast<int64_t>(kSlotRecordBytes)
                    ? std::make_shared<RecordSlots>((static_cast<uint64_t>(record_bytes) + 4095) / 4096 * 4096)
                    : nullptr),
@@ -397,11 +398,59 @@ class Prefetcher {
                          : nullptr) {}
 
   // Starts the reads of ranges [offsets[i], + lengths[i]) of paths[i] (kWholeFile: to the file's end);
-  // returns their tickets. Items of more files than a quarter of the descriptor budget are
-  // started in parts, each part's files open only until its reads end.
+  // returns their tickets, held until taken or, a call's reads not taken, until they are
+  // among the oldest past kept_calls_ (see keep).
   void start(const std::vector<std::string_view> &paths, const int64_t *offsets, const int64_t *lengths,
              int64_t *tickets) {
-    if (paths.empty()) return;
+    keep(read(paths, offsets, lengths), tickets);
+  }
+
+  // Waits for the read of a ticket, of paths[i]'s range [offset, + length). A ticket
+  // this prefetcher does not hold for that range (one restored with an iterator's
+  // checkpoint: started in another process, taken already, or let go by keep) is read now.
+  void take(int64_t ticket, std::string_view path, int64_t offset, int64_t length, Pending &item) {
+    bool held = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pending_.find(ticket);
+      if (it != pending_.end() && it->second.path == path && it->second.offset == static_cast<uint64_t>(offset) &&
+          it->second.asked == length) {
+        item = std::move(it->second);
+        pending_.erase(it);
+        held = true;
+      }
+    }
+    if (!held) item = std::move(read({path}, &offset, &length)[0]);
+    if (item.error.empty() && item.request) {
+      tf::Request &r = *item.request;
+      r.wait(-1);
+      if (r.failed()) {
+        item.code = code_for_errno(r.error());
+        item.error = describe(r.path(), r.error_what(), r.error(), r.error_offset(), r.error_length());
+      }
+    }
+  }
+
+  // The items whose reads were started and not yet taken (nor let go).
+  int64_t held_reads() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(pending_.size());
+  }
+
+ private:
+  // Calls that iterators hold started and not yet taken beyond their read-ahead (the start
+  // map's num_parallel_calls): those being taken or unbatched, and handed between the maps.
+  static constexpr int64_t kCallsInTransit = 4;
+  // An op of a graph made without read_ahead (0) runs as make_dataset's most (AUTOTUNE's cap).
+  static constexpr int64_t kUnknownReadAhead = 64;
+
+  // The items of ranges [offsets[i], + lengths[i]) of paths[i], their reads started. Items of more
+  // files than a quarter of the descriptor budget are started in parts, each part's files open
+  // only until its reads end.
+  std::vector<Pending> read(const std::vector<std::string_view> &paths, const int64_t *offsets,
+                            const int64_t *lengths) {
+    std::vector<Pending> items;
+    if (paths.empty()) return items;
     const int64_t per_file = direct_ ? 2 : 1;
     const size_t most_files = static_cast<size_t>(std::max<int64_t>(1, DescriptorBudget::budget() / 4 / per_file));
     std::unordered_set<std::string_view> files;
@@ -416,7 +465,7 @@ class Prefetcher {
       descriptor_budget().reserve(descriptors);
       std::vector<std::shared_ptr<tf::Request>> requests;
       try {
-        requests = start_part(part, offsets + begin, lengths + begin, tickets + begin);
+        requests = start_part(part, offsets + begin, lengths + begin, items);
       } catch (...) {
         descriptor_budget().hold(descriptors, {});
         throw;
@@ -426,46 +475,13 @@ class Prefetcher {
       files = {paths[i]};
       begin = i;
     }
+    return items;
   }
 
-  // Waits for the read of a ticket, of paths[i]'s range [offset, + length). A ticket
-  // this prefetcher does not hold for that range (one restored with an iterator's
-  // checkpoint: started in another process, or taken already) is read now.
-  void take(int64_t ticket, std::string_view path, int64_t offset, int64_t length, Pending &item) {
-    bool held = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = pending_.find(ticket);
-      if (it != pending_.end() && it->second.path == path && it->second.offset == static_cast<uint64_t>(offset) &&
-          it->second.asked == length) {
-        item = std::move(it->second);
-        pending_.erase(it);
-        held = true;
-      }
-    }
-    if (!held) {
-      int64_t started = 0;
-      start({path}, &offset, &length, &started);
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = pending_.find(started);
-      item = std::move(it->second);
-      pending_.erase(it);
-    }
-    if (item.error.empty() && item.request) {
-      tf::Request &r = *item.request;
-      r.wait(-1);
-      if (r.failed()) {
-        item.code = code_for_errno(r.error());
-        item.error = describe(r.path(), r.error_what(), r.error(), r.error_offset(), r.error_length());
-      }
-    }
-  }
-
- private:
-  // start() for items whose files may all be open at once; returns the reads started.
+  // read() for items whose files may all be open at once: appends them to `all`; returns the reads started.
   std::vector<std::shared_ptr<tf::Request>> start_part(const std::vector<std::string_view> &paths,
                                                        const int64_t *offsets, const int64_t *lengths,
-                                                       int64_t *tickets) {
+                                                       std::vector<Pending> &all) {
     const size_t n = paths.size();
     std::vector<Pending> items(n);
     std::unordered_map<std::string_view, std::shared_ptr<tf::File>> files;
@@ -478,7 +494,7 @@ class Prefetcher {
     };
     std::vector<Span> spans;
     std::vector<Queued> queued;  // reads to start, all together once laid out
-    if (start_batch(paths, offsets, lengths, items, queued)) return submit_and_ticket(items, queued, tickets);
+    if (start_batch(paths, offsets, lengths, items, queued)) return submit_and_add(items, queued, all);
     for (size_t i = 0; i < n; ++i) {
       Pending &item = items[i];
       item.path = std::string(paths[i]);
@@ -555,7 +571,7 @@ class Prefetcher {
       }
       queued.push_back({landing, span.file, {{landing->memory(), span.end - span.start, span.start}}, span.items});
     }
-    return submit_and_ticket(items, queued, tickets);
+    return submit_and_add(items, queued, all);
   }
 
   static char *own_memory(uint64_t size) {
@@ -574,16 +590,40 @@ class Prefetcher {
     std::vector<size_t> items;
   };
 
-  // Starts the queued reads and hands out a ticket per item; returns the reads.
-  std::vector<std::shared_ptr<tf::Request>> submit_and_ticket(std::vector<Pending> &items,
-                                                              std::vector<Queued> &queued, int64_t *tickets) {
+  // Starts the queued reads and appends their items to `all`; returns the reads.
+  std::vector<std::shared_ptr<tf::Request>> submit_and_add(std::vector<Pending> &items, std::vector<Queued> &queued,
+                                                           std::vector<Pending> &all) {
     auto requests = submit_all(queued, items);
+    for (Pending &item : items) all.push_back(std::move(item));
+    return requests;
+  }
+
+  // Holds a call's items until taken, a ticket each. Reads that no take will claim (those
+  // started ahead by an iterator stopped early: take(k).repeat(), a loop left by break) are
+  // let go once past the newest kept_calls_ calls, else they were held (and their memory) as
+  // long as the dataset, growing each epoch. A bound by calls, not bytes: what an iterator
+  // holds ahead is its read-ahead in calls, whatever their items' sizes (whole files vary),
+  // so a live iterator, or two read in turn (zip, a checkpoint's restored copy), never has
+  // its reads let go and read twice; the memory held is then about twice the read-ahead
+  // asked for. Taking a ticket let go reads its item again (as a checkpoint's are), so an
+  // iterator left paused while others run many calls still gets its items.
+  void keep(std::vector<Pending> items, int64_t *tickets) {
+    std::vector<Pending> let_go;  // destroyed unlocked: a Landing waits for a read still in flight
     std::lock_guard<std::mutex> lock(mu_);
+    const int64_t first = next_ticket_;
     for (size_t i = 0; i < items.size(); ++i) {
       tickets[i] = next_ticket_++;
       pending_.emplace(tickets[i], std::move(items[i]));
     }
-    return requests;
+    calls_.emplace_back(first, next_ticket_);
+    for (; calls_.size() > kept_calls_; calls_.pop_front()) {
+      for (int64_t ticket = calls_.front().first; ticket < calls_.front().second; ++ticket) {
+        auto it = pending_.find(ticket);
+        if (it == pending_.end()) continue;  // taken
+        let_go.push_back(std::move(it->second));
+        pending_.erase(it);
+      }
+    }
   }
 
   // Lays out a call's records in order in one batch slot (neighbours in a file read
@@ -670,32 +710,56 @@ class Prefetcher {
   tf::Engine engine_;
   bool direct_;
   uint64_t record_bytes_;
+  size_t kept_calls_;  // the newest start calls whose reads are held until taken (see keep)
   std::shared_ptr<RecordSlots> slots_;  // for a dataset of records from kSlotRecordBytes on
   std::shared_ptr<RecordSlots> batch_slots_;  // for a batch_size dataset of page-multiple records
   StagingPool pool_;
   std::mutex mu_;
   std::unordered_map<int64_t, Pending> pending_;
+  std::deque<std::pair<int64_t, int64_t>> calls_;  // the tickets [first, end) of the newest calls, oldest first
   // Tickets outlive the process in an iterator's checkpoint: numbered from a random
   // start, a restored one is not mistaken for one of this process's (and take checks
   // the range too).
   int64_t next_ticket_ = static_cast<int64_t>(std::random_device{}() & 0x3fffffffu) << 31;
 };
 
+// The prefetchers of the datasets whose kernels live, by key.
+struct Prefetchers {
+  std::mutex mu;
+  std::unordered_map<int64_t, std::weak_ptr<Prefetcher>> live;
+};
+
+Prefetchers &prefetchers() {
+  static Prefetchers all;
+  return all;
+}
+
 // The prefetcher of a dataset, shared by its start and take kernels (by the key attr).
 std::shared_ptr<Prefetcher> prefetcher_for(int64_t key, const tf::Config &config, bool direct, int64_t record_bytes,
-                                           int64_t batch_size) {
-  static std::mutex mu;
-  static std::unordered_map<int64_t, std::weak_ptr<Prefetcher>> live;
+                                           int64_t batch_size, int64_t read_ahead) {
+  auto &[mu, live] = prefetchers();
   std::lock_guard<std::mutex> lock(mu);
   for (auto it = live.begin(); it != live.end();)  // datasets whose kernels are gone
     it = it->second.expired() ? live.erase(it) : std::next(it);
   auto &slot = live[key];
   auto shared = slot.lock();
   if (!shared) {
-    shared = std::make_shared<Prefetcher>(config, direct, record_bytes, batch_size);
+    shared = std::make_shared<Prefetcher>(config, direct, record_bytes, batch_size, read_ahead);
     slot = shared;
   }
   return shared;
+}
+
+// The reads held by the prefetcher of a dataset (none where it has none).
+int64_t held_reads(int64_t key) {
+  std::shared_ptr<Prefetcher> prefetcher;
+  {
+    auto &[mu, live] = prefetchers();
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = live.find(key);
+    if (it != live.end()) prefetcher = it->second.lock();
+  }
+  return prefetcher ? prefetcher->held_reads() : 0;
 }
 
 struct Kernel {
@@ -722,14 +786,15 @@ void *create_kernel(TF_OpKernelConstruction *ctx) {
   if (status.ok()) TF_OpKernelConstruction_GetAttrBool(ctx, "direct", &direct, status.get());
   if (status.ok()) TF_OpKernelConstruction_GetAttrInt64(ctx, "key", &key, status.get());
   if (status.ok()) TF_OpKernelConstruction_GetAttrInt64(ctx, "record_bytes", &kernel->record_bytes, status.get());
-  int64_t batch_size = 0;
+  int64_t batch_size = 0, read_ahead = 0;
   if (status.ok()) TF_OpKernelConstruction_GetAttrInt64(ctx, "batch_size", &batch_size, status.get());
+  if (status.ok()) TF_OpKernelConstruction_GetAttrInt64(ctx, "read_ahead", &read_ahead, status.get());
   TF_Bool tfrecord = 0;
   if (status.ok()) TF_OpKernelConstruction_GetAttrBool(ctx, "tfrecord", &tfrecord, status.get());
   kernel->tfrecord = tfrecord;
   if (status.ok()) {
     try {
-      kernel->prefetcher = prefetcher_for(key, config, direct, kernel->record_bytes, batch_size);
+      kernel->prefetcher = prefetcher_for(key, config, direct, kernel->record_bytes, batch_size, read_ahead);
     } catch (const tf::IOError &e) {
       TF_SetStatus(status.get(), kInternal, describe(e.path, e.what, e.err, e.offset, e.length).c_str());
     }
@@ -963,17 +1028,51 @@ void register_op(const char *name, std::vector<const char *> inputs, const char 
   TF_OpDefinitionBuilder *op = TF_NewOpDefinitionBuilder(name);
   for (const char *spec : inputs) TF_OpDefinitionBuilderAddInput(op, spec);
   TF_OpDefinitionBuilderAddOutput(op, output);
-  // Every op names its dataset's prefetcher (key) and how that reads; the first
-  // kernel of a key makes it.
+  // Every op names its dataset's prefetcher (key), how that reads, and the start calls
+  // that an iterator runs ahead (read_ahead, 0: unknown); the first kernel of a key makes it.
   for (const char *spec : {"key: int", "backend: string", "block_size: int", "queue_depth: int", "threads: int",
                            "direct: bool", "tfrecord: bool = false", "record_bytes: int = 0",
-                           "batch_size: int = 0"})
+                           "batch_size: int = 0", "read_ahead: int = 0"})
     TF_OpDefinitionBuilderAddAttr(op, spec);
   TF_OpDefinitionBuilderSetShapeInferenceFunction(op, unknown_shape);
   TF_RegisterOpDefinition(op, status.get());
   if (!status.ok()) return;
   TF_KernelBuilder *kernel = TF_NewKernelBuilder(name, "CPU", create_kernel, compute, delete_kernel);
   TF_RegisterKernelBuilder(name, kernel, status.get());
+}
+
+// TensorferryHeldReads() -> the number of items whose reads the prefetcher of the dataset
+// `key` started and holds for a take: those an iterator has ahead, and those of iterators
+// stopped early that it has not let go yet. For tests.
+void *create_held_reads(TF_OpKernelConstruction *ctx) {
+  Status status;
+  auto key = std::make_unique<int64_t>(0);
+  TF_OpKernelConstruction_GetAttrInt64(ctx, "key", key.get(), status.get());
+  if (!status.ok()) {
+    TF_OpKernelConstruction_Failure(ctx, status.get());
+    return nullptr;
+  }
+  return key.release();
+}
+
+void compute_held_reads(void *key, TF_OpKernelContext *ctx) {
+  TensorHolder out = output(ctx, kInt64, {}, sizeof(int64_t));
+  if (out) *static_cast<int64_t *>(TF_TensorData(out.get())) = held_reads(*static_cast<int64_t *>(key));
+}
+
+void delete_held_reads(void *key) { delete static_cast<int64_t *>(key); }
+
+void register_held_reads() {
+  Status status;
+  TF_OpDefinitionBuilder *op = TF_NewOpDefinitionBuilder("TensorferryHeldReads");
+  TF_OpDefinitionBuilderAddOutput(op, "held: int64");
+  TF_OpDefinitionBuilderAddAttr(op, "key: int");
+  TF_OpDefinitionBuilderSetShapeInferenceFunction(op, unknown_shape);
+  TF_RegisterOpDefinition(op, status.get());
+  if (!status.ok()) return;
+  TF_KernelBuilder *kernel =
+      TF_NewKernelBuilder("TensorferryHeldReads", "CPU", create_held_reads, compute_held_reads, delete_held_reads);
+  TF_RegisterKernelBuilder("TensorferryHeldReads", kernel, status.get());
 }
 
 const bool registered = [] {
@@ -984,6 +1083,7 @@ const bool registered = [] {
   const std::vector<const char *> taken = {"tickets: int64", "paths: string", "offsets: int64", "lengths: int64"};
   register_op("TensorferryTakeString", taken, "out: string", compute_take_string);
   register_op("TensorferryTakeRecord", taken, "out: uint8", compute_take_record);
+  register_held_reads();
   return true;
 }();
 

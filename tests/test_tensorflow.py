@@ -558,6 +558,40 @@ def test_epochs_partial_passes_and_datasets_side_by_side(tmp_path) -> None:
     assert whole.numpy() == raw.tobytes()
 
 
+def _prefetcher_key(ds: tf.data.Dataset) -> int:
+    """The key of the prefetcher that the native ops of ``ds`` share (their ``key`` attr)."""
+    graph = tf.compat.v1.GraphDef.FromString(ds._as_serialized_graph().numpy())
+    return next(node.attr["key"].i for function in graph.library.function for node in function.node_def
+                if node.op == "TensorferryStartReads")
+
+
+def test_reads_started_ahead_and_never_taken_are_let_go(tmp_path) -> None:
+    """An iterator stopped early (``take(k).repeat()``, a loop left by ``break``) leaves the
+    reads it started ahead untaken: they were held as long as the dataset, more each epoch
+    (3.2 GiB after 100 epochs of 1 MiB files). The prefetcher holds the reads of its newest
+    2 * num_parallel_reads + 4 calls at most; an iterator paused meanwhile reads again those
+    of its items that were let go."""
+    from tensorferry.adapters.tensorflow.data import _held_reads
+
+    raw = np.random.default_rng(13).integers(0, 256, size=(64, 4096), dtype=np.uint8)
+    (tmp_path / "r.bin").write_bytes(raw.tobytes())
+    ds = make_dataset(str(tmp_path / "r.bin"), record_bytes=4096, reads_per_call=2, num_parallel_reads=3)
+    key = _prefetcher_key(ds)
+    paused = iter(ds)
+    np.testing.assert_array_equal(next(paused).numpy(), raw[0])
+    held_most = (2 * 3 + 4) * 2  # the calls kept, of 2 items each
+    repeated = iter(ds.take(2).repeat())
+    for _ in range(100):  # each epoch leaves the reads of about 3 calls behind
+        next(repeated)
+        next(repeated)
+    assert _held_reads(key) <= held_most
+    for _ in range(30):
+        for _ in ds:
+            break
+    assert _held_reads(key) <= held_most
+    np.testing.assert_array_equal(np.stack([x.numpy() for x in paused]), raw[1:])
+
+
 def _resume_cases(root) -> dict[str, tuple[list[str], dict]]:
     """Datasets of each kind of item, as (files, make_dataset's keywords): small items
     taken a batch per call, records of 256 KiB taken one by one into slots, TFRecord."""

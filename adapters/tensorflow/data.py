@@ -99,7 +99,9 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
             shards by data, items repeat and go missing, as with ``Dataset.shuffle``
             (it warns where ``TF_CONFIG`` names several workers).
         num_parallel_reads: batches of reads started ahead of the items handed out.
-            AUTOTUNE (the default) starts enough to keep about 64 MiB in flight.
+            AUTOTUNE (the default) starts enough to keep about 64 MiB in flight. Those
+            of an iterator stopped early (``take(k).repeat()``, a loop left by ``break``)
+            are let go once about twice as many batches have started since.
         shard: ``(index, count)``: keep every count-th item starting at index, for
             data-parallel workers; the reads are of those items alone. With
             ``tf.distribute``, build the dataset in
@@ -184,7 +186,7 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         dataset = dataset.with_options(options)
-    start, take = _read_ops(engine, paths, record_bytes, tfrecord, batch_size)
+    start, take = _read_ops(engine, paths, record_bytes, tfrecord, batch_size, num_parallel_reads)
     # Starting reads returns at once, so the start map runs num_parallel_reads batches
     # ahead of the take map, which waits for the reads. Small items are taken a batch
     # per call (an op call costs more than splitting the batch copies); larger ones one
@@ -294,15 +296,18 @@ def _claimed_full(calls: tf.data.Dataset, size: int) -> tf.data.Dataset:
     return calls.map(claim)
 
 
-def _read_ops(engine: Engine, files: list[str], record_bytes: int | None, tfrecord: bool, batch_size: int | None):
+def _read_ops(engine: Engine, files: list[str], record_bytes: int | None, tfrecord: bool, batch_size: int | None,
+              read_ahead: int):
     """The native start and take ops of one dataset, as map functions: start takes a
     batch of (file numbers in ``files``, offsets, lengths) and returns a ticket for
     each with its range, take turns tickets (one, or a batch) into their items. Both
-    name the same prefetcher (``key``), which runs reads with the engine's settings."""
+    name the same prefetcher (``key``), which runs reads with the engine's settings
+    and holds those of about twice ``read_ahead`` start calls (the start map's
+    parallelism) until taken, letting go of older ones that no take claimed."""
     config = engine.config
     attrs = dict(key=next(_dataset_keys), backend=engine.backend, block_size=config.block_size,
                  queue_depth=config.queue_depth, threads=config.threads, direct=config.direct,
-                 tfrecord=tfrecord, record_bytes=record_bytes or 0, batch_size=batch_size or 0)
+                 tfrecord=tfrecord, record_bytes=record_bytes or 0, batch_size=batch_size or 0, read_ahead=read_ahead)
     ops = _native_ops()
 
     @tf.autograph.experimental.do_not_convert  # plain op calls: nothing to convert
@@ -322,6 +327,11 @@ def _read_ops(engine: Engine, files: list[str], record_bytes: int | None, tfreco
         return tf.ensure_shape(ops.tensorferry_take_string(tickets, paths, offsets, lengths, **attrs), tickets.shape)
 
     return start, take
+
+
+def _held_reads(key: int) -> int:
+    """The items whose reads the prefetcher of the dataset ``key`` (its ops' attr) holds for a take."""
+    return int(_native_ops().tensorferry_held_reads(key=key))
 
 
 @functools.lru_cache(maxsize=None)
