@@ -334,8 +334,6 @@ def test_errors(tmp_path) -> None:
     with pytest.raises(IsADirectoryError, match="glob pattern") as info:  # a folder of data: its files are meant
         make_dataset(str(tmp_path))
     assert info.value.filename == str(tmp_path)
-    with pytest.raises(ValueError):
-        make_dataset([], tfrecord=True)
     with pytest.raises(ValueError, match="not both"):
         make_dataset(str(tmp_path), record_bytes=4, tfrecord=True)
     (tmp_path / "r.bin").write_bytes(bytes(64))
@@ -348,6 +346,58 @@ def test_errors(tmp_path) -> None:
             writer.write(b"x" * 1000)
         with pytest.raises(ValueError, match=f"starts as a {compression} stream.*compression_type='{compression}'"):
             make_dataset(path, tfrecord=True)
+
+
+def test_a_path_that_is_not_a_readable_file_gets_its_own_error(tmp_path) -> None:
+    """Every failure to stat a path was FileNotFoundError(ENOENT), and so was a FIFO or a
+    device (os.path.isfile): os.stat's error now comes with its errno and the path, and a
+    file that is not regular is named as such."""
+    import errno
+
+    (tmp_path / "plain.bin").write_bytes(b"x")
+    too_long, through_a_file = str(tmp_path / ("x" * 300)), str(tmp_path / "plain.bin" / "child")
+    for path, error, code in ((too_long, OSError, errno.ENAMETOOLONG),
+                              (through_a_file, NotADirectoryError, errno.ENOTDIR),
+                              (str(tmp_path / "absent.bin"), FileNotFoundError, errno.ENOENT)):
+        with pytest.raises(error) as info:
+            make_dataset([path])
+        assert (info.value.errno, info.value.filename) == (code, path)
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    for path in (fifo, os.devnull):
+        with pytest.raises(ValueError, match="not a regular file") as info:
+            make_dataset([path], tfrecord=True)
+        assert repr(path) in str(info.value)
+
+
+def test_bad_arguments_are_refused_by_name(tmp_path) -> None:
+    """reads_per_call=0 raised ZeroDivisionError, -2 and num_parallel_reads=0 TensorFlow's
+    errors about shapes and num_parallel_calls; drop_remainder without batch_size was
+    ignored."""
+    (tmp_path / "r.bin").write_bytes(bytes(64))
+    path = str(tmp_path / "r.bin")
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=f"reads_per_call must be at least 1, got {bad}"):
+            make_dataset(path, record_bytes=4, reads_per_call=bad)
+        with pytest.raises(ValueError, match=f"num_parallel_reads must be tf.data.AUTOTUNE or at least 1, got {bad}"):
+            make_dataset(path, record_bytes=4, num_parallel_reads=bad)
+    with pytest.raises(ValueError, match="drop_remainder .* give batch_size"):
+        make_dataset(path, record_bytes=4, reads_per_call=5, drop_remainder=True)
+    assert len(make_dataset(path, record_bytes=4, num_parallel_reads=1)) == 16
+
+
+def test_a_bytes_path_and_an_empty_list_as_tensorflow_takes_them(tfrecords) -> None:
+    """A bytes path was taken for a list of byte values, and an empty list refused, where
+    TFRecordDataset reads the file and makes an empty dataset."""
+    paths, ordered = tfrecords
+    assert [x.numpy() for x in make_dataset(os.fsencode(paths[0]), tfrecord=True)] == ordered[:14]
+    assert [x.numpy() for x in make_dataset([os.fsencode(p) for p in paths], tfrecord=True)] == ordered
+    specs = [({}, tf.TensorSpec([], tf.string)), ({"tfrecord": True, "shuffle": True}, tf.TensorSpec([], tf.string)),
+             ({"record_bytes": 8}, tf.TensorSpec([8], tf.uint8)),
+             ({"record_bytes": 8, "batch_size": 4, "drop_remainder": True}, tf.TensorSpec([4, 8], tf.uint8))]
+    for kwargs, spec in specs:
+        empty = make_dataset([], **kwargs)
+        assert empty.element_spec == spec and len(empty) == 0 and list(empty.repeat(2)) == []
 
 
 def test_one_read_per_call_path(whole_files, tmp_path) -> None:

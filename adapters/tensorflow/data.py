@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import secrets
+import stat
 import warnings
 from typing import Iterable, Sequence
 
@@ -38,19 +39,30 @@ WHOLE_FILE = -1  # an item's length for the native ops: the rest of its file, as
 _dataset_keys = itertools.count()  # one prefetcher per dataset, shared by its two ops
 
 
-def _expand(files: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
-    if isinstance(files, (str, os.PathLike)):
-        pattern = local_path(files)
+def _expand(files: str | bytes | os.PathLike | Iterable[str | bytes | os.PathLike]) -> list[str]:
+    # A bytes path is one path, as TFRecordDataset takes it (not a sequence of byte values).
+    if isinstance(files, (str, bytes, os.PathLike)):
+        pattern = local_path(os.fsdecode(files))
         # A file named with [, * or ? is that file (as TFRecordDataset takes it), not a pattern matching nothing.
         literal = not glob.has_magic(pattern) or os.path.exists(pattern)
         paths = [pattern] if literal else sorted(glob.glob(pattern))
         if not paths:
             raise ValueError(f"the pattern {pattern!r} matches no files")
         return paths
-    paths = [local_path(f) for f in files]
-    if not paths:
-        raise ValueError("no files given")
-    return paths
+    return [local_path(os.fsdecode(f)) for f in files]
+
+
+def _check_is_a_file(path: str) -> None:
+    """Raises os.stat's OSError for a path that cannot be read as a file (ENOENT, ENOTDIR,
+    ENAMETOOLONG, EACCES: its errno and the path), IsADirectoryError for a directory and
+    ValueError for anything else that is not a regular file (a FIFO, a device), whose size
+    the items are planned by."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "a directory, not a file: give a glob pattern of its files "
+                                "(such as DIR/*) or a list of files", path)
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path!r} is not a regular file (a FIFO, socket or device): make_dataset reads files")
 
 
 def tfrecord_records(path: str) -> list[tuple[str, int, int]]:
@@ -69,7 +81,8 @@ def _tfrecord_ranges(path: str) -> tuple[list[int], list[int]]:
     return _native.tfrecord_ranges(os.fsencode(path))
 
 
-def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, record_bytes: int | None = None,
+def make_dataset(files: str | bytes | os.PathLike | Sequence[str | bytes | os.PathLike], *,
+                 record_bytes: int | None = None,
                  tfrecord: bool = False, shuffle: bool = False, seed: int | None = None,
                  num_parallel_reads: int = tf.data.AUTOTUNE, shard: tuple[int, int] | None = None,
                  reads_per_call: int | None = None, batch_size: int | None = None, drop_remainder: bool = False,
@@ -85,7 +98,8 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
 
     Args:
         files: a list of paths or a glob pattern (matched and sorted now); a path that
-            names an existing file is that file, whatever characters it holds.
+            names an existing file is that file, whatever characters it holds. An empty
+            list makes an empty dataset.
         record_bytes: split every file into records of this many bytes (the file size
             must be a multiple of it).
         tfrecord: read the files as TFRecord files.
@@ -120,8 +134,8 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
             would make them but without handing out each item first: per item,
             tf.data costs tens of microseconds, more than reading 4 KiB. Excludes
             ``reads_per_call``.
-        drop_remainder: with ``batch_size``, drop a last batch that is short (then the
-            batch dimension is static, as ``.batch(..., drop_remainder=True)`` makes it).
+        drop_remainder: with ``batch_size`` (only), drop a last batch that is short (then
+            the batch dimension is static, as ``.batch(..., drop_remainder=True)`` makes it).
         engine: whose settings (backend, block size, queue depth, threads, O_DIRECT)
             the reads use; the ops run their own engine with them.
     """
@@ -133,13 +147,16 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         raise ValueError("give batch_size or reads_per_call, not both: a batch is one call's reads")
     if batch_size is not None and batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if reads_per_call is not None and reads_per_call < 1:
+        raise ValueError(f"reads_per_call must be at least 1, got {reads_per_call}")
+    if num_parallel_reads != tf.data.AUTOTUNE and num_parallel_reads < 1:
+        raise ValueError(f"num_parallel_reads must be tf.data.AUTOTUNE or at least 1, got {num_parallel_reads}")
+    if drop_remainder and batch_size is None:
+        raise ValueError("drop_remainder drops a short last batch of batch_size: give batch_size too "
+                         "(or .batch(n, drop_remainder=True) on the dataset)")
     paths = _expand(files)
     for p in paths:
-        if os.path.isdir(p):
-            raise IsADirectoryError(errno.EISDIR, "a directory, not a file: give a glob pattern of its files "
-                                    "(such as DIR/*) or a list of files", p)
-        if not os.path.isfile(p):
-            raise FileNotFoundError(errno.ENOENT, "no such file", p)
+        _check_is_a_file(p)
     engine = engine or default_engine()
     if shuffle and seed is None:
         seed = _seed_of_unseeded_shuffle(sharded=shard is not None)
@@ -147,7 +164,7 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         # A file's framing is a chain of small reads (each header gives the next offset),
         # one per record when the cache is cold: files are scanned at once (the scan
         # releases the GIL). 8 files of 256 records, cold: 0.20-0.27 s one by one.
-        with ThreadPool(max_workers=min(MAX_SCANS, len(paths))) as pool:
+        with ThreadPool(max_workers=max(1, min(MAX_SCANS, len(paths)))) as pool:
             ranges = list(pool.map(_tfrecord_ranges, paths))
     elif record_bytes is not None:
         ranges = []
@@ -161,7 +178,8 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
         ranges = [([offset], [length]) for _, offset, length in records_of(paths)]
     # Items are columns of file numbers (indices into paths), offsets and lengths, made by
     # numpy: as a list of (path, offset, length) tuples, the 262,144 records of 1 GiB of 4 KiB
-    # records took 0.15-0.3 s of CPU to make, a third of what reading them costs.
+    # records took 0.15-0.3 s of CPU to make, a third of what reading them costs. No files: no items.
+    ranges.append(([], []))
     file_numbers = np.concatenate([np.full(len(offsets), i, np.int32) for i, (offsets, _) in enumerate(ranges)])
     offsets = np.concatenate([np.asarray(offsets, np.int64) for offsets, _ in ranges])
     lengths = np.concatenate([np.asarray(lengths, np.int64) for _, lengths in ranges])
@@ -181,7 +199,7 @@ def make_dataset(files: str | os.PathLike | Sequence[str | os.PathLike], *, reco
     if not tfrecord and record_bytes is None:  # the sizes above only plan the calls
         lengths = np.full_like(lengths, WHOLE_FILE)
     columns = (tf.constant(file_numbers, tf.int32), tf.constant(offsets, tf.int64), tf.constant(lengths, tf.int64))
-    dataset = _calls(columns, reads_per_call, shuffle, seed, drop_remainder and batch_size is not None)
+    dataset = _calls(columns, reads_per_call, shuffle, seed, drop_remainder)
     if shard is not None:
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
