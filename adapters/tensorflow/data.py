@@ -111,7 +111,12 @@ def make_dataset(files: str | bytes | os.PathLike | Sequence[str | bytes | os.Pa
             the dataset (``MultiWorkerMirroredStrategy``) shuffle alike only given a seed
             or ``tf.random.set_seed``: without, each its own way, and where tf.distribute
             shards by data, items repeat and go missing, as with ``Dataset.shuffle``
-            (it warns where ``TF_CONFIG`` names several workers).
+            (it warns where ``TF_CONFIG`` names several workers). An iterator's checkpoint
+            saved once the epoch's last reads have started (the last ``num_parallel_reads``
+            calls) restores that epoch exactly, and the later epochs of a ``repeat`` in
+            another order, as a stock ``shuffle().prefetch()`` saved past its last draw
+            does: keeping the seeds' state alive to the epoch's end cost 40% more CPU per
+            shuffled item.
         num_parallel_reads: batches of reads started ahead of the items handed out.
             AUTOTUNE (the default) starts enough to keep about 64 MiB in flight. Those
             of an iterator stopped early (``take(k).repeat()``, a loop left by ``break``)
