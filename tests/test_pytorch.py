@@ -1485,20 +1485,24 @@ def test_a_failed_async_save_handled_through_its_future_is_not_raised_again(smal
     assert ckpt.latest_step() == 7
 
 
+def save_failures(ckpt: FSDPCheckpointer, step: int) -> list[Exception]:
+    """What ``save(step)`` raised, then ``save_async(step)`` and ``wait()``: an Exception each
+    (torch's CheckpointException, a BaseException, fails the test as it passes through)."""
+    failures = []
+    for save_step in (ckpt.save, lambda step: (ckpt.save_async(step), ckpt.wait())):
+        with pytest.raises(Exception) as caught:
+            save_step(step)
+        failures.append(caught.value)
+    return failures
+
+
 def test_checkpointer_failures_are_exceptions_naming_file_and_errno(small_tmpfs) -> None:
     """save, save_async and load raised torch's CheckpointException: a BaseException, which
     ``except Exception`` let through, with no errno or filename (the file, offset and errno of
     a full disk were only in its text). They raise the error itself, DCP's kept as its cause."""
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.zeros(1 << 20))  # 4 MiB: more than the disk holds
-    ckpt = FSDPCheckpointer(small_tmpfs, model)
-    for save_step in (ckpt.save, lambda step: (ckpt.save_async(step), ckpt.wait())):
-        try:
-            save_step(1)
-        except Exception as exc:
-            failed = exc
-        else:
-            pytest.fail("a save larger than the disk succeeded")
+    for failed in save_failures(FSDPCheckpointer(small_tmpfs, model), 1):
         assert isinstance(failed, tensorferry.TensorferryIOError) and failed.errno == errno.ENOSPC, repr(failed)
         assert failed.filename.startswith(os.path.join(small_tmpfs, "step_1.tmp-")), failed.filename
         assert isinstance(failed.__cause__, CheckpointException)
@@ -1991,14 +1995,7 @@ def scenario_checkpointer_raises_one_ranks_error_on_every_rank(rank: int, world:
     CheckpointException on every rank, a BaseException with no errno or filename. Every rank
     now raises rank 1's TensorferryIOError: rank 1 its own, rank 0 one naming rank 1."""
     blob = {"x": torch.zeros((1 << 20) if rank == 1 else 4)}  # 4 MiB on rank 1: more than the disk holds
-    ckpt = FSDPCheckpointer(root, torch.nn.Linear(4, 4), extra={f"blob{rank}": blob})
-    for save_step in (ckpt.save, lambda step: (ckpt.save_async(step), ckpt.wait())):
-        try:
-            save_step(1)
-        except Exception as exc:
-            failed = exc
-        else:
-            pytest.fail("a save larger than the disk succeeded")
+    for failed in save_failures(FSDPCheckpointer(root, torch.nn.Linear(4, 4), extra={f"blob{rank}": blob}), 1):
         assert isinstance(failed, tensorferry.TensorferryIOError) and failed.errno == errno.ENOSPC, repr(failed)
         assert os.path.basename(failed.filename).startswith("rank00001-"), failed.filename
         assert ("on rank 1" in str(failed)) == (rank == 0), failed
