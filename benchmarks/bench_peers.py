@@ -29,6 +29,7 @@ import time
 import warnings
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -51,11 +52,14 @@ def make_state(nbytes: int, count: int, seed: int = 0) -> dict[str, torch.Tensor
 
 
 def touch(tensors: Any) -> None:
-    """Reads one byte of every page of every tensor: a loader that maps its file (or
-    reads lazily) is timed until it has really read what it returned."""
+    """Reads one byte of every page of every tensor (torch's, or any array numpy takes: JAX's):
+    a loader that maps its file (or reads lazily) is timed until it has really read what it
+    returned. Every contender's load pays it alike (:meth:`Contender.run`)."""
     for t in tensors:
-        raw = t.detach().reshape(-1).view(torch.uint8)
-        int(raw[::PAGE].sum())
+        if isinstance(t, torch.Tensor):
+            int(t.detach().reshape(-1).view(torch.uint8)[::PAGE].sum())
+        else:
+            int(np.asarray(t).reshape(-1).view(np.uint8)[::PAGE].sum())
 
 
 def files_of(path: str) -> list[str]:
@@ -66,7 +70,10 @@ class Contender:
     """A way to save (optional) and load a state: ``write(state, path)`` and ``read(path, state)``.
 
     ``prepare`` makes the file a load-only contender reads, untimed (a safetensors file
-    for the Run:ai streamer and fastsafetensors). With ``in_place``, ``read`` gets, in
+    for the Run:ai streamer and fastsafetensors). ``read`` returns what it loaded (a dict,
+    or arrays), which the clock then touches page by page, for every contender alike; one
+    whose tensors do not outlive the call (a reused buffer) touches them itself and returns
+    None. A load in place is touched in its targets. With ``in_place``, ``read`` gets, in
     place of the saved state, tensors like it to load into (a model's, made before the
     clock starts), as DCP loads. ``convert`` turns the state into another framework's
     arrays first (JAX's), untimed."""
@@ -94,11 +101,18 @@ class Contender:
                 bench.fsync_tree(path)
             target = destinations(state) if self.in_place else state
             bench.drop_cache(files_of(path))
-            rows.append(bench.timed(f"{self.name} [{label}]", "read", nbytes, lambda: self.read(path, target)))
+            rows.append(bench.timed(f"{self.name} [{label}]", "read", nbytes, lambda: self.load(path, target)))
             del target
         finally:
             bench.remove_path(path)
         return rows
+
+
+    def load(self, path: str, target: dict) -> None:
+        loaded = self.read(path, target)
+        loaded = target if self.in_place else loaded
+        if loaded is not None:
+            touch(loaded.values() if isinstance(loaded, dict) else loaded)
 
 
 def destinations(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -142,8 +156,8 @@ def _as_checkpointer(state: dict) -> Iterator[dict]:
 
 
 def ours() -> list[Contender]:
-    def read_file(path: str, state: dict) -> None:
-        load(path)  # verifies every tensor's checksum: every byte is read and hashed
+    def read_file(path: str, state: dict) -> dict:
+        return load(path)  # verifies every tensor's checksum: every byte is read and hashed
 
     return [
         Contender("tensorferry save/load", "tf.safetensors", read_file, lambda s, p: save(s, p)),
@@ -249,9 +263,9 @@ def jax_contender(skipped: dict[str, str]) -> list[Contender]:
         return {k: jax.device_put(v.numpy()) for k, v in state.items()}
 
     def reader(mapped: bool) -> Callable[[str, dict], None]:
-        def read(path: str, state: dict) -> None:
+        def read(path: str, state: dict) -> dict:
             target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
-            jax.block_until_ready(checkpointer.restore(path, args=FerryRestore(target, mmap=mapped)))
+            return jax.block_until_ready(checkpointer.restore(path, args=FerryRestore(target, mmap=mapped)))
         return read
 
     def save(state: dict, path: str) -> None:
@@ -267,14 +281,18 @@ def peers(skipped: dict[str, str]) -> list[Contender]:
     found = [
         Contender("torch.save/torch.load", "peer.pt", lambda p, s: torch.load(p, map_location="cpu"),
                   lambda s, p: torch.save(s, p)),
+        # Four writer threads, as ours write: its thread_count is 1 unless asked.
         Contender("DCP FileSystemWriter/Reader", "peer-dcp", _dcp_read(dcp.FileSystemReader),
-                  _dcp_write(dcp.FileSystemWriter), in_place=True),
+                  _dcp_write(_dcp_file_system_writer), in_place=True),
+        Contender("DCP FileSystemWriter/Reader, as FSDPCheckpointer calls DCP", "peer-dcp-ckpt",
+                  _dcp_read(dcp.FileSystemReader, as_checkpointer=True),
+                  _dcp_write(_dcp_file_system_writer, as_checkpointer=True), in_place=True),
     ]
     try:
         from safetensors.torch import load_file, save_file
 
         found.append(Contender("safetensors save_file/load_file", "peer.safetensors",
-                               lambda p, s: touch(load_file(p).values()), lambda s, p: save_file(s, p)))
+                               lambda p, s: load_file(p), lambda s, p: save_file(s, p)))
     except ImportError as exc:
         skipped["safetensors"] = f"not installed ({exc})"
         save_file = None
@@ -286,6 +304,10 @@ def peers(skipped: dict[str, str]) -> list[Contender]:
         except Exception as exc:  # an optional peer: why it cannot run is the result
             skipped[make.__doc__.split(":")[0]] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     return found
+
+
+def _dcp_file_system_writer(path: str) -> Any:
+    return dcp.FileSystemWriter(path, thread_count=bench.DCP_THREADS)
 
 
 def _huggingface_folder(save_file: Any) -> Contender:
@@ -344,7 +366,7 @@ def _tensorizer(save_file: Any) -> Contender:
 
     def read(path: str, state: dict) -> None:
         with TensorDeserializer(path, device="cpu") as tensors:
-            touch(tensors.values())
+            touch(tensors.values())  # its tensors may not outlive the deserializer
 
     return Contender("tensorizer", "peer.tensors", read, write)
 

@@ -71,9 +71,16 @@ METHOD = """\
   in the peers benchmark with every peer imported, and one is set off by the objects
   that all the steps so far left behind: before 2026-11-27 a step could pay for the
   steps before it, by chance. A step still pays for the collections it sets off.
-- **fio in the same run.** The ceiling is fio (`--ioengine=io_uring --direct=1 --bs=1m
-  --iodepth=32 --end_fsync=1`) writing and reading as many bytes, on the same directory,
+- **fio in the same run.** The reference is fio (`--ioengine=io_uring --direct=1 --bs=1m
+  --iodepth=32 --end_fsync=1 --fixedbufs --registerfiles`, its buffers and file registered
+  with the ring since 2026-11-27) writing and reading as many bytes, on the same directory,
   as one contender among the others in every round. Its CPU-s/GB include fio's start-up.
+  It is no ceiling: our engine's reads often beat it here (below).
+- **Every load touched alike.** Since 2026-11-27 every contender's load, ours included, is
+  timed until one byte of every page of every tensor it returned (or loaded into) has been
+  read; before, only the loaders whose tensors map their file or a reused buffer were.
+  torch's DCP is run with four writer threads, as ours write, and also the way
+  `FSDPCheckpointer` calls it, beside our row that calls it so.
 - **Interleaved rounds.** `--repeat N` runs every contender, fio included, in N rounds
   whose order follows a Williams design: each contender takes every place and follows
   every other equally often (on the development VM a write right after another's was
