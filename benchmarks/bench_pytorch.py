@@ -137,12 +137,14 @@ def _rank_main(rank: int, world: int, port: int, directory: str, nbytes: int, qu
                                lambda p: dcp.FileSystemWriter(p, thread_count=4, sync_files=True))]:
         path = os.path.join(directory, "dist")
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), time.process_time()
         dcp.save(state, storage_writer=make_writer(path))
+        cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
         dist.barrier()
         seconds = time.perf_counter() - start
+        dist.all_reduce(cpu)  # both ranks' CPU, as one process's would count both halves' work
         if rank == 0:
-            queue.put(bench.Measurement(name, "write", nbytes, seconds, 0.0))
+            queue.put(bench.Measurement(name, "write", nbytes, seconds, float(cpu)))
             shutil.rmtree(path)
         dist.barrier()
     dist.destroy_process_group()
