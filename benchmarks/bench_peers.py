@@ -54,7 +54,7 @@ def make_state(nbytes: int, count: int, seed: int = 0) -> dict[str, torch.Tensor
 def touch(tensors: Any) -> None:
     """Reads one byte of every page of every tensor (torch's, or any array numpy takes: JAX's):
     a loader that maps its file (or reads lazily) is timed until it has really read what it
-    returned. Every contender's load pays it alike (:meth:`Contender.run`)."""
+    returned. Every contender's load pays it alike (:meth:`Contender.load`)."""
     for t in tensors:
         if isinstance(t, torch.Tensor):
             int(t.detach().reshape(-1).view(torch.uint8)[::PAGE].sum())

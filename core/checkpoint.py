@@ -190,7 +190,7 @@ class PendingCheckpoint:
                 return swapping
             # No atomic exchange here: between the two renames the old checkpoint lives
             # under a name that list_checkpoints and the loaders find (recoverable_checkpoints).
-            old = temporary_name(self.directory, f"{OLD_TAIL}{temporary_token()}")
+            old = aside_name(self.directory, OLD_REASON)
             os.rename(self.directory, old)
             os.rename(swapping, self.directory)
             in_place = True
@@ -256,7 +256,8 @@ def refuse_existing(directory: str | os.PathLike, hint: str = "pass overwrite=Tr
         raise FileExistsError(f"{directory} exists; {hint}")
 
 
-OLD_TAIL = "old-"
+OLD_REASON = "old"  # what aside_name says of an old checkpoint an overwrite moved aside
+OLD_TAIL = f"{OLD_REASON}-"
 _RENAME_EXCHANGE = 2
 _libc = None
 

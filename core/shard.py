@@ -350,14 +350,15 @@ class ShardWriter:
             file.fsync()
             size = header.size + offset
             file.close()
-            if self._write_path != self.path and self._superseded is not None and self._superseded():
-                self.abort()
-            elif self._write_path != self.path:
-                replaced = set_aside(self.path)  # the replaced file's blocks are freed after the commit
-                os.replace(self._write_path, self.path)
-                fsync_after_commit(self.path)
-                if replaced is not None:
-                    discard_later(replaced)
+            if self._write_path != self.path:
+                if self._superseded is not None and self._superseded():
+                    self.abort()
+                else:
+                    replaced = set_aside(self.path)  # the replaced file's blocks are freed after the commit
+                    os.replace(self._write_path, self.path)
+                    fsync_after_commit(self.path)
+                    if replaced is not None:
+                        discard_later(replaced)
         except BaseException:
             file.close()
             self.abort()
