@@ -1226,3 +1226,27 @@ def test_an_abort_called_again_leaves_a_later_saves_temporary_alone(tmp_path) ->
     assert os.listdir(later.tmp_path) == ["part"]
     later.abort()
     assert not os.path.exists(later.tmp_path)
+
+
+def test_a_superseded_save_leaves_what_is_at_its_path(tmp_path) -> None:
+    """``superseded`` (save_checkpoint, PendingCheckpoint.commit, an atomic ShardWriter) is
+    asked just before the rename: True drops the save, its temporary too, and leaves the
+    path as it is; False commits as without it."""
+    tensorferry.save_checkpoint(tmp_path / "step_1", {"x": np.full(3, 1)})
+    asked = []
+    tensorferry.save_checkpoint(tmp_path / "step_1", {"x": np.full(3, 2)}, overwrite=True,
+                                superseded=lambda: asked.append("dir") or True)
+    path = tmp_path / "model.safetensors"
+    with ShardWriter(path, atomic=True) as w:
+        w.add("x", np.full(3, 1))
+    writer = ShardWriter(path, atomic=True, superseded=lambda: asked.append("file") or True)
+    writer.add("x", np.full(3, 2))
+    writer.close()
+    wait_for_discards()
+    assert asked == ["dir", "file"]
+    assert tensorferry.load_checkpoint(tmp_path / "step_1")["x"].tolist() == [1, 1, 1]
+    with ShardReader(path) as r:
+        assert r.read("x").tolist() == [1, 1, 1]
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "step_1"], "no temporary is left"
+    tensorferry.save_checkpoint(tmp_path / "step_1", {"x": np.full(3, 3)}, overwrite=True, superseded=lambda: False)
+    assert tensorferry.load_checkpoint(tmp_path / "step_1")["x"].tolist() == [3, 3, 3]
