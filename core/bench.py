@@ -1167,7 +1167,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     engine = sub.add_parser("engine", help="raw engine write/read of one file vs fio")
-    engine.add_argument("--backends", type=_backends_arg, default="io_uring,threads")
+    engine.add_argument("--backends", type=backends_arg, default="io_uring,threads")
     ckpt = sub.add_parser("checkpoint", help="save_checkpoint/load_checkpoint vs fio and peers")
     ckpt.add_argument("--counts", type=counts_arg, default="64,4096", help="comma-separated array counts to try")
     paired = sub.add_parser("paired", help="save_checkpoint against fio write, alternated round by round; "
@@ -1203,12 +1203,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _backends_arg(text: str) -> list[str]:
-    """An argparse ``type=`` for comma-separated engine backends."""
-    names = [name.strip() for name in text.split(",")]
-    unknown = [name for name in names if name not in PARALLELISM]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown backend {unknown[0]!r} (choose from {', '.join(PARALLELISM)})")
+def backends_arg(text: str) -> list[str]:
+    """An argparse ``type=`` for comma-separated engine backends, each one usable here."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:  # else tune fails with a traceback and bench measures no engine at all
+        raise argparse.ArgumentTypeError(f"{text!r} names no backend (choose from {', '.join(PARALLELISM)})")
+    for name in names:
+        if name not in PARALLELISM:
+            raise argparse.ArgumentTypeError(f"unknown backend {name!r} (choose from {', '.join(PARALLELISM)})")
+        if name == "io_uring" and not io_uring_probe()[0]:
+            raise argparse.ArgumentTypeError(f"io_uring is not usable here: {io_uring_probe()[1]}")
     return names
 
 

@@ -167,19 +167,11 @@ def _existing_dir(path: str) -> str:
     return os.path.abspath(path)
 
 
-def _backends(text: str | None) -> list[str]:
-    """The backends named (comma-separated), or every one this machine can use."""
-    if text is None:
-        return ["io_uring", "threads"] if bench.io_uring_probe()[0] else ["threads"]
-    names = [b.strip() for b in text.split(",") if b.strip()]
-    if not names:  # else tune fails with a traceback and bench measures no engine at all
-        raise CLIError(f"--backends {text!r} names no backend (choose from {', '.join(bench.PARALLELISM)})")
-    for name in names:
-        if name not in bench.PARALLELISM:
-            raise CLIError(f"unknown backend {name!r} (choose from {', '.join(bench.PARALLELISM)})")
-        if name == "io_uring" and not bench.io_uring_probe()[0]:
-            raise CLIError(f"io_uring is not usable here: {bench.io_uring_probe()[1]}")
-    return names
+def _backends(names: list[str] | None) -> list[str]:
+    """The backends named, or every one this machine can use."""
+    if names is not None:
+        return names
+    return ["io_uring", "threads"] if bench.io_uring_probe()[0] else ["threads"]
 
 
 def _writable_folder(path: str, option: str) -> None:
@@ -729,7 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help="a directory on the drive to measure")
     p.add_argument("--size", type=size_arg, default=parse_size("2G"), help="bytes per run (default 2G)")
     p.add_argument("--count", type=count_arg, default=64, help="arrays in the checkpoint (default 64)")
-    p.add_argument("--backends", help="comma-separated engine backends (default: every usable one)")
+    p.add_argument("--backends", type=bench.backends_arg,
+                   help="comma-separated engine backends (default: every usable one)")
     p.add_argument("--plot", metavar="PNG", help="also draw a bar chart (needs the [plot] extra)")
     p.set_defaults(func=cmd_bench)
 
@@ -747,7 +740,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time budget for the search (default 120)")
     p.add_argument("--tolerance", type=_positive_arg, default=0.03,
                    help="stop refining within this fraction of fio (default 0.03)")
-    p.add_argument("--backends", help="comma-separated engine backends (default: every usable one)")
+    p.add_argument("--backends", type=bench.backends_arg,
+                   help="comma-separated engine backends (default: every usable one)")
     p.add_argument("-o", "--output", metavar="JSON", help="also write the result to this file")
     p.add_argument("--plot", metavar="PNG", help="also draw a heat map (needs the [plot] extra)")
     p.set_defaults(func=cmd_tune)

@@ -44,6 +44,7 @@ def test_bench_runs_and_reports_json(tmp_path, tmp_path_factory, what: str, extr
 
 
 @pytest.mark.parametrize("bad", [["engine", "--size", "abc"], ["engine", "--size", "1M", "--backends", "foo"],
+                                 ["engine", "--size", "1M", "--backends", ","],
                                  ["paired", "--size", "1M", "--rounds", "0"],
                                  ["checkpoint", "--size", "1M", "--counts", "0"],
                                  ["checkpoint", "--size", "1M", "--counts", "8,x"],
