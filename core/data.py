@@ -76,7 +76,7 @@ class _Shared:
 def records_of(items: Iterable[Item]) -> list[Record]:
     """The `(path, offset, length)` record of each item: a path stands for its whole file."""
     records = []
-    sizes: dict[str, int] = {}
+    sizes: dict[str, int | None] = {}
     for item in items:
         if isinstance(item, (str, os.PathLike)):
             path, offset, length = local_path(item), 0, None
@@ -89,14 +89,29 @@ def records_of(items: Iterable[Item]) -> list[Record]:
             path, offset, length = local_path(path), operator.index(offset), operator.index(length)
             if offset < 0 or length < 0:
                 raise ValueError(f"record {item!r}: offset and length must not be negative")
-        if path not in sizes:
-            st = os.stat(path)  # FileNotFoundError names the path
-            if stat.S_ISDIR(st.st_mode):
-                raise IsADirectoryError(errno.EISDIR, "a FileSource item is a directory: give the files in it "
-                                        "(sorted(glob.glob('DIR/*')), say)", path)
-            sizes[path] = st.st_size
+        if path not in sizes or (length is None and sizes[path] is None):
+            sizes[path] = readable_size(path, "give the files in it (sorted(glob.glob('DIR/*')), say)",
+                                        whole_file=length is None)
         records.append((path, offset, sizes[path] if length is None else length))
     return records
+
+
+def readable_size(path: str, directory_hint: str, *, whole_file: bool = True) -> int | None:
+    """The size of ``path``, to plan reads of its bytes by, refusing what cannot be read
+    that way: IsADirectoryError for a directory (``directory_hint`` says what to give
+    instead) and, where the whole file is to be read, ValueError for what is not a regular
+    file (a FIFO, socket or device, whose ``st_size`` is not its length; None is its size
+    where only given ranges are read). os.stat's OSError (its errno and the path) where
+    ``path`` cannot be looked at."""
+    mode_and_size = os.stat(path)
+    if stat.S_ISDIR(mode_and_size.st_mode):
+        raise IsADirectoryError(errno.EISDIR, f"a directory, not a file: {directory_hint}", path)
+    if stat.S_ISREG(mode_and_size.st_mode):
+        return mode_and_size.st_size
+    if whole_file:
+        raise ValueError(f"{path!r} is not a regular file (a FIFO, socket or device): its size is not its length, "
+                         "so it cannot be read whole")
+    return None
 
 
 class FileSource:

@@ -163,6 +163,15 @@ def test_construction_errors(tmp_path):
         FileSource([(missing, 0, 10)])
     with pytest.raises(IsADirectoryError):
         FileSource([tmp_path])
+    # A FIFO or a device read whole: its st_size (0) is not its length, and it came back as
+    # an empty item without a word. A range of one is the reader's to ask for.
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    for special in (fifo, os.devnull):
+        with pytest.raises(ValueError, match="not a regular file") as info:
+            FileSource([special])
+        assert repr(special) in str(info.value)
+    assert FileSource([(os.devnull, 0, 0)]).records == ((os.devnull, 0, 0),)
     (path,), _ = write_files(tmp_path, [100])
     with pytest.raises(ValueError):
         FileSource([(path, -1, 10)])

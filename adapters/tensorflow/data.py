@@ -12,14 +12,12 @@ out once.
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import glob
 import itertools
 import json
 import os
 import secrets
-import stat
 import warnings
 from typing import Iterable, Sequence
 
@@ -27,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from ... import _native
-from ...data import records_of
+from ...data import readable_size, records_of
 from ...engine import Engine, default_engine, local_path
 from ...pools import ThreadPool
 
@@ -50,19 +48,6 @@ def _expand(files: str | bytes | os.PathLike | Iterable[str | bytes | os.PathLik
             raise ValueError(f"the pattern {pattern!r} matches no files")
         return paths
     return [local_path(os.fsdecode(f)) for f in files]
-
-
-def _check_is_a_file(path: str) -> None:
-    """Raises os.stat's OSError for a path that cannot be read as a file (ENOENT, ENOTDIR,
-    ENAMETOOLONG, EACCES: its errno and the path), IsADirectoryError for a directory and
-    ValueError for anything else that is not a regular file (a FIFO, a device), whose size
-    the items are planned by."""
-    mode = os.stat(path).st_mode
-    if stat.S_ISDIR(mode):
-        raise IsADirectoryError(errno.EISDIR, "a directory, not a file: give a glob pattern of its files "
-                                "(such as DIR/*) or a list of files", path)
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"{path!r} is not a regular file (a FIFO, socket or device): make_dataset reads files")
 
 
 def tfrecord_records(path: str) -> list[tuple[str, int, int]]:
@@ -161,7 +146,7 @@ def make_dataset(files: str | bytes | os.PathLike | Sequence[str | bytes | os.Pa
                          "(or .batch(n, drop_remainder=True) on the dataset)")
     paths = _expand(files)
     for p in paths:
-        _check_is_a_file(p)
+        readable_size(p, "give a glob pattern of its files (such as DIR/*) or a list of files")
     engine = engine or default_engine()
     if shuffle and seed is None:
         seed = _seed_of_unseeded_shuffle(sharded=shard is not None)
