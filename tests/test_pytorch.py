@@ -2048,6 +2048,30 @@ def scenario_state_failing_on_one_rank(rank: int, world: int, root: str) -> None
         assert sorted(os.listdir(root)) == ["step_1", "step_3"]
 
 
+def scenario_listing_failing_on_rank_0(rank: int, world: int, root: str) -> None:
+    """Rank 0 lists the checkpoints for every rank (load's step); its listing failing with an
+    errno reached the other ranks as a TensorferryError without one, unlike every other error
+    told across ranks. Rank 0 raises its own error, the others a TensorferryIOError with its
+    errno and the folder."""
+    ckpt = FSDPCheckpointer(root, torch.nn.Linear(4, 4))
+    ckpt.save(1)
+    if rank == 0:  # root cannot be made unreadable to root: rank 0's listing fails as EACCES would
+        def refused() -> int | None:
+            raise PermissionError(errno.EACCES, "Permission denied", root)
+        ckpt.latest_step = refused
+    with pytest.raises(OSError, match="Permission denied") as info:
+        ckpt.load()
+    assert (info.value.errno, info.value.filename) == (errno.EACCES, root)
+    if rank != 0:
+        assert isinstance(info.value, tensorferry.TensorferryError) and "rank 0 could not list" in str(info.value)
+    assert ckpt.load(1) == 1, "a step named is not listed"
+
+
+@pytest.mark.slow
+def test_a_listing_failing_on_rank_0_raises_its_errno_on_every_rank(tmp_path) -> None:
+    run(2, str(tmp_path), "listing_failing_on_rank_0", timeout=300, group_timeout=60)
+
+
 @pytest.mark.slow
 def test_state_failing_on_one_rank_fails_every_ranks_save_and_load_on_2_ranks(tmp_path) -> None:
     # A short group timeout: without the fix, rank 0 fails in DCP's collective rather than waiting 30 min.

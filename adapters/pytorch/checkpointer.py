@@ -160,13 +160,13 @@ class FSDPCheckpointer:
             try:
                 box[0] = (decide(), None)
             except Exception as exc:  # the other ranks are waiting in the broadcast
-                error, box[0] = exc, (None, f"{type(exc).__name__}: {exc}")
+                error, box[0] = exc, (None, _told(exc))
         dist.broadcast_object_list(box, group=self.process_group, group_src=0)
         if error is not None:
             raise error
         decided, failure = box[0]
         if failure is not None:
-            raise TensorferryError(f"rank 0 could not list {self.checkpoint_dir}: {failure}")
+            raise _error_of_another_rank(0, failure, f"could not list {self.checkpoint_dir}", self.checkpoint_dir)
         return decided
 
     def _barrier(self) -> None:
