@@ -242,21 +242,31 @@ def walk_structure(structure: Any, where: str, what: str, children_of: Callable[
 def check_structure(structure: Any, where: str, tensor_names: Any) -> None:
     """Raises :class:`CorruptCheckpointError` unless ``structure`` is a tree as
     ``adapters.pytorch.save`` encodes it: nodes ``{"dict": [[str or int, node], ...]}``,
-    ``{"list" | "tuple": [node, ...]}``, ``{"tensor" | "tensor_requires_grad" | "parameter" |
+    ``{"ordered_dict": {"items": [[str or int, node], ...], "_metadata": node}}`` (``_metadata``
+    optional), ``{"list" | "tuple": [node, ...]}``, ``{"tensor" | "tensor_requires_grad" | "parameter" |
     "parameter_no_grad" | "ndarray" | "npscalar": name}``
-    (a name in ``tensor_names``), ``{"value": scalar}``, ``{"float": "nan" | "inf" | "-inf"}``
-    or ``{"dtype": str}``, at most ``MAX_STRUCTURE_DEPTH`` deep (:func:`walk_structure`)."""
+    (a name in ``tensor_names``), ``{"value": scalar}``, ``{"float": "nan" | "inf" | "-inf"}``,
+    ``{"dtype": str}`` or ``{"size": [int64, ...]}``, at most ``MAX_STRUCTURE_DEPTH`` deep
+    (:func:`walk_structure`)."""
+
+    def pairs_of(kind: str, value: Any) -> list[Any]:
+        if not (type(value) is list and all(type(item) is list and len(item) == 2
+                                            and type(item[0]) in (str, int) for item in value)):
+            raise CorruptCheckpointError(f"{where}: {kind} node holds {_shown(value)}, not [key, node] pairs "
+                                         "with str or int keys")
+        return [item[1] for item in value]
 
     def children_of(node: Any) -> Iterable[Any]:
         if not isinstance(node, dict) or len(node) != 1:
             raise CorruptCheckpointError(f"{where}: unreadable structure node {_shown(node)}")
         (kind, value), = node.items()
         if kind == "dict":
-            if not (type(value) is list and all(type(item) is list and len(item) == 2
-                                                and type(item[0]) in (str, int) for item in value)):
-                raise CorruptCheckpointError(f"{where}: a dict node holds {_shown(value)}, not [key, node] pairs "
-                                             "with str or int keys")
-            return [item[1] for item in value]
+            return pairs_of("a dict", value)
+        if kind == "ordered_dict":
+            if not (isinstance(value, dict) and "items" in value and set(value) <= {"items", "_metadata"}):
+                raise CorruptCheckpointError(f"{where}: an ordered_dict node holds {_shown(value)}, not "
+                                             '{"items": [...]} and at most a "_metadata" node')
+            return pairs_of("an ordered_dict", value["items"]) + ([value["_metadata"]] if "_metadata" in value else [])
         if kind in ("list", "tuple"):
             if type(value) is not list:
                 raise CorruptCheckpointError(f"{where}: a {kind} node holds {_shown(value)}, not a list")
@@ -273,6 +283,10 @@ def check_structure(structure: Any, where: str, tensor_names: Any) -> None:
         elif kind == "dtype":
             if not isinstance(value, str):
                 raise CorruptCheckpointError(f"{where}: a dtype node holds {_shown(value)}")
+        elif kind == "size":
+            if not (type(value) is list and all(type(d) is int and -2**63 <= d < 2**63 for d in value)):
+                raise CorruptCheckpointError(f"{where}: a size node holds {_shown(value)}, not a list of "
+                                             "64-bit integers")
         else:
             raise CorruptCheckpointError(f"{where}: unknown structure node {_shown(kind)}")
         return ()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -94,8 +95,11 @@ def test_the_structure_of_a_saved_state_dict_reads_as_specified(tmp_path) -> Non
     from tensorferry.adapters.pytorch import save
 
     shared = torch.ones(2, 2)
+    versions = OrderedDict([("", {"version": 1})])
+    ordered = OrderedDict([("z", 1)])
+    ordered._metadata = versions  # as nn.Module.state_dict() returns it
     save({"model": {"a": shared, "b": shared}, "step": 7, "lr": float("inf"), "dtype": torch.bfloat16,
-          "betas": (0.9, 0.99), 3: None}, tmp_path / "state.safetensors")
+          "betas": (0.9, 0.99), 3: None, "sd": ordered, "size": torch.Size([2, 3])}, tmp_path / "state.safetensors")
     raw = (tmp_path / "state.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     check_header_checksum(raw[:8 + n])  # a single file vouches for its own header
@@ -105,4 +109,6 @@ def test_the_structure_of_a_saved_state_dict_reads_as_specified(tmp_path) -> Non
     assert structure == {"dict": [
         ["model", {"dict": [["a", {"tensor": "model.a"}], ["b", {"tensor": "model.a"}]]}],
         ["step", {"value": 7}], ["lr", {"float": "inf"}], ["dtype", {"dtype": "bfloat16"}],
-        ["betas", {"tuple": [{"value": 0.9}, {"value": 0.99}]}], [3, {"value": None}]]}
+        ["betas", {"tuple": [{"value": 0.9}, {"value": 0.99}]}], [3, {"value": None}],
+        ["sd", {"ordered_dict": {"items": [["z", {"value": 1}]], "_metadata": {"ordered_dict": {"items": [
+            ["", {"dict": [["version", {"value": 1}]]}]]}}}}], ["size", {"size": [2, 3]}]]}

@@ -167,7 +167,9 @@ def test_hostile_saved_structures_load_or_raise_typed_errors(tmp_path) -> None:
         structure = json.loads(reader.metadata["tensorferry.structure"])
     junk = [None, 1, "tensor", "model.w", {"tensor": "nope"}, {"dict": [[True, {"value": 1}]]}, {"float": "x"},
             {"npscalar": "model.w"}, {"dtype": "float99"}, {"dtype": 5}, {"list": {}}, {"value": [1]},
-            {"a": 1, "b": 2}, {"tuple": [{"value": 1}] * 3}, json.loads("[" * 500 + "]" * 500)]
+            {"a": 1, "b": 2}, {"tuple": [{"value": 1}] * 3}, json.loads("[" * 500 + "]" * 500),
+            {"ordered_dict": {"items": [["k", {"value": 1}]], "_metadata": {"value": None}}},
+            {"ordered_dict": {"items": {}}}, {"size": [2, 3]}, {"size": [1.5]}]
     deep = {"value": 0}
     for _ in range(300):
         deep = {"list": [deep]}

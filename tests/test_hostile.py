@@ -746,7 +746,9 @@ def test_a_load_to_cuda_checks_the_manifest_against_the_header_first(checkpoint,
         serialization._load_directory_to_device(checkpoint, None, None, torch.device("cuda", 0), None, True)
 
 
-@pytest.mark.parametrize("node", [{"tensor": "nope"}, {"dict": [[True, {"value": 1}]]}, {"npscalar": "w"}])
+@pytest.mark.parametrize("node", [{"tensor": "nope"}, {"dict": [[True, {"value": 1}]]}, {"npscalar": "w"},
+                                  {"ordered_dict": {"items": [["w", {"tensor": "w"}]], "_metadata": []}},
+                                  {"size": ["2"]}])
 def test_a_checkpoint_whose_saved_structure_is_hostile_is_refused(tmp_path, node) -> None:
     """The structure a manifest holds, rewritten with the manifest sealed anew: refused
     naming the checkpoint, before any object is rebuilt from it."""

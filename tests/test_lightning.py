@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -170,6 +171,9 @@ def test_the_checkpoint_reads_back_as_lightning_wrote_it(tmp_path: Path) -> None
     assert checkpoint["lr_schedulers"][0]["step_size"] == 3
     assert any(k.startswith("ModelCheckpoint") for k in checkpoint["callbacks"])
     assert "fit_loop" in checkpoint["loops"]
+    # The state dict as torch.load gives it: an OrderedDict with the module versions load_state_dict hands on.
+    assert type(checkpoint["state_dict"]) is OrderedDict
+    assert checkpoint["state_dict"]._metadata == Tiny().state_dict()._metadata
     # map_location as torch.load takes it: a device, or the callable Lightning passes.
     moved = io.load_checkpoint(tmp_path / "ckpts" / "last.ckpt", map_location=lambda storage, loc: storage)
     assert torch.equal(moved["state_dict"]["net.0.weight"], checkpoint["state_dict"]["net.0.weight"])

@@ -527,6 +527,104 @@ def test_parameters_and_requires_grad_come_back_as_torch_load_gives_them(tmp_pat
     assert torch.equal(ours["prompt"].detach(), prompt.detach() - 1)
 
 
+class Renamed(torch.nn.Module):
+    """A module whose version 2 renamed its parameter ``w`` to ``weight``: it migrates
+    state saved by version 1 as torch's own modules do (BatchNorm's num_batches_tracked),
+    by the version ``load_state_dict`` finds in the state dict's ``_metadata``."""
+    _version = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.arange(3.0))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args) -> None:
+        if local_metadata.get("version", 1) < 2:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "w")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+def _described(value: Any) -> Any:
+    """The types, order and values of a loaded object, each state dict's ``_metadata`` included."""
+    if isinstance(value, dict):
+        metadata = _described(getattr(value, "_metadata", None))
+        return type(value), [(k, _described(v)) for k, v in value.items()], metadata
+    if isinstance(value, (list, tuple)):
+        return type(value), [_described(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return type(value), value.dtype, value.tolist()
+    return type(value), value
+
+
+@pytest.mark.parametrize("as_directory", [False, True], ids=["file", "checkpoint"])
+def test_state_dicts_and_sizes_come_back_as_torch_load_gives_them(tmp_path, as_directory: bool) -> None:
+    """A state dict came back a plain dict without its ``_metadata``, so ``load_state_dict``
+    handed every module no version and each migrated its current state as the oldest's;
+    a torch.Size came back a tuple."""
+    import io
+    from collections import OrderedDict
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), Renamed())
+    model[1](torch.randn(3, 4))  # num_batches_tracked counts
+    state = {"model": model.state_dict(), "size": torch.Size([2, 3]), "sizes": [torch.Size([]), (torch.Size([4]),)],
+             "nested": [OrderedDict(b=1, a=[OrderedDict(z=torch.ones(2), y=OrderedDict())])], "plain": {"b": 1, "a": 2}}
+    if as_directory:
+        save_checkpoint(tmp_path / "c", state)
+        ours = load_checkpoint(tmp_path / "c")
+    else:
+        save(state, tmp_path / "s.safetensors")
+        ours = load(tmp_path / "s.safetensors")
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    theirs = torch.load(buffer)
+    assert _described(ours) == _described(theirs) == _described(state)
+    assert type(ours["model"]) is OrderedDict and list(ours["model"]) == list(state["model"])
+    assert ours["model"]._metadata == theirs["model"]._metadata == state["model"]._metadata
+    assert ours["model"]._metadata["2"]["version"] == 2 and type(ours["size"]) is torch.Size
+    assert type(ours["plain"]) is dict and not hasattr(ours["nested"][0], "_metadata")
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), Renamed())
+    fresh.load_state_dict(ours["model"], strict=True)  # Renamed, given version 2, leaves its weight be
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+
+    old = OrderedDict((("2.w" if k == "2.weight" else k), v) for k, v in model.state_dict().items())
+    old._metadata = OrderedDict((k, {**v, "version": 1}) if k == "2" else (k, v)  # as version 1 saved it
+                                for k, v in model.state_dict()._metadata.items())
+    save(old, tmp_path / "old.safetensors")
+    fresh.load_state_dict(load(tmp_path / "old.safetensors"), strict=True)  # migrated: w is weight now
+    assert torch.equal(fresh[2].weight, model[2].weight)
+
+
+def test_what_a_state_dicts_metadata_cannot_save_is_named(tmp_path) -> None:
+    state = torch.nn.Linear(2, 2).state_dict()
+    state._metadata[""]["hook"] = object()
+    with pytest.raises(TypeError, match=r"model\._metadata\.\.hook: cannot save a object without pickle"):
+        save({"model": state}, tmp_path / "bad.safetensors")
+    assert not (tmp_path / "bad.safetensors").exists()
+
+
+@pytest.mark.parametrize("node", [{"ordered_dict": [["a", {"value": 1}]]}, {"ordered_dict": {"items": {}}},
+                                  {"ordered_dict": {"_metadata": {"value": 1}}},
+                                  {"ordered_dict": {"items": [], "_metadata": {"bogus": 1}}},
+                                  {"ordered_dict": {"items": [], "extra": 1}},
+                                  {"ordered_dict": {"items": [[True, {}]]}},
+                                  {"size": 3}, {"size": [2.0]}, {"size": [True]}, {"size": [2 ** 63]}])
+def test_a_damaged_ordered_dict_or_size_node_is_refused(tmp_path, node) -> None:
+    """Rewritten by a hostile writer (the header sealed anew): refused as damaged, naming the
+    file, not a KeyError or TypeError from deep inside the decoder."""
+    from tensorferry.shard import ShardReader, ShardWriter
+    path = str(tmp_path / "state.safetensors")
+    save({"model": torch.nn.Linear(2, 2).state_dict(), "size": torch.Size([1])}, path)
+    with ShardReader(path) as reader:
+        arrays = reader.read_many()
+        structure = json.loads(reader.metadata["tensorferry.structure"])
+    structure["dict"][1][1] = node
+    with ShardWriter(path, metadata={"tensorferry.structure": json.dumps(structure)}) as writer:
+        for name, array in arrays.items():
+            writer.add(name, array)
+    with pytest.raises(tensorferry.CorruptCheckpointError, match="state.safetensors: .*node"):
+        load(path)
+
+
 def test_tied_weights_are_found_by_storage(tmp_path) -> None:
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     model[1].weight = model[0].weight

@@ -1,9 +1,10 @@
 """A drop-in for torch.save/torch.load of state dicts, without pickle.
 
 Tensors go into one safetensors file (:func:`save`) or a checkpoint directory
-(:func:`save_checkpoint`) at drive speed; the structure around them (nested dicts
-with str or int keys, lists, tuples, numbers, strings, None, numpy arrays) goes into
-the metadata as JSON. Any safetensors reader can open the files.
+(:func:`save_checkpoint`) at drive speed; the structure around them (nested dicts and
+OrderedDicts with str or int keys, a state dict's ``_metadata``, lists, tuples,
+``torch.Size``, numbers, strings, None, numpy arrays) goes into the metadata as JSON.
+Any safetensors reader can open the files.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import json
 import os
 import sys
+from collections import OrderedDict
 from typing import Any, BinaryIO, Callable, Iterable, Mapping, Union
 
 import numpy as np
@@ -123,14 +125,16 @@ class _Encoder:
             array = array.astype(array.dtype.newbyteorder("="), order="C", copy=False)
             kind = "ndarray" if isinstance(value, np.ndarray) else "npscalar"
             return {kind: self._name(("object", id(value)), array, where)}
+        if isinstance(value, OrderedDict):  # before dict, its base: state_dict() returns one
+            node = {"items": self._items(value, where, depth)}
+            if hasattr(value, "_metadata"):  # the module versions load_state_dict migrates old state by
+                node["_metadata"] = self.encode(value._metadata, f"{where}._metadata" if where else "_metadata",
+                                                depth + 1)
+            return {"ordered_dict": node}
         if isinstance(value, dict):
-            items = []
-            for k, v in value.items():
-                if not isinstance(k, (str, int)) or isinstance(k, bool):
-                    raise TypeError(f"{where or 'the object'}: key {k!r} is {type(k).__name__}; only str and int "
-                                    "keys can be saved without pickle")
-                items.append([k, self.encode(v, f"{where}.{k}" if where else str(k), depth + 1)])
-            return {"dict": items}
+            return {"dict": self._items(value, where, depth)}
+        if isinstance(value, torch.Size):  # before tuple, its base
+            return {"size": list(value)}
         if isinstance(value, (list, tuple)):
             kind = "list" if isinstance(value, list) else "tuple"
             return {kind: [self.encode(v, f"{where}.{i}" if where else str(i), depth + 1)
@@ -144,6 +148,15 @@ class _Encoder:
         if isinstance(value, torch.dtype):
             return {"dtype": str(value).removeprefix("torch.")}
         raise TypeError(f"{where or 'the object'}: cannot save a {type(value).__name__} without pickle")
+
+    def _items(self, mapping: dict, where: str, depth: int) -> list[list[Any]]:
+        items = []
+        for k, v in mapping.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise TypeError(f"{where or 'the object'}: key {k!r} is {type(k).__name__}; only str and int "
+                                "keys can be saved without pickle")
+            items.append([k, self.encode(v, f"{where}.{k}" if where else str(k), depth + 1)])
+        return items
 
 
 def _decode(structure: Any, arrays: Mapping[str, np.ndarray], where: str, map_location: Any) -> Any:
@@ -189,6 +202,13 @@ class _Decoder:
             return arrays[value][()]
         if kind == "dict":
             return {k: self.decode(v) for k, v in value}
+        if kind == "ordered_dict":
+            made = OrderedDict((k, self.decode(v)) for k, v in value["items"])
+            if "_metadata" in value:
+                made._metadata = self.decode(value["_metadata"])  # type: ignore[attr-defined]
+            return made
+        if kind == "size":
+            return torch.Size(value)
         if kind == "list":
             return [self.decode(v) for v in value]
         if kind == "tuple":
