@@ -374,6 +374,21 @@ def test_a_background_write_saves_numpy_arrays_as_they_were(tmp_path: Path, monk
     assert back["numbers"] == [1.5, 3]
 
 
+def test_a_background_write_keeps_the_state_dicts_module_versions(tmp_path: Path) -> None:
+    """The copy taken before a background write rebuilt each state dict without its
+    ``_metadata``: load_state_dict then handed every module no version, as if saved by
+    the oldest, where the same checkpoint written at once kept them."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    io = TensorferryCheckpointIO(asynchronous=True)
+    io.save_checkpoint({"state_dict": model.state_dict(), "optimizer_states": [{"nested": model.state_dict()}]},
+                       tmp_path / "a.ckpt")
+    io.teardown()
+    back = TensorferryCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")
+    for state in (back["state_dict"], back["optimizer_states"][0]["nested"]):
+        assert type(state) is OrderedDict and state._metadata == model.state_dict()._metadata
+    model.load_state_dict(back["state_dict"], strict=True)
+
+
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["plain", "asynchronous"])
 @pytest.mark.parametrize("given, where", [("~/ckpts/a.ckpt", "home/ckpts/a.ckpt"),
                                           ("file://{tmp}/url/b.ckpt", "url/b.ckpt"),

@@ -14,7 +14,8 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
-from typing import Any, Callable
+from copy import deepcopy
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -267,7 +268,23 @@ def _snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
             copies[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value.copy()
         return copies[key]
 
-    return apply_to_collection(checkpoint, (torch.Tensor, np.ndarray), copy)
+    snapshot = apply_to_collection(checkpoint, (torch.Tensor, np.ndarray), copy)
+    _keep_state_dict_metadata(checkpoint, snapshot)
+    return snapshot
+
+
+def _keep_state_dict_metadata(original: Any, rebuilt: Any) -> None:
+    """Puts back the ``_metadata`` of each state dict in ``original`` on its copy in
+    ``rebuilt``: apply_to_collection rebuilds a mapping without its attributes, and
+    ``load_state_dict`` hands each module its saved version from there (torch.load keeps it)."""
+    if isinstance(original, Mapping) and isinstance(rebuilt, Mapping):
+        if hasattr(original, "_metadata"):
+            rebuilt._metadata = deepcopy(original._metadata)  # type: ignore[attr-defined]
+        for key, value in original.items():
+            _keep_state_dict_metadata(value, rebuilt.get(key))
+    elif isinstance(original, (list, tuple)) and isinstance(rebuilt, (list, tuple)):
+        for value, copied in zip(original, rebuilt):
+            _keep_state_dict_metadata(value, copied)
 
 
 __all__ = ["TensorferryCheckpointIO"]
