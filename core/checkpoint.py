@@ -749,15 +749,17 @@ class Committed(NamedTuple):
 
 def committed_checkpoints(root: str | os.PathLike) -> list[Committed]:
     """Every complete checkpoint directly under ``root``, in no particular order
-    (symbolic links to checkpoints are not counted); damaged ones are passed over with a
-    :class:`CheckpointSkippedWarning`."""
+    (symbolic links to checkpoints are not counted, nor folders named with ``TMP_MARKER``);
+    damaged ones are passed over with a :class:`CheckpointSkippedWarning`."""
     root = local_path(root)  # a URL's "folder" would not exist, and no checkpoint would say "start afresh"
     if not os.path.isdir(root):
         return []
     found = []
     # A link ("latest", "best") names a checkpoint and is none: counted, pruning would remove it, or what it names.
+    # No save is made under a name with the marker (refuse_temporary_marker): such a folder is a save's temporary
+    # or a user's own (step_2.tmp-2024), no step of the run. Counted, its tail was read as its step (2024).
     candidates = [(e.name, e.path) for e in os.scandir(root)
-                  if e.is_dir(follow_symlinks=False) and not is_temporary_name(e.name)]
+                  if e.is_dir(follow_symlinks=False) and TMP_MARKER not in e.name]
     for name, path in [*candidates, *recoverable_checkpoints(root).items()]:
         try:
             manifest = read_manifest(path)
@@ -772,7 +774,8 @@ def committed_checkpoints(root: str | os.PathLike) -> list[Committed]:
 
 def list_checkpoints(root: str | os.PathLike) -> list[str]:
     """Complete checkpoints directly under ``root``, oldest first (symbolic links to
-    checkpoints are not counted).
+    checkpoints are not counted, nor folders whose name has ``.tmp-`` in it: a save's
+    temporary, or a user's own, which loads when named).
 
     Ordered by the number that ends the directory name (``step_1000``) when every
     name has one, else by commit time.

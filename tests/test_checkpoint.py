@@ -612,16 +612,34 @@ def test_a_save_leaves_a_users_names_with_tmp_in_them_alone(tmp_path) -> None:
     assert (tmp_path / "photos.tmp-2024" / "a.jpg").read_bytes() == b"img"
 
 
-def test_a_checkpoint_in_a_folder_named_with_tmp_by_its_user_is_listed_and_loads(tmp_path) -> None:
+def test_a_checkpoint_in_a_folder_named_with_tmp_by_its_user_loads(tmp_path) -> None:
     """Any folder with '.tmp-' in its name was taken for a save's temporary: a user's
-    copy step_2.tmp-2024 was not listed and did not load ("unfinished checkpoint")."""
+    copy step_2.tmp-2024 did not load ("unfinished checkpoint")."""
     tensorferry.save_checkpoint(tmp_path / "step_1", {"x": np.arange(3)})
     shutil.copytree(tmp_path / "step_1", tmp_path / "step_2.tmp-2024")
     shutil.copytree(tmp_path / "step_1", tmp_path / "step_3.tmp-0123456789ab")  # a save killed before its rename
-    assert tensorferry.list_checkpoints(tmp_path) == [str(tmp_path / "step_1"), str(tmp_path / "step_2.tmp-2024")]
     assert np.array_equal(tensorferry.load_checkpoint(tmp_path / "step_2.tmp-2024")["x"], np.arange(3))
     with pytest.raises(CheckpointNotFoundError, match="unfinished"):
         tensorferry.read_manifest(tmp_path / "step_3.tmp-0123456789ab")
+
+
+def test_a_users_folder_named_with_tmp_is_no_step_of_the_run_and_retention_leaves_it(tmp_path) -> None:
+    """A user's copy step_2.tmp-2024 was listed as step 2024: it became latest_checkpoint,
+    and prune_checkpoints(keep_last=2) kept it and removed the real step_4. No save is made
+    under a name with '.tmp-' in it, so such a folder is its user's: it loads, but is not
+    listed, not latest and not pruned, and the run's own checkpoints keep their order."""
+    for step in (1, 2, 3, 4, 5):
+        tensorferry.save_checkpoint(tmp_path / f"step_{step}", {"x": np.full(2, step)})
+    shutil.copytree(tmp_path / "step_2", tmp_path / "step_2.tmp-2024")
+    shutil.copytree(tmp_path / "step_5", tmp_path / "step_5.tmp-2024")  # a copy of the newest alike
+    shutil.copytree(tmp_path / "step_1", tmp_path / "photos.tmp-2024")
+    run = [str(tmp_path / f"step_{step}") for step in (1, 2, 3, 4, 5)]
+    assert tensorferry.list_checkpoints(tmp_path) == run
+    assert tensorferry.latest_checkpoint(tmp_path) == run[-1]
+    assert tensorferry.prune_checkpoints(tmp_path, keep_last=2, remove_unfinished=True) == run[:3]
+    assert sorted(os.listdir(tmp_path)) == ["photos.tmp-2024", "step_2.tmp-2024", "step_4", "step_5",
+                                            "step_5.tmp-2024"]
+    assert tensorferry.load_checkpoint(tmp_path / "step_2.tmp-2024")["x"][0] == 2
 
 
 def test_every_temporary_name_made_is_one_that_is_recognised() -> None:
