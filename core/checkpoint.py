@@ -37,8 +37,8 @@ from .schema import (MANIFEST_VERSION, STEP_NUMBER, check_index, member_path, pa
                      seal_manifest, unseal_manifest, validate_manifest)
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
                     first_names, foreign_files_hint, fsync_after_commit, fsync_dir, gc_paused, subfolders_holding)
-from .temporaries import (NEW_TEMPORARY_TRIES, TMP_MARKER, aside_name, discard_later, held_here, hold_new,
-                          is_temporary_name, refuse_temporary_marker, release, remove_stale_temporaries,
+from .temporaries import (NEW_TEMPORARY_TRIES, TMP_MARKER, aside_name, discard_later, earlier_stem, held_here,
+                          hold_new, is_temporary_name, refuse_temporary_marker, release, remove_stale_temporaries,
                           temporary_name, temporary_stem, temporary_token)
 
 MANIFEST = "tensorferry.json"
@@ -283,7 +283,7 @@ def exchange(a: str, b: str) -> bool:
 def recoverable_checkpoints(root: str | os.PathLike) -> dict[str, str]:
     """Old checkpoints an overwrite moved aside (``<name>.tmp-old-<token>``, complete)
     whose own name holds nothing, by that name (one too long to fit in a temporary's, by
-    its first bytes: :func:`temporary_stem`): an overwrite without an atomic exchange was
+    what stands for it: :func:`temporary_stem`): an overwrite without an atomic exchange was
     interrupted between its two renames, and this is the checkpoint. A temporary of such
     an aside (``<name>.tmp-old-<token>.tmp-pruned-<token>``: pruned, its files not yet
     freed) is none."""
@@ -293,7 +293,10 @@ def recoverable_checkpoints(root: str | os.PathLike) -> dict[str, str]:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except (FileNotFoundError, NotADirectoryError):
         return found
-    taken = {temporary_stem(entry.name) for entry in entries}
+    # The stems of the names there that hold something, with an earlier version's (its asides' names); not of
+    # temporaries: cut to its first 218 bytes, a long name's aside was its own stem, and never recoverable.
+    taken = {stem for entry in entries if not is_temporary_name(entry.name)
+             for stem in (temporary_stem(entry.name), earlier_stem(entry.name))}
     for entry in entries:
         # The first marker: a stem holds none (refuse_temporary_marker), and a later one
         # makes a temporary of the aside, what its prune left.

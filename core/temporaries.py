@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import fcntl
+import hashlib
 import os
 import re
 import secrets
@@ -25,8 +26,10 @@ from .pools import ThreadPool
 TMP_MARKER = ".tmp-"
 NAME_MAX = 255  # bytes in a name, on Linux's filesystems
 # Bytes kept, after a target's name and TMP_MARKER, for the longest tail a temporary
-# adds ("replaced-" and a token): a longer name is shortened (temporary_name).
+# adds ("replaced-" and a token): a longer name is shortened (temporary_stem).
 _TAIL_ROOM = 32
+_STEM_ROOM = NAME_MAX - len(TMP_MARKER) - _TAIL_ROOM
+_STEM_HASH_DIGITS = 16
 
 # The fixed token of every torch DCP save's temporary, "<path>.tmp-dcp" (adapters/pytorch/dcp.py).
 DCP_TOKEN = "dcp"
@@ -149,14 +152,27 @@ def refuse_temporary_marker(target: str) -> None:
 
 def temporary_stem(name: str) -> str:
     """What stands for the name ``name`` in its temporaries' names: the name itself, or,
-    where it leaves no room for ``TMP_MARKER`` and a tail within NAME_MAX, its first bytes
-    (``torch.save`` writes such names, and a save of them failed with ENAMETOOLONG)."""
+    where it leaves no room for ``TMP_MARKER`` and a tail within NAME_MAX, its first bytes,
+    ``~`` and 16 hex digits of the SHA-256 of all of it (``torch.save`` writes such names,
+    and a save of them failed with ENAMETOOLONG). The hash keeps apart names alike in their
+    first bytes: with the first 218 bytes alone, two such checkpoints in a folder shared
+    their temporaries, and the clean-up of one removed the other set aside."""
     encoded = os.fsencode(name)
-    room = NAME_MAX - len(TMP_MARKER) - _TAIL_ROOM
-    if len(encoded) <= room:
+    if len(encoded) <= _STEM_ROOM:
         return name
+    digest = hashlib.sha256(encoded).hexdigest()[:_STEM_HASH_DIGITS]
+    return f"{_first_bytes(encoded, _STEM_ROOM - 1 - _STEM_HASH_DIGITS)}~{digest}"
+
+
+def earlier_stem(name: str) -> str:
+    """:func:`temporary_stem` as versions before the hash gave it: the first 218 bytes
+    alone, the same for names alike in them; what the asides those versions left begin with."""
+    return _first_bytes(os.fsencode(name), _STEM_ROOM)
+
+
+def _first_bytes(encoded: bytes, nbytes: int) -> str:
     # Whole characters only: a name cut inside one would read, and list, with escapes in it.
-    return encoded[:room].decode(sys.getfilesystemencoding(), "ignore")
+    return encoded[:nbytes].decode(sys.getfilesystemencoding(), "ignore")
 
 
 def temporary_name(target: str, tail: str = "") -> str:
@@ -289,7 +305,7 @@ def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
     return [path for path in stale_temporaries(root, target, keep) if remove_if_stale(path)]
 
 
-__all__ = ["DCP_TOKEN", "NEW_TEMPORARY_TRIES", "TMP_MARKER", "aside_name", "discard_later", "held_here", "hold",
-           "hold_new", "is_leftover_name", "is_temporary_name", "refuse_temporary_marker", "release",
-           "remove_if_stale", "remove_stale_temporaries", "set_aside", "stale_temporaries", "temporary_name",
-           "temporary_stem", "temporary_token", "wait_for_discards"]
+__all__ = ["DCP_TOKEN", "NEW_TEMPORARY_TRIES", "TMP_MARKER", "aside_name", "discard_later", "earlier_stem",
+           "held_here", "hold", "hold_new", "is_leftover_name", "is_temporary_name", "refuse_temporary_marker",
+           "release", "remove_if_stale", "remove_stale_temporaries", "set_aside", "stale_temporaries",
+           "temporary_name", "temporary_stem", "temporary_token", "wait_for_discards"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 
 import numpy as np
@@ -277,11 +278,12 @@ shutil.rmtree = dies_after(shutil.rmtree)
 tensorferry.save_checkpoint(os.path.join(root, target), {"x": np.full(1000, 2.0)}, overwrite=True)
 """
 
-# A name near NAME_MAX (255 bytes): its temporaries are named after its first bytes.
-_LONG_NAME = "step_1-" + "\u00e9" * 120
+# Names near NAME_MAX (255 bytes): their temporaries are named after their first bytes (cut
+# inside a character here, at one's end in the second) and a hash of them.
+_LONG_NAMES = ["step_1-" + "\u00e9" * 120, "step_1-" + "x" * 240]
 
 
-@pytest.mark.parametrize("name", ["step_1", _LONG_NAME])
+@pytest.mark.parametrize("name", ["step_1", *_LONG_NAMES])
 @pytest.mark.parametrize("protocol", ["exchange", "two renames"])
 def test_an_overwrite_killed_at_any_step_leaves_a_complete_checkpoint(tmp_path, protocol, name) -> None:
     import subprocess
@@ -310,6 +312,61 @@ def test_an_overwrite_killed_at_any_step_leaves_a_complete_checkpoint(tmp_path, 
             assert step > 3, "the protocol has at least four steps"
             return
     pytest.fail("the save was killed at every step tried: more steps than expected")
+
+
+@pytest.mark.parametrize("letter", ["x", "\u00e9"])
+def test_long_names_alike_in_their_first_bytes_share_no_temporaries(tmp_path, letter) -> None:
+    """Temporaries of a name over 218 bytes were named after its first 218 bytes alone, so
+    two such names in one folder shared them. B's overwrite, killed between its renames,
+    left B as <first 218 bytes>.tmp-old-<token>: while A stood, B did not load ("no
+    checkpoint") and was no checkpoint but a leftover of A's, and the next save to A, or a
+    clean, removed it; with A gone, load_checkpoint(A) read B."""
+    from tensorferry.checkpoint import OLD_REASON
+    from tensorferry.errors import CheckpointNotFoundError
+    from tensorferry.temporaries import aside_name
+    common = "run-" + letter * (230 // len(letter.encode()))
+    a, b, c = (str(tmp_path / f"{common}-{end}") for end in "abc")
+    tensorferry.save_checkpoint(a, {"x": np.full(2, 1.0)})
+    tensorferry.save_checkpoint(b, {"x": np.full(2, 2.0)})
+    os.rename(b, aside_name(b, OLD_REASON))  # B's overwrite without an atomic exchange, killed between its renames
+    assert len(tensorferry.list_checkpoints(tmp_path)) == 2
+    assert tensorferry.load_checkpoint(b)["x"][0] == 2.0
+    with pytest.raises(CheckpointNotFoundError):
+        tensorferry.load_checkpoint(c)  # a name never saved
+    tensorferry.save_checkpoint(a, {"x": np.full(2, 3.0)}, overwrite=True)
+    tensorferry.prune_checkpoints(tmp_path, keep_last=5, remove_unfinished=True)
+    wait_for_discards()
+    assert tensorferry.load_checkpoint(b)["x"][0] == 2.0, "B's checkpoint went with A's clean-up"
+    assert tensorferry.load_checkpoint(a)["x"][0] == 3.0
+    os.rename(a, aside_name(a, OLD_REASON))  # A's turn, with B aside too: each is found under its own name
+    assert tensorferry.load_checkpoint(a)["x"][0] == 3.0 and tensorferry.load_checkpoint(b)["x"][0] == 2.0
+    tensorferry.save_checkpoint(b, {"x": np.full(2, 4.0)}, overwrite=True)
+    wait_for_discards()
+    assert tensorferry.load_checkpoint(a)["x"][0] == 3.0 and tensorferry.load_checkpoint(b)["x"][0] == 4.0
+    assert len(os.listdir(tmp_path)) == 2
+
+
+def test_temporary_names_of_ordinary_names_are_as_before_and_an_earlier_versions_long_ones_are_leftovers(
+        tmp_path) -> None:
+    """The hash in a long name's temporaries (above) leaves names of up to 218 bytes as they
+    were, and what an earlier version left under a long name's first 218 bytes alone is still
+    a temporary: not listed, and removed by a clean once the name holds its checkpoint."""
+    from tensorferry.temporaries import NAME_MAX, temporary_stem
+    for name in ("step_1", "x" * 218, "\u00e9" * 109):
+        assert temporary_stem(name) == name and temporary_name(name, "0123abcd") == f"{name}.tmp-0123abcd"
+    for name in ("x" * 219, "x" * 255, "\u00e9" * 127, "y" + "\u00e9" * 127):
+        stem = temporary_stem(name)
+        assert name.startswith(stem[:100]) and len(os.fsencode(temporary_name(name, "replaced-0123abcd"))) <= NAME_MAX
+        assert temporary_stem(name[:-1] + "z") != stem
+    name = "run-" + "x" * 240
+    tensorferry.save_checkpoint(tmp_path / name, {"x": np.arange(3)})
+    earlier = name[:218]
+    shutil.copytree(tmp_path / name, tmp_path / f"{earlier}.tmp-0123456789ab")  # a killed save's
+    shutil.copytree(tmp_path / name, tmp_path / f"{earlier}.tmp-old-0123abcd")  # an overwrite's, since re-saved
+    assert tensorferry.list_checkpoints(tmp_path) == [str(tmp_path / name)]
+    assert sorted(tensorferry.prune_checkpoints(tmp_path, keep_last=1, remove_unfinished=True)) == [
+        str(tmp_path / f"{earlier}.tmp-0123456789ab"), str(tmp_path / f"{earlier}.tmp-old-0123abcd")]
+    assert os.listdir(tmp_path) == [name]
 
 
 def test_a_pruned_checkpoint_that_an_overwrite_had_left_aside_is_no_checkpoint(tmp_path) -> None:
