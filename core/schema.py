@@ -99,6 +99,7 @@ def hub_cache_hint(directory: str | os.PathLike) -> str:
 PART_FILE = re.compile(r"(shard-\d{5}|rank\d{5}-\d{3}|process-\d+|shard-\d{5}-model-\d{5}-of-\d{5})\.safetensors")
 
 ORBAX_STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes into each step directory
+ORBAX_TEMPORARY_MARKER = ".orbax-checkpoint-tmp"  # in the name of a step Orbax is still writing
 
 # The step a checkpoint's directory is of: the number its name ends with (step_1000, an
 # Orbax step "1000" or "checkpoint_1000").

@@ -35,8 +35,8 @@ from .dtypes import to_numpy_dtype, to_safetensors_dtype
 from .engine import Engine, File, IOFuture, default_engine, local_path
 from .errors import CorruptCheckpointError, DurabilityWarning, TensorferryIOError
 from .pools import ThreadPool
-from .schema import (ORBAX_STEP_MARKER, PART_FILE, STEP_NUMBER, check_tensor_entry, hub_cache_hint,
-                     parse_json)
+from .schema import (ORBAX_STEP_MARKER, ORBAX_TEMPORARY_MARKER, PART_FILE, STEP_NUMBER, check_tensor_entry,
+                     hub_cache_hint, parse_json)
 from .streams import (STREAM_PIECE, fill_from, is_stream, naming_stream_errors, read_exactly, remaining_bytes, require,
                       stream_name)
 from .temporaries import (NEW_TEMPORARY_TRIES, discard_later, hold_new, refuse_temporary_marker, release,
@@ -745,7 +745,9 @@ def _several_files_hint(entries: Sequence[os.DirEntry]) -> str:
 def _orbax_run_hint(directory: str) -> str:
     """For the directory of an Orbax ``CheckpointManager`` (its steps as subdirectories)
     given instead of one of its steps: which step to give (the latest), as a clause, or ``""``."""
-    steps = subfolders_holding(directory, lambda path: os.path.isfile(os.path.join(path, ORBAX_STEP_MARKER)))
+    # Not a step Orbax is still writing, <step>.orbax-checkpoint-tmp-<time>: its time read as its step, it was the latest.
+    steps = subfolders_holding(directory, lambda path: os.path.isfile(os.path.join(path, ORBAX_STEP_MARKER))
+                               and ORBAX_TEMPORARY_MARKER not in os.path.basename(path))
     if not steps:
         return ""
     latest = max(steps, key=lambda name: (int(m.group(1)) if (m := STEP_NUMBER.search(name)) else -1, name))

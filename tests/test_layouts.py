@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -240,7 +241,6 @@ def test_orbax_step_with_tensorferry_items(orbax_step: Path, tmp_path: Path) -> 
 
     shard = next((orbax_step / "state").glob("process-0.safetensors"))
     damaged = tmp_path / "damaged"
-    import shutil
     shutil.copytree(orbax_step, damaged)
     with open(damaged / "state" / shard.name, "r+b") as f:
         f.seek(-3, os.SEEK_END)
@@ -250,11 +250,17 @@ def test_orbax_step_with_tensorferry_items(orbax_step: Path, tmp_path: Path) -> 
     result = cli("verify", damaged, expect=1)
     assert result["bad_files"] == [f"state/{shard.name}"]
 
-    # The CheckpointManager's directory given instead of a step: the step to give, named.
-    for read in (layouts.detect, tensorferry.load_checkpoint):
-        with pytest.raises((layouts.UnknownLayoutError, CheckpointNotFoundError),
-                           match=f"Orbax CheckpointManager with 1 step.*the latest being {orbax_step}\\b"):
-            read(orbax_step.parent)
+    # The CheckpointManager's directory given instead of a step: the step to give, named, not
+    # a step Orbax is still writing (its time of day was read as its step).
+    in_the_making = orbax_step.parent / f"{int(orbax_step.name) + 1}.orbax-checkpoint-tmp-1764000000"
+    shutil.copytree(orbax_step, in_the_making)
+    try:
+        for read in (layouts.detect, tensorferry.load_checkpoint):
+            with pytest.raises((layouts.UnknownLayoutError, CheckpointNotFoundError),
+                               match=f"Orbax CheckpointManager with 1 step.*the latest being {orbax_step}\\b"):
+                read(orbax_step.parent)
+    finally:
+        shutil.rmtree(in_the_making)
 
     # Orbax's item without its data: Orbax's own error, raised as ours and naming the item.
     for data in (damaged / "extra").glob("**/d/*"):

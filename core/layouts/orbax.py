@@ -19,7 +19,7 @@ from ..buffers import byte_view
 from ..checkpoint import open_shard, read_manifest_file, verify_shard
 from ..dtypes import to_safetensors_dtype
 from ..errors import CorruptCheckpointError, TensorferryError
-from ..schema import ORBAX_STEP_MARKER, parse_json, read_small_file
+from ..schema import ORBAX_STEP_MARKER, ORBAX_TEMPORARY_MARKER, parse_json, read_small_file
 from . import (OBJECT, Chunk, ChunkSource, Layout, TensorEntry, TensorSource, Verification, file_row, size_problems,
                tensor_entry)
 
@@ -150,7 +150,7 @@ class OrbaxStep(Layout):
                 shards[self._prefix(item) + file] = (item, index)
                 row = file_row(self.path, self._prefix(item) + file, index["files"][file]["size"])
                 problems += size_problems([row], by="its index")
-        if "orbax-checkpoint-tmp" in os.path.basename(os.path.normpath(self.path)):
+        if ORBAX_TEMPORARY_MARKER in os.path.basename(os.path.normpath(self.path)):
             problems.append("a temporary directory: this save did not finish")
         return entries, problems, shards, readable
 
