@@ -191,6 +191,18 @@ def parse_json(data: bytes | str, what: str, path: str | os.PathLike) -> Any:
         raise CorruptCheckpointError(f"{os.fspath(path)}: the {what} is not valid JSON ({exc})") from None
 
 
+NON_FINITE_FLOATS = ("nan", "inf", "-inf")
+
+
+def non_finite_name(value: Any) -> str | None:
+    """The name (one of ``NON_FINITE_FLOATS``) under which a JSON document here stores a
+    float JSON has no number for; None for any other value. ``json.dumps`` would write a
+    bare ``NaN`` or ``Infinity``, which jq, JavaScript and strict parsers refuse."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if value != value else "inf" if value > 0 else "-inf"
+    return None
+
+
 def check_tensor_entry(where: str, name: Any, entry: Any) -> tuple[str, tuple[int, ...], int, int]:
     """``(dtype, shape, begin, end)`` of a tensor as a safetensors header or a manifest
     lists it, with every field checked: a known dtype, at most ``MAX_DIMS`` non-negative
@@ -279,7 +291,7 @@ def check_structure(structure: Any, where: str, tensor_names: Any) -> None:
             if value is not None and type(value) not in (bool, int, float, str):
                 raise CorruptCheckpointError(f"{where}: a value node holds {_shown(value)}, not a scalar")
         elif kind == "float":
-            if value not in ("nan", "inf", "-inf"):
+            if value not in NON_FINITE_FLOATS:
                 raise CorruptCheckpointError(f"{where}: a float node holds {_shown(value)}")
         elif kind == "dtype":
             if not isinstance(value, str):
@@ -384,4 +396,4 @@ def check_index(where: str, index: Mapping[str, Any], name: str, header: Any) ->
 __all__ = ["MAX_DIMS", "MAX_NAME_BYTES", "MAX_SMALL_FILE_BYTES", "check_index", "check_name",
            "check_structure", "check_tensor_entry", "walk_structure", "STRUCTURE_KEY", "member_path", "parse_json",
            "read_small_file", "seal_manifest", "unseal_manifest", "validate_manifest", "hub_cache_blobs",
-           "hub_cache_hint", "ORBAX_STEP_MARKER", "PART_FILE", "STEP_NUMBER"]
+           "hub_cache_hint", "NON_FINITE_FLOATS", "non_finite_name", "ORBAX_STEP_MARKER", "PART_FILE", "STEP_NUMBER"]

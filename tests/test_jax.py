@@ -1117,3 +1117,50 @@ def test_a_directory_with_glob_characters(tmp_path):
         restored = mngr.restore(1, args=ocp.args.Composite(state=FerryRestore(
             {"w": jax.ShapeDtypeStruct((3,), jnp.float32)})))
         np.testing.assert_array_equal(np.asarray(restored["state"]["w"]), np.arange(3.0, dtype=np.float32))
+
+
+def _strict_json(data: bytes) -> dict:
+    """``data`` parsed as JSON the way jq or JavaScript parse it: NaN and Infinity are no JSON."""
+    def refuse(token: str) -> None:
+        raise ValueError(f"{token} is not JSON")
+    return json.loads(data, parse_constant=refuse)
+
+
+def test_non_finite_numbers_are_stored_as_valid_json(tmp_path):
+    """A NaN or infinite number leaf (a loss) went into the index as a bare NaN or Infinity,
+    which is not JSON: jq, JavaScript and strict parsers refused the file. It is stored as
+    {"kind": "float", "value": "nan" | "inf" | "-inf"} and restores as the number; indexes
+    written before, with the bare tokens, still restore; a float record of another value is
+    refused as damaged."""
+    from tensorferry.checkpoint import seal_manifest, unseal_manifest
+    saved = {"w": jnp.ones(2), "loss": float("nan"), "best": float("inf"), "worst": -float("inf"), "lr": 0.5}
+    numbers = ("loss", "best", "worst", "lr")
+
+    def assert_numbers(restored):
+        assert [type(restored[n]) for n in numbers] == [float] * 4
+        assert np.isnan(restored["loss"]) and restored["best"] == float("inf") and restored["worst"] == -float("inf")
+        assert restored["lr"] == 0.5
+
+    handler = FerryCheckpointHandler()
+    with ocp.CheckpointManager(tmp_path / "run", item_handlers={"state": handler}) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=FerrySave(saved)))
+        mngr.wait_until_finished()
+        index = tmp_path / "run" / "1" / "state" / "process-0.json"
+        leaves = _strict_json(index.read_bytes())["metadata"]["leaves"]
+        assert [leaves[f"['{n}']"] for n in ("loss", "best", "worst")] == [
+            {"kind": "float", "value": v} for v in ("nan", "inf", "-inf")]
+        assert_numbers(mngr.restore(1)["state"])
+        assert_numbers(mngr.restore(1, args=ocp.args.Composite(state=FerryRestore(
+            {**saved, "w": jax.ShapeDtypeStruct((2,), jnp.float32), "loss": 0.0, "best": 0.0, "worst": 0.0})))["state"])
+        assert_numbers(handler.metadata(index.parent))
+        document = json.loads(unseal_manifest(index.read_bytes()))
+        for n in ("loss", "best", "worst"):  # as earlier releases wrote them: json.dumps' bare tokens
+            document["metadata"]["leaves"][f"['{n}']"] = {"kind": "scalar", "value": saved[n]}
+        index.write_bytes(seal_manifest(json.dumps(document, separators=(",", ":")).encode()))
+        assert b"NaN" in index.read_bytes()
+        assert_numbers(mngr.restore(1)["state"])
+        document["metadata"]["leaves"]["['loss']"] = {"kind": "float", "value": "1.5"}
+        index.write_bytes(seal_manifest(json.dumps(document, separators=(",", ":")).encode()))
+        with pytest.raises(CorruptCheckpointError, match=r"a leaf record is malformed .*'1\.5'"):
+            mngr.restore(1)
+

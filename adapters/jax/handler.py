@@ -32,7 +32,8 @@ from ...checkpoint import encode_manifest, load_checkpoint, open_shard, read_man
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine, local_path
 from ...errors import CorruptCheckpointError, listed, missing_names
-from ...schema import MAX_SMALL_FILE_BYTES, MAX_STRUCTURE_DEPTH, MAX_TENSOR_NAME_CHARS, walk_structure
+from ...schema import (MAX_SMALL_FILE_BYTES, MAX_STRUCTURE_DEPTH, MAX_TENSOR_NAME_CHARS, NON_FINITE_FLOATS,
+                       non_finite_name, walk_structure)
 from ...shard import (DEFAULT_BUFFER_SIZE, MappedReads, ShardReader, ShardWriter, WholeReads, aligned_copies,
                       gc_paused)
 
@@ -188,6 +189,11 @@ class _Checkpoint:
                 for name, rec in meta["leaves"].items():
                     leaf = self.leaves.get(name)
                     if leaf is None:
+                        kind, value = rec["kind"], rec.get("value")
+                        if kind == "float":  # a NaN or an infinity, which JSON has no number for
+                            if value not in NON_FINITE_FLOATS:
+                                raise ValueError(f"the float of {name!r} is {value!r}, not one of {NON_FINITE_FLOATS}")
+                            kind, value = "scalar", float(value)
                         prng_impl = rec.get("prng_impl")
                         if prng_impl is not None and not isinstance(prng_impl, str):
                             raise TypeError(f"prng_impl of {name!r} is not a string")
@@ -197,9 +203,9 @@ class _Checkpoint:
                             raise TypeError(f"the sharding of {name!r} is not an object")
                         if device is not None and type(device) is not int:
                             raise TypeError(f"the device of {name!r} is not an integer")
-                        leaf = self.leaves[name] = _Leaf(rec["kind"], tuple(rec.get("shape", ())),
-                                                         rec.get("dtype", ""), rec.get("was_jax", False),
-                                                         rec.get("value"), sharding, device, prng_impl)
+                        leaf = self.leaves[name] = _Leaf(kind, tuple(rec.get("shape", ())), rec.get("dtype", ""),
+                                                         rec.get("was_jax", False), value, sharding, device,
+                                                         prng_impl)
                     for key, offsets, sizes in rec.get("chunks", []):
                         leaf.chunks.append((rec["file"], key, tuple(offsets), tuple(sizes)))
             except (KeyError, TypeError, ValueError, AttributeError) as exc:  # sealed, yet not as written
@@ -421,7 +427,9 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                     record["chunks"] = [[key, [0] * array.ndim, list(array.shape)]]
                 records[name] = record
             elif isinstance(value, _SCALARS):
-                records[name] = {"kind": "scalar", "value": value}
+                float_name = non_finite_name(value)
+                records[name] = ({"kind": "scalar", "value": value} if float_name is None
+                                 else {"kind": "float", "value": float_name})  # an older reader refuses the kind
             else:
                 raise TypeError(f"{name or 'the item'}: cannot save a {type(value).__name__} "
                                 "(jax.Array, numpy arrays and Python scalars can be saved)")
@@ -429,7 +437,7 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                     "leaves": records}
         if primary:
             metadata["structure"] = structure
-        json.dumps(metadata)  # fail now, not in the commit thread
+        json.dumps(metadata, allow_nan=False)  # fail now, not in the commit thread
         for i, copy in zip(to_copy, aligned_copies([arrays[i][1] for i in to_copy])):
             arrays[i] = (arrays[i][0], copy)
         return metadata, _to_host([(key, array) for key, array in arrays])

@@ -9,7 +9,6 @@ keeps no checksums."""
 from __future__ import annotations
 
 import glob
-import math
 import os
 from typing import Any, Callable
 
@@ -19,7 +18,8 @@ from ..buffers import byte_view
 from ..checkpoint import open_shard, read_manifest_file, verify_shard
 from ..dtypes import to_safetensors_dtype
 from ..errors import CorruptCheckpointError, TensorferryError
-from ..schema import ORBAX_STEP_MARKER, ORBAX_TEMPORARY_MARKER, parse_json, read_small_file
+from ..schema import (NON_FINITE_FLOATS, ORBAX_STEP_MARKER, ORBAX_TEMPORARY_MARKER, non_finite_name, parse_json,
+                      read_small_file)
 from . import (OBJECT, Chunk, ChunkSource, Layout, TensorEntry, TensorSource, Verification, file_row, size_problems,
                tensor_entry)
 
@@ -32,12 +32,17 @@ def _is_ferry_item(directory: str) -> bool:
     return bool(glob.glob(os.path.join(glob.escape(directory), INDEX_PATTERN)))
 
 
-def _scalar_fields(value: Any) -> dict[str, Any]:
+def _scalar_fields(record: dict[str, Any], where: str) -> dict[str, Any]:
     """A scalar leaf's entry fields: its value; a NaN or an infinity, which JSON has no
-    number for, as ``adapters.pytorch.save``'s structure marks it, ``{"float": "nan" | "inf" | "-inf"}``."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return {"float": "nan" if value != value else "inf" if value > 0 else "-inf"}
-    return {"value": value}
+    number for, as ``adapters.pytorch.save``'s structure marks it, ``{"float": "nan" | "inf" | "-inf"}``
+    (the index's record of kind "float" holds that name; indexes written before it, a bare NaN)."""
+    value = record["value"]
+    if record["kind"] == "float":
+        if value not in NON_FINITE_FLOATS:
+            raise CorruptCheckpointError(f"{where}: a float leaf holds {value!r}, not one of {NON_FINITE_FLOATS}")
+        return {"float": value}
+    float_name = non_finite_name(value)
+    return {"value": value} if float_name is None else {"float": float_name}
 
 
 class OrbaxStep(Layout):
@@ -96,7 +101,7 @@ class OrbaxStep(Layout):
                                                    for key, offsets, sizes in rec.get("chunks", []))
         return [tensor_entry(prefix + name, rec["dtype"], rec["shape"], chunks=tuple(chunks[name]))
                 if rec["kind"] == "array"
-                else TensorEntry(prefix + name, OBJECT, None, None, more=_scalar_fields(rec["value"]))
+                else TensorEntry(prefix + name, OBJECT, None, None, more=_scalar_fields(rec, f"{item}: {name}"))
                 for name, rec in leaves.items()]
 
     def _orbax_entries(self, item: str) -> list[TensorEntry]:
