@@ -1164,3 +1164,21 @@ def test_non_finite_numbers_are_stored_as_valid_json(tmp_path):
         with pytest.raises(CorruptCheckpointError, match=r"a leaf record is malformed .*'1\.5'"):
             mngr.restore(1)
 
+
+def test_numpy_scalar_targets_get_numpy_scalars(tmp_path):
+    """A target leaf that is a numpy scalar (np.float32(0)) got a 0-d np.ndarray back where
+    the leaf was saved as an array (a numpy scalar, a 0-d jax.Array); it now gets a numpy
+    scalar of the target's dtype, as it did where the leaf was saved as a Python number.
+    (Orbax's StandardCheckpointHandler refuses such a target: "Unsupported type".)"""
+    saved = {"a": np.float32(1.5), "b": jnp.float32(2.0), "c": jnp.array(3, jnp.int32), "d": 4.0,
+             "e": np.arange(3, dtype=np.int64)}
+    target = {"a": np.float32(0), "b": np.float16(0), "c": np.int64(0), "d": np.float64(0),
+              "e": np.zeros(3, np.int64)}
+    with ocp.CheckpointManager(tmp_path / "run", item_handlers={"state": FerryCheckpointHandler()}) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=FerrySave(saved)))
+        mngr.wait_until_finished()
+        restored = mngr.restore(1, args=ocp.args.Composite(state=FerryRestore(target)))["state"]
+    for name, value in target.items():
+        assert type(restored[name]) is type(value), name
+        np.testing.assert_array_equal(restored[name], np.asarray(saved[name]).astype(value.dtype))
+

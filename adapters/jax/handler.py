@@ -843,7 +843,9 @@ def _array_leaf_for(ckpt: _Checkpoint, name: str, leaf: _Leaf, target: Any) -> _
 
         def finish_host(started: dict[Box, Callable[[], np.ndarray]]) -> Any:
             array = started[whole]().astype(dtype, copy=False)
-            return array if number is None else _as_python_number(array.item(), number, name)
+            if number is not None:
+                return _as_python_number(array.item(), number, name)
+            return array[()] if isinstance(target, np.generic) else array  # a numpy scalar asks for one
 
         return _LeafRead(ckpt, name, [whole], math.prod(shape) * itemsize, finish_host)
     sharding = getattr(target, "sharding", None)
@@ -920,7 +922,8 @@ class FerryRestore(checkpoint_args.CheckpointArgs):
     A number saved as a leaf (``step=0``) comes back as an array of the target's dtype and
     sharding where the target leaf is an array (``jax.eval_shape``'s ``ShapeDtypeStruct``);
     a number or a 0-d array saved comes back as a number of the target's type where that
-    is a Python number (as Orbax casts it: 2.5 into ``0`` is ``2``).
+    is a Python number (as Orbax casts it: 2.5 into ``0`` is ``2``), and as a numpy scalar of
+    the target's dtype where that is one (``np.float32(0)``, which Orbax's restore refuses).
 
     ``mmap=True`` maps the stored chunks restored whole (those saved with the target's
     sharding) instead of reading them into new memory, as
