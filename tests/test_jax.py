@@ -1182,3 +1182,25 @@ def test_numpy_scalar_targets_get_numpy_scalars(tmp_path):
         assert type(restored[name]) is type(value), name
         np.testing.assert_array_equal(restored[name], np.asarray(saved[name]).astype(value.dtype))
 
+
+def test_dict_keys_and_list_indices_are_not_confused(tmp_path):
+    """A dict {"0": x} and a list [x] hold their leaves at different key paths
+    (['p']['0'] and ['p'][0]): restored into a target of the other kind, a clear error names
+    the leaf asked for and the saved ones, never another leaf. Without a target each comes
+    back with its own key types; so do a dict's bool keys, which a restore refused as an
+    unreadable structure (JSON's true is no integer)."""
+    a, b = jnp.array([1.0]), jnp.array([2.0])
+    spec = jax.ShapeDtypeStruct((1,), jnp.float32)
+    trees = [{"p": {"0": a, "1": b}}, {"p": [a, b]}, {"p": {0: a, 1: b}}, {"p": {False: a, True: b}}]
+    other_kind = {0: ([spec, spec], "['p'][0]", "['p']['0']"), 1: ({"0": spec, "1": spec}, "['p']['0']", "['p'][0]")}
+    with ocp.CheckpointManager(tmp_path / "run", item_handlers={"state": FerryCheckpointHandler()}) as mngr:
+        for step, tree in enumerate(trees):
+            mngr.save(step, args=ocp.args.Composite(state=FerrySave(tree)))
+            mngr.wait_until_finished()
+            assert_same(tree, mngr.restore(step)["state"])
+            if step in other_kind:
+                target, asked, held = other_kind[step]
+                with pytest.raises(KeyError) as refused:
+                    mngr.restore(step, args=ocp.args.Composite(state=FerryRestore({"p": target})))
+                assert f'holds no leaf "{asked}"; closest held: "{held}"' in refused.value.args[0]
+

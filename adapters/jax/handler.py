@@ -111,7 +111,9 @@ def _check_structure(structure: Any, where: str, leaves: Mapping[str, Any]) -> N
             return value
         pairs = node.get("children") if kind == "node" and len(node) == 2 else value if kind == "dict" \
             and len(node) == 1 else None
-        if type(pairs) is list and all(type(p) is list and len(p) == 2 and type(p[0]) in (str, int) for p in pairs):
+        # A dict's bool keys are JSON's true and false, no integers there.
+        if type(pairs) is list and all(type(p) is list and len(p) == 2 and type(p[0]) in (str, int, bool)
+                                       for p in pairs):
             return [p[1] for p in pairs]
         shown = json.dumps(node)[:80] if isinstance(node, (dict, list, str, int, float, bool)) else repr(node)[:80]
         raise CorruptCheckpointError(f"{where}: unreadable tree structure node {shown}")
