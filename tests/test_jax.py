@@ -1204,3 +1204,31 @@ def test_dict_keys_and_list_indices_are_not_confused(tmp_path):
                     mngr.restore(step, args=ocp.args.Composite(state=FerryRestore({"p": target})))
                 assert f'holds no leaf "{asked}"; closest held: "{held}"' in refused.value.args[0]
 
+
+def test_a_header_or_index_over_the_caps_fails_the_async_save_call(tmp_path, monkeypatch):
+    """The caps on a shard header (shard.MAX_HEADER_BYTES) and an index
+    (schema.MAX_SMALL_FILE_BYTES), made small here, were checked in Orbax's commit thread,
+    so an async save returned and the error came at wait_until_finished. They are checked
+    as the tree is staged: the save call raises, no step is committed, the next save runs."""
+    from tensorferry import shard
+    from tensorferry.adapters.jax import handler
+    many = {f"w{i}": np.ones(2, np.float32) for i in range(200)}  # a header of 20 KB
+    monkeypatch.setattr(shard, "MAX_HEADER_BYTES", 8192)
+    checkpointer = ocp.AsyncCheckpointer(FerryCheckpointHandler())
+    with pytest.raises(ValueError, match="header of .* bytes, more than the 8192 a reader accepts"):
+        checkpointer.save(tmp_path / "many", args=FerrySave(many))
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+    with ocp.CheckpointManager(tmp_path / "run", options=options,
+                               item_handlers={"state": FerryCheckpointHandler()}) as mngr:
+        with pytest.raises(ValueError, match="header of .* bytes, more than the 8192 a reader accepts"):
+            mngr.save(1, args=ocp.args.Composite(state=FerrySave(many)))
+        monkeypatch.undo()
+        monkeypatch.setattr(handler, "MAX_SMALL_FILE_BYTES", 8192)
+        with pytest.raises(ValueError, match="index of at least .* bytes, more than the 8192 a reader accepts"):
+            mngr.save(2, args=ocp.args.Composite(state=FerrySave({"w": jnp.ones(2), "note": "x" * 10_000})))
+        mngr.save(3, args=ocp.args.Composite(state=FerrySave({"w": jnp.ones(2)})))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [3]
+    assert not (tmp_path / "many").exists()

@@ -346,6 +346,14 @@ def _index_path(directory: str, process: int) -> str:
     return os.path.join(directory, f"process-{process}.json")
 
 
+def _refuse_index_over_cap(directory: str, process: int, size: int, bound: str = "") -> None:
+    """Refuses an index of ``size`` bytes (``bound``: "at least ") over read_small_file's cap;
+    with no index, Orbax commits no step."""
+    if size > MAX_SMALL_FILE_BYTES:
+        raise ValueError(f"{directory}: process {process}'s index of {bound}{size} bytes, more than the "
+                         f"{MAX_SMALL_FILE_BYTES} a reader accepts (fewer leaves, shorter names or strings)")
+
+
 class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
     """An Orbax ``AsyncCheckpointHandler`` for pytrees of ``jax.Array``, numpy arrays
     and Python scalars, writing through :class:`tensorferry.ShardWriter`.
@@ -381,11 +389,14 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         self.copy_host_arrays = copy_host_arrays
 
     # ---- save -------------------------------------------------------------------
-    def _stage(self, item: Any, copy_host_arrays: bool) -> tuple[dict[str, Any], list[tuple[str, np.ndarray]]]:
+    def _stage(self, directory: str, item: Any, copy_host_arrays: bool) -> tuple[dict[str, Any], ShardWriter]:
         """Copies this process's part of ``item`` to the host (host arrays only if
-        ``copy_host_arrays``); returns the index's leaf records and the (key, array)
-        pairs to write. Copies land in page-aligned memory, written with O_DIRECT
-        without a staging copy."""
+        ``copy_host_arrays``); returns the index's metadata and the writer of the shard
+        file in ``directory``, its header planned. What a reader would refuse (a tree too
+        deep, a name too long, a header over its cap, metadata alone over the index's cap)
+        is refused here, in the caller's thread: an async save raises from the save call,
+        not at ``wait_until_finished``. Copies land in page-aligned memory, written with
+        O_DIRECT without a staging copy."""
         process = jax.process_index()
         primary = process == 0
         filename = f"process-{process}.safetensors"
@@ -439,23 +450,24 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                     "leaves": records}
         if primary:
             metadata["structure"] = structure
-        json.dumps(metadata, allow_nan=False)  # fail now, not in the commit thread
+        # The index holds this and each chunk's entry, whose size is known once the file is
+        # written: over the cap with the metadata alone, it is refused now (_write checks it whole).
+        _refuse_index_over_cap(directory, process, len(json.dumps(metadata, separators=(",", ":"), allow_nan=False)),
+                               "at least ")
         for i, copy in zip(to_copy, aligned_copies([arrays[i][1] for i in to_copy])):
             arrays[i] = (arrays[i][0], copy)
-        return metadata, _to_host([(key, array) for key, array in arrays])
+        writer = ShardWriter(os.path.join(directory, filename), self.engine, buffer_size=self.buffer_size)
+        for key, array in _to_host(arrays):
+            writer.add(key, array)
+        writer.plan()  # refuses a header over the readers' cap
+        return metadata, writer
 
     @gc_paused(main_thread_only=True)  # the writes last as long as the drive takes
-    def _write(self, directory: str, metadata: dict[str, Any], arrays: list[tuple[str, np.ndarray]]) -> None:
+    def _write(self, directory: str, metadata: dict[str, Any], writer: ShardWriter) -> None:
         process = metadata["process"]
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"process-{process}.safetensors")
-        with ShardWriter(path, self.engine, buffer_size=self.buffer_size) as writer:
-            for key, array in arrays:
-                writer.add(key, array)
-        index = encode_manifest([writer.info], metadata)
-        if len(index) > MAX_SMALL_FILE_BYTES:  # read_small_file's cap; with no index, Orbax commits no step
-            raise ValueError(f"{directory}: process {process}'s index of {len(index)} bytes, more than the "
-                             f"{MAX_SMALL_FILE_BYTES} a reader accepts (fewer leaves, shorter names or strings)")
+        index = encode_manifest([writer.close()], metadata)
+        _refuse_index_over_cap(directory, process, len(index))
         write_durably(_index_path(directory, process), index)
 
     async def async_save(self, directory: Any, item: Any = None, args: "FerrySave | None" = None
@@ -465,11 +477,14 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             raise ValueError("pass FerrySave as args=, not as item")
         if args is not None:
             item = args.item
-        metadata, arrays = self._stage(item, self.copy_host_arrays)
+        # Orbax creates the directory meanwhile; a path awaiting its creation names it already.
+        path = local_path(directory.path if hasattr(directory, "await_creation") else directory)
+        metadata, writer = self._stage(path, item, self.copy_host_arrays)
 
         async def commit() -> None:
-            path = await directory.await_creation() if hasattr(directory, "await_creation") else directory
-            self._write(local_path(path), metadata, arrays)
+            if hasattr(directory, "await_creation"):
+                await directory.await_creation()
+            self._write(path, metadata, writer)
 
         return [ocp_future.CommitFutureAwaitingContractedSignals(commit(), name="tensorferry_jax_save")]
 
@@ -478,8 +493,9 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         so host arrays are written from their own memory, without a copy."""
         if args is not None:
             item = args.item
-        metadata, arrays = self._stage(item, copy_host_arrays=False)
-        self._write(local_path(directory), metadata, arrays)
+        path = local_path(directory)
+        metadata, writer = self._stage(path, item, copy_host_arrays=False)
+        self._write(path, metadata, writer)
 
     # ---- restore ----------------------------------------------------------------
     @gc_paused()
