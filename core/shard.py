@@ -38,7 +38,7 @@ from .pools import ThreadPool
 from .schema import (ORBAX_STEP_MARKER, ORBAX_TEMPORARY_MARKER, PART_FILE, STEP_NUMBER, check_tensor_entry,
                      hub_cache_hint, parse_json)
 from .streams import (STREAM_PIECE, fill_from, is_stream, naming_stream_errors, read_exactly, remaining_bytes, require,
-                      stream_name)
+                      stream_name, would_block)
 from .temporaries import (NEW_TEMPORARY_TRIES, discard_later, hold_new, refuse_temporary_marker, release,
                           remove_stale_temporaries, set_aside, temporary_name, temporary_token)
 
@@ -453,12 +453,15 @@ def _rewritable(stream: Any) -> bool:
 
 def _write_all(stream: Any, data: Any) -> None:
     """``stream.write(data)`` until all of it is written: a raw stream (``io.RawIOBase``,
-    a socket's file) may take part and say how much, where a buffered one takes it all
-    (or, like many file-likes, returns None)."""
+    a socket's file) may take part and say how much, or None where it is non-blocking and
+    could take nothing now (:func:`~tensorferry.streams.would_block`'s error), where a
+    buffered one takes it all (or, like many file-likes, returns None)."""
     view = memoryview(data).cast("B")
     while view.nbytes:
         with naming_stream_errors(stream, "writing to"):
             taken = stream.write(view)
+        if taken is None and isinstance(stream, io.RawIOBase):  # None there is no byte written, not all of them
+            raise would_block(stream, "writing to")
         if taken is None or taken >= view.nbytes:
             return
         if taken <= 0:

@@ -43,11 +43,22 @@ def naming_stream_errors(stream: Any, doing: str) -> Iterator[None]:
         yield
     except TensorferryIOError:
         raise
+    except BlockingIOError as exc:  # a buffered stream over a non-blocking one, full or empty for now
+        raise would_block(stream, doing) from exc
     except io.UnsupportedOperation as exc:
         raise io.UnsupportedOperation(f"{stream_name(stream)}: {exc}") from exc
     except OSError as exc:
         raise TensorferryIOError(exc.errno or errno.EIO, f"{doing} the stream failed: {exc.strerror or exc}",
                                  stream_name(stream)) from exc
+
+
+def would_block(stream: Any, doing: str) -> TensorferryIOError:
+    """The error for a non-blocking ``stream`` that can take or give no byte now (a socket's
+    file after ``setblocking(False)``: None from ``write`` or ``readinto``). Saves and
+    loads do not wait for it: what it would block on need not be a descriptor that can
+    be polled. ``doing`` is as :func:`naming_stream_errors` takes it."""
+    return TensorferryIOError(errno.EAGAIN, f"{doing} the stream would block: it is non-blocking, and a save or "
+                              "load needs a blocking one (socket.setblocking(True))", stream_name(stream))
 
 
 @contextlib.contextmanager
@@ -143,18 +154,22 @@ def remaining_bytes(stream: Any) -> int | None:
 
 def fill_from(stream: Any, buffer: Any) -> int:
     """Reads ``stream`` into ``buffer`` (contiguous, writable) until it is full or the
-    stream ends, by ``readinto`` where the stream has it; the bytes read."""
+    stream ends, by ``readinto`` where the stream has it; the bytes read. A non-blocking
+    stream with no bytes ready raises :func:`would_block`'s error."""
     target = memoryview(buffer).cast("B")
     readinto = getattr(stream, "readinto", None)
     filled = 0
     with naming_stream_errors(stream, "reading"):
         while filled < len(target):
             if readinto is not None:
-                n = readinto(target[filled:]) or 0
+                n = readinto(target[filled:])
             else:
                 piece = stream.read(len(target) - filled)
-                n = len(piece)
-                target[filled:filled + n] = piece
+                n = None if piece is None else len(piece)
+                if n:
+                    target[filled:filled + n] = piece
+            if n is None:  # no bytes yet, where 0 is the end: taken for the end, it read as a truncated file
+                raise would_block(stream, "reading")
             if not n:
                 break
             filled += n
@@ -175,4 +190,4 @@ def require(stream: Any, method: str, verb: str) -> None:
 
 
 __all__ = ["STREAM_PIECE", "file_behind", "fill_from", "is_stream", "naming_stream_errors", "read_exactly",
-           "remaining_bytes", "require", "stream_name"]
+           "remaining_bytes", "require", "stream_name", "would_block"]

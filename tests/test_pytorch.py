@@ -1274,6 +1274,55 @@ def test_save_to_a_raw_stream_that_takes_a_few_bytes_a_call(tmp_path) -> None:
     assert torch.equal(back["w"], state["w"]) and back["step"] == 4
 
 
+def test_a_non_blocking_stream_that_would_block_is_refused_not_taken_as_written_or_ended() -> None:
+    """A raw stream's write() returns None where it is non-blocking and can take nothing now
+    (io.RawIOBase; a socket's makefile("wb", buffering=0)): save took None for "all
+    written", returned, and most of the file never went out. Its readinto() returns None
+    where no bytes are there yet: load took None for the end and called the file truncated.
+    Both raise EAGAIN naming the stream, as a buffered stream over one does; a file-like
+    outside io whose write() returns None, having taken it all, is written as ever."""
+    import io
+    import socket
+
+    state = {"w": torch.randn(1024, 1024)}  # 4 MiB: more than a socket's buffers take with nobody reading
+    sending, receiving = socket.socketpair()
+    sending.setblocking(False)
+    with sending, receiving, sending.makefile("wb", buffering=0) as raw:
+        with pytest.raises(tensorferry.TensorferryIOError, match="writing to the stream would block") as caught:
+            save(state, raw)
+        assert caught.value.errno == errno.EAGAIN and caught.value.filename == "<SocketIO>"
+        buffered = sending.makefile("wb")  # raises BlockingIOError once its buffer is full too
+        with pytest.raises(tensorferry.TensorferryIOError, match="writing to the stream would block") as caught:
+            save(state, buffered)
+        assert caught.value.errno == errno.EAGAIN and caught.value.filename == "<BufferedWriter>"
+        with pytest.raises(BlockingIOError):  # what it holds cannot go out either; it closes all the same
+            buffered.close()
+    saved = io.BytesIO()
+    save(state, saved)
+    sending, receiving = socket.socketpair()
+    receiving.setblocking(False)
+    with sending, receiving:
+        sending.sendall(saved.getvalue()[:1000])  # the rest is yet to come
+        for buffering in (0, -1):
+            with receiving.makefile("rb", buffering=buffering) as incoming:
+                with pytest.raises(tensorferry.TensorferryIOError, match="reading the stream would block") as caught:
+                    load(incoming)
+            assert caught.value.errno == errno.EAGAIN
+
+    class Sink:
+        """Writes as many file-likes written before io did: all of it, returning None."""
+
+        def __init__(self) -> None:
+            self.parts: list[bytes] = []
+
+        def write(self, data) -> None:
+            self.parts.append(bytes(memoryview(data).cast("B")))
+
+    sink = Sink()
+    save(state, sink)
+    assert b"".join(sink.parts) == saved.getvalue()
+
+
 def test_errors_of_the_callers_own_stream_name_it(tmp_path) -> None:
     """An OSError that the caller's stream raised (a full disk or a refused upload behind
     it, a dropped connection) came through alone, naming nothing: "[Errno 28] No space left
