@@ -1288,6 +1288,11 @@ class ShardReader:
             self.tensors[name] = TensorInfo(info.dtype, info.shape, info.begin, info.end, d)
 
     @property
+    def end(self) -> int:
+        """Where the last tensor's bytes end: how far into its file or stream the saved object goes."""
+        return self.data_start + max((t.end for t in self.tensors.values()), default=0)
+
+    @property
     def checksum(self) -> str:
         """The file's checksum (xxh3-64 of its header, which lists every tensor's checksum)."""
         return digest(self.header_bytes)

@@ -80,20 +80,22 @@ def _errors_naming(stream: Any, path: str) -> Iterator[None]:
 def file_behind(stream: Any, *, for_write: bool = False) -> Iterator[str | None]:
     """For a load: a path to the file ``stream`` reads, where it is a file object over a
     regular file at its start (``open(path, "rb")``), so that the engine reads that file with
-    O_DIRECT as it would by path, and then leaves the stream at its end, as ``torch.load``
-    does; None for any other stream (:class:`~tensorferry.shard.StreamReader` reads those).
+    O_DIRECT as it would by path; the caller then leaves the stream just past what it read,
+    where a read through the stream would have left it (another object may follow). None
+    for any other stream (:class:`~tensorferry.shard.StreamReader` reads those).
     For a save (``for_write``): a path to the file ``stream`` writes, where it is a file
     opened for writing that is still empty (``open(path, "wb")``, a ``NamedTemporaryFile``),
     so that the engine writes it as it would by path (O_DIRECT, fsynced), in place: the
-    file is the caller's, so it is not replaced atomically. Errors of the block that name
-    the path name the stream."""
+    file is the caller's, so it is not replaced atomically; the stream is then left at its
+    end, just past what was written. Errors of the block that name the path name the stream."""
     own = _regular_file_at_start(stream, for_write)
     if own is None:
         yield None
         return
     with _errors_naming(stream, own):
         yield own
-    stream.seek(0, os.SEEK_END)
+    if for_write:
+        stream.seek(0, os.SEEK_END)
 
 
 def _regular_file_at_start(stream: Any, for_write: bool = False) -> str | None:

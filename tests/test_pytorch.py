@@ -195,7 +195,7 @@ def test_file_objects_as_torch_save_and_load_take_them(tmp_path, monkeypatch) ->
     with pytest.raises(tensorferry.CorruptCheckpointError, match="<BytesIO>: not a safetensors file but a zip archive"):
         load(pickled)
     # A file opened at its start is read as the file (O_DIRECT, no copy in memory), and
-    # left at its end; after a prefix it goes through memory. Errors name its path.
+    # left just past the object (here its end); after a prefix it goes through memory. Errors name its path.
     (tmp_path / "prefixed").write_bytes(b"before" + on_disk)
     in_memory = []
     real_reader = tensorferry.shard.StreamReader.__init__
@@ -1321,6 +1321,35 @@ def test_a_non_blocking_stream_that_would_block_is_refused_not_taken_as_written_
     sink = Sink()
     save(state, sink)
     assert b"".join(sink.parts) == saved.getvalue()
+
+
+def test_objects_saved_one_after_another_into_a_file_load_one_after_another(tmp_path) -> None:
+    """Two objects saved into one file, one after the other, loaded back from the same bytes
+    in an io.BytesIO one after the other, but not from open(path, "rb"): the first load,
+    which reads a file at its start as the file, left it at its end, and the second found
+    "0 bytes is too short for a safetensors header". A load leaves a file just past the
+    object it read, as it leaves any stream; a save, just past what it wrote."""
+    import io
+
+    first, second = {"w": torch.randn(300, 70), "step": 1}, {"b": torch.arange(5), "name": "second"}
+    expected = io.BytesIO()
+    save(first, expected)
+    first_size = expected.tell()
+    save(second, expected)
+    path = tmp_path / "two.safetensors"
+    with open(path, "wb") as f:
+        save(first, f)  # an empty file: written by the engine as the file
+        assert f.tell() == first_size
+        save(second, f)  # one holding bytes: written the stream's way, after them
+        assert f.tell() == len(expected.getvalue())
+        f.write(b"trailer")
+    assert path.read_bytes() == expected.getvalue() + b"trailer"
+    for mmap in (False, True):
+        with open(path, "rb") as f:
+            back = load(f, mmap=mmap)
+            assert torch.equal(back["w"], first["w"]) and back["step"] == 1 and f.tell() == first_size
+            back = load(f, mmap=mmap)
+            assert torch.equal(back["b"], second["b"]) and back["name"] == "second" and f.read() == b"trailer"
 
 
 def test_errors_of_the_callers_own_stream_name_it(tmp_path) -> None:

@@ -349,13 +349,21 @@ def load(path: str | os.PathLike | BinaryIO, map_location: MapLocation = None, *
     if is_stream(path):
         with file_behind(path) as own:
             if own is not None:
-                return load(own, map_location, engine=engine, verify=verify, mmap=mmap)
+                reader = ShardReader(own, engine, verify=verify)
+                loaded = _load_shard(reader, map_location, meta, device, mmap)
+                path.seek(reader.end)  # where a read through the stream stops: on to the object saved after it
+                return loaded
         require(path, "read", "load")
-        reader: ShardReader = StreamReader(path, verify=verify)
-    elif os.path.isdir(path) or os.fspath(path).endswith(INDEX_SUFFIX):
+        return _load_shard(StreamReader(path, verify=verify), map_location, meta, device, mmap)
+    if os.path.isdir(path) or os.fspath(path).endswith(INDEX_SUFFIX):
         return load_checkpoint(path, map_location, engine=engine, verify=verify, mmap=mmap)
-    else:
-        reader = ShardReader(path, engine, verify=verify)
+    return _load_shard(ShardReader(path, engine, verify=verify), map_location, meta, device, mmap)
+
+
+def _load_shard(reader: ShardReader, map_location: str | torch.device | None, meta: bool,
+                device: torch.device | None, mmap: bool) -> Any:
+    """What :func:`load` returns for the one file ``reader`` reads (closed after), to the
+    resolved ``map_location``: ``meta`` and ``device`` as :func:`load` works them out."""
     with reader:
         where = reader.path
         structure_text = reader.metadata.get(STRUCTURE_KEY)
