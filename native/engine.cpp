@@ -1,5 +1,6 @@
 #include "engine.hpp"
 
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -60,9 +61,30 @@ void copy_out(char *dest, const char *source, uint64_t nbytes) {
 #endif
 }
 
+namespace {
+
+// Counts the forks of this process's line, in the child: a request made before the last
+// fork and not finished then is the parent's (Request::orphaned). A counter, not getpid():
+// read for every request and every wait, it costs no system call.
+std::atomic<unsigned> forks_seen{0};
+const int fork_handler_registered =
+    pthread_atfork(nullptr, nullptr, [] { forks_seen.fetch_add(1, std::memory_order_relaxed); });
+
+const std::string kOrphanedWhat = "in flight at fork(): the I/O belongs to the parent process, its outcome unknown here";
+
+}  // namespace
+
 Request::Request(std::shared_ptr<File> file, bool is_write, uint64_t offset, uint64_t nbytes)
     : file_(std::move(file)), path_(file_ ? file_->path() : std::string()), is_write_(is_write), offset_(offset),
-      nbytes_(nbytes) {}
+      nbytes_(nbytes), fork_generation_(forks_seen.load(std::memory_order_relaxed)) {}
+
+bool Request::orphaned() const {
+  return fork_generation_ != forks_seen.load(std::memory_order_relaxed) &&
+         !finished_.load(std::memory_order_acquire);
+}
+
+int Request::error() const { return orphaned() ? ECANCELED : err_; }
+const std::string &Request::error_what() const { return orphaned() ? kOrphanedWhat : err_what_; }
 
 void Request::set_task_count(int64_t n) { remaining_.fetch_add(n, std::memory_order_relaxed); }
 
@@ -103,19 +125,20 @@ void Request::task_finished() {
 }
 
 bool Request::wait(double timeout_seconds) {
+  if (orphaned()) return true;  // before the lock, which a parent thread may have held at the fork
   std::unique_lock<std::mutex> lock(mu_);
   auto is_done = [this] { return finished_.load(std::memory_order_acquire); };
-  if (timeout_seconds < 0) {
+  // wait_for converts to the clock's nanoseconds in 64 bits: past 292 years (infinity,
+  // 1e10 s) that overflows and the wait would time out at once. 1e9 s is 31 years.
+  constexpr double kNoLimit = 1e9;
+  if (timeout_seconds < 0 || !(timeout_seconds < kNoLimit)) {
     cv_.wait(lock, is_done);
     return true;
   }
   return cv_.wait_for(lock, std::chrono::duration<double>(timeout_seconds), is_done);
 }
 
-AlignedBuffer::AlignedBuffer(uint64_t nbytes) {
-  data_ = static_cast<char *>(map_transfer_memory(nbytes, &mapped_));
-  std::memset(data_, 0, mapped_);  // fault the pages in once, not during each transfer
-}
+AlignedBuffer::AlignedBuffer(uint64_t nbytes) { data_ = static_cast<char *>(map_transfer_memory(nbytes, &mapped_)); }
 AlignedBuffer::~AlignedBuffer() {
   if (data_ != nullptr) munmap(data_, mapped_);
 }
@@ -127,6 +150,14 @@ AlignedBuffer &AlignedBuffer::operator=(AlignedBuffer &&other) noexcept {
   std::swap(data_, other.data_);
   std::swap(mapped_, other.mapped_);
   return *this;
+}
+
+void fault_in_staging(char *area, uint64_t nbytes, uint64_t *faulted) {
+  if (nbytes <= *faulted) return;
+  static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t end = (nbytes + page - 1) / page * page;  // staging areas are whole pages
+  std::memset(area + *faulted, 0, end - *faulted);
+  *faulted = end;
 }
 
 void run_task_blocking(const Task &task, char *bounce) {

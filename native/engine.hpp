@@ -75,9 +75,15 @@ class Request {
  public:
   Request(std::shared_ptr<File> file, bool is_write, uint64_t offset, uint64_t nbytes);
 
-  bool wait(double timeout_seconds);  // false on timeout
-  bool done() const { return finished_.load(std::memory_order_acquire); }
-  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  // False on timeout. A negative timeout, or one past what the clock holds (infinity,
+  // 1e10 s), waits without limit.
+  bool wait(double timeout_seconds);
+  bool done() const { return finished_.load(std::memory_order_acquire) || orphaned(); }
+  bool failed() const { return failed_.load(std::memory_order_acquire) || orphaned(); }
+  // In flight when the process that made it forked, and seen from the child: the I/O and
+  // the threads doing it stayed in the parent, so nothing here will finish it. It counts
+  // as done and failed (error() says why), so that waiting on it does not hang.
+  bool orphaned() const;
   // Whether a block at `offset` can be skipped: an earlier part of the request has
   // already failed. Blocks before the failure still run, so that the error reported
   // is the one nearest the start whatever order blocks complete in.
@@ -101,16 +107,17 @@ class Request {
   // once, not when the caller drops the request.
   const File &file() const { return *file_; }
   const std::string &path() const { return path_; }
-  int error() const { return err_; }
-  uint64_t error_offset() const { return err_offset_; }
-  uint64_t error_length() const { return err_length_; }
-  const std::string &error_what() const { return err_what_; }
+  int error() const;
+  uint64_t error_offset() const { return orphaned() ? offset_ : err_offset_; }
+  uint64_t error_length() const { return orphaned() ? nbytes_ : err_length_; }
+  const std::string &error_what() const;
 
  private:
   std::shared_ptr<File> file_;  // keeps the descriptors open until the request ends
   std::string path_;
   bool is_write_;
   uint64_t offset_, nbytes_;
+  unsigned fork_generation_;  // the forks before this request was made (see orphaned)
   std::atomic<int64_t> remaining_{1};
   std::atomic<uint64_t> bytes_done_{0};
   std::atomic<bool> finished_{false};
@@ -230,7 +237,8 @@ void pinned_free(const PinnedAllocation &a);
 // wherever it spans one. Returns the mapping's real length through `mapped`.
 void *map_transfer_memory(uint64_t nbytes, uint64_t *mapped);
 
-// Aligned scratch memory owned by one backend worker, faulted in once.
+// Aligned scratch memory owned by one backend worker: mapped whole, faulted in only as far
+// as transfers use it (fault_in_staging).
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
@@ -244,5 +252,11 @@ class AlignedBuffer {
   char *data_ = nullptr;
   uint64_t mapped_ = 0;
 };
+
+// Makes the first `nbytes` of a staging area faulted in, `*faulted` being how many are
+// already (advanced here): zero-filled once, before the transfers that use them, not during
+// each (this VM pays dearly for a first touch), and no further than transfers reach, so
+// that a 64 KiB read through a 1 GiB staging block costs 64 KiB of memory, not 1 GiB.
+void fault_in_staging(char *area, uint64_t nbytes, uint64_t *faulted);
 
 }  // namespace tf

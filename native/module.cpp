@@ -7,6 +7,8 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 
@@ -52,6 +54,29 @@ void set_io_error(const tf::IOError &e) {
   PyErr_SetObject(reinterpret_cast<PyObject *>(Py_TYPE(exc.ptr())), exc.ptr());
 }
 
+double clock_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Waits for `request` (up to `timeout` seconds; a negative one, without limit) in slices
+// with the GIL released, checking for signals between them: Ctrl-C raises KeyboardInterrupt
+// here within a slice, not once a long request is over. Only the wait stops; the I/O goes
+// on into the memory that the future keeps alive.
+bool wait_interruptibly(tf::Request &request, double timeout) {
+  constexpr double kSlice = 0.05;
+  const bool limited = timeout >= 0;
+  const double deadline = limited ? clock_seconds() + timeout : 0;  // infinite for an infinite timeout
+  for (;;) {
+    const double slice = limited ? std::clamp(deadline - clock_seconds(), 0.0, kSlice) : kSlice;
+    {
+      nb::gil_scoped_release unlocked;
+      if (request.wait(slice)) return true;
+    }
+    if (limited && clock_seconds() >= deadline) return false;
+    if (PyErr_CheckSignals() != 0) throw nb::python_error();
+  }
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -93,7 +118,7 @@ NB_MODULE(_native, m) {
       .def_prop_ro("fileno", &tf::File::buffered_fd);
 
   nb::class_<tf::Request>(m, "Request")
-      .def("wait", &tf::Request::wait, "timeout"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("wait", &wait_interruptibly, "timeout"_a)
       .def("done", &tf::Request::done)
       .def("cancel", &tf::Request::cancel)
       .def_prop_ro("failed", &tf::Request::failed)

@@ -50,8 +50,8 @@ class ThreadBackend final : public Backend {
 
  private:
   void work() {
-    AlignedBuffer bounce;  // allocated on first misaligned direct task
-    bool have_bounce = false;
+    AlignedBuffer bounce;      // mapped for the first misaligned direct task
+    uint64_t bounce_faulted = 0;  // and faulted in as far as such tasks reach
     for (;;) {
       Task task;
       {
@@ -62,9 +62,9 @@ class ThreadBackend final : public Backend {
         queue_.pop_front();
       }
       try {
-        if (task.needs_bounce && !have_bounce) {
-          bounce = AlignedBuffer(block_size_);
-          have_bounce = true;
+        if (task.needs_bounce) {
+          if (bounce.data() == nullptr) bounce = AlignedBuffer(block_size_);
+          fault_in_staging(bounce.data(), task.length, &bounce_faulted);
         }
         run_task_blocking(task, bounce.data());
       } catch (const IOError &e) {

@@ -174,11 +174,18 @@ constexpr int kMaxTasks = 4096;
 
 int task_slots(int queue_depth) { return std::min(kMaxTasks, queue_depth * kTasksPerBlock); }
 
+// Staging memory (for memory unaligned for O_DIRECT) an engine may use at most, shared by
+// its rings; a ring has at least one block. A bounced task beyond it waits for a staging
+// block to come free. 1 MiB blocks at depth 32 stay within it; 1 GiB ones at depth 32
+// took 32 GiB (the process was killed for it).
+constexpr uint64_t kStagingBudget = 256ull << 20;
+
 class UringBackend final : public Backend {
  public:
-  UringBackend(int queue_depth, uint64_t block_size)
-      : depth_(queue_depth),
-        staging_stride_(round_up_to_page(block_size)),
+  UringBackend(int queue_depth, uint64_t block_size, uint64_t staging_budget)
+      : staging_stride_(round_up_to_page(block_size)),
+        staging_blocks_(static_cast<int>(
+            std::max<uint64_t>(1, std::min<uint64_t>(queue_depth, staging_budget / staging_stride_)))),
         byte_budget_(block_size * static_cast<uint64_t>(queue_depth)),
         ring_(static_cast<unsigned>(task_slots(queue_depth)) + 1) {
     if (queue_depth < 1 || queue_depth > 4096) throw IOError{EINVAL, "", "queue_depth must be between 1 and 4096"};
@@ -187,7 +194,8 @@ class UringBackend final : public Backend {
     const int slots = task_slots(queue_depth);
     slots_.resize(static_cast<size_t>(slots));
     for (int i = slots - 1; i >= 0; --i) free_slots_.push_back(i);
-    for (int i = depth_ - 1; i >= 0; --i) free_staging_.push_back(i);
+    for (int i = staging_blocks_ - 1; i >= 0; --i) free_staging_.push_back(i);
+    staging_faulted_.assign(static_cast<size_t>(staging_blocks_), 0);
     loop_ = std::thread([this] { run(); });
   }
 
@@ -293,6 +301,7 @@ class UringBackend final : public Backend {
           finish(i);
           continue;
         }
+        fault_in_staging(staging_block(s.staging), s.task.length, &staging_faulted_[static_cast<size_t>(s.staging)]);
         if (s.task.req->is_write()) std::memcpy(staging_block(s.staging), s.task.ptr, s.task.length);
       } else if (!s.task.req->is_write()) {
         populate_for_write(s.task.ptr, s.task.length);
@@ -302,7 +311,7 @@ class UringBackend final : public Backend {
     return !(stopping_ && pending_.empty() && free_slots_.size() == slots_.size());
   }
 
-  // One slab for every staging block (queue_depth of them), so that it lies in huge pages.
+  // One slab for every staging block, so that it lies in huge pages.
   // Blocks start a page apart: at multiples of a block_size off the page (1000000, say), all
   // but the first would be misaligned for O_DIRECT, which refuses such memory (EINVAL).
   char *staging_block(int index) const {
@@ -318,7 +327,7 @@ class UringBackend final : public Backend {
   // the failure would leave the task in its slot, never finished, and close() waiting for it.
   bool allocate_staging(const Task &task) {
     try {
-      staging_ = AlignedBuffer(staging_stride_ * static_cast<uint64_t>(depth_));
+      staging_ = AlignedBuffer(staging_stride_ * static_cast<uint64_t>(staging_blocks_));
       return true;
     } catch (const IOError &e) {
       task.req->fail(e.err, task.offset, task.length, "mmap of staging memory for memory unaligned for O_DIRECT");
@@ -450,8 +459,8 @@ class UringBackend final : public Backend {
     stopping_ = true;
   }
 
-  int depth_;
   uint64_t staging_stride_;  // block_size rounded up to a page
+  int staging_blocks_;       // queue_depth of them, or fewer within the staging budget
   uint64_t byte_budget_;      // queue_depth blocks
   uint64_t bytes_in_flight_ = 0;
   Ring ring_;
@@ -460,9 +469,10 @@ class UringBackend final : public Backend {
   std::deque<Task> pending_;
   bool stopping_ = false;
   std::vector<Slot> slots_;
-  AlignedBuffer staging_;  // allocated on the first misaligned direct task
+  AlignedBuffer staging_;  // mapped for the first misaligned direct task
+  std::vector<uint64_t> staging_faulted_;  // per staging block, the bytes faulted in so far
   std::vector<int> free_slots_;
-  std::vector<int> free_staging_;  // staging blocks, queue_depth of them
+  std::vector<int> free_staging_;
   std::thread loop_;
 };
 
@@ -473,7 +483,8 @@ class MultiRingBackend final : public Backend {
  public:
   MultiRingBackend(int rings, int queue_depth, uint64_t block_size) {
     const int depth_each = std::max(1, queue_depth / rings);
-    for (int i = 0; i < rings; ++i) rings_.push_back(std::make_unique<UringBackend>(depth_each, block_size));
+    for (int i = 0; i < rings; ++i)
+      rings_.push_back(std::make_unique<UringBackend>(depth_each, block_size, kStagingBudget / rings));
   }
 
   void submit(std::vector<Task> &&tasks) override {
@@ -525,7 +536,7 @@ void inject_uring_results(int count, int res) {
 std::unique_ptr<Backend> make_uring_backend(int rings, int queue_depth, uint64_t block_size) {
   if (queue_depth < 1 || queue_depth > 4096) throw IOError{EINVAL, "", "queue_depth must be between 1 and 4096"};
   rings = std::max(1, std::min(rings, queue_depth));
-  if (rings == 1) return std::make_unique<UringBackend>(queue_depth, block_size);
+  if (rings == 1) return std::make_unique<UringBackend>(queue_depth, block_size, kStagingBudget);
   return std::make_unique<MultiRingBackend>(rings, queue_depth, block_size);
 }
 

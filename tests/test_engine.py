@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 import tensorferry
-from tensorferry import Engine, EngineClosedError, TensorferryIOError
+from tensorferry import Engine, EngineClosedError, IOFuture, TensorferryError, TensorferryIOError
 
 from conftest import mounted
 
@@ -656,7 +657,7 @@ def test_bounced_blocks_of_a_block_size_off_the_page(backend: str, tmp_path) -> 
 
 
 def test_staging_memory_that_cannot_be_had_fails_the_request_not_the_engine(tmp_path) -> None:
-    """A ring's staging slab (queue_depth blocks) is allocated at the first bounced block;
+    """A ring's staging slab (up to queue_depth blocks) is mapped at the first bounced block;
     when that failed, the request never finished and close() waited for it forever."""
     if not tensorferry.io_uring_probe()[0]:
         pytest.skip("io_uring is not usable here")
@@ -669,8 +670,8 @@ from tensorferry.shard import aligned_empty
 size = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), resource.RLIM_INFINITY))
 path = {path!r}
-unaligned = np.ones((1 << 20) + 1, np.uint8)[1:]  # bounced, through 64 blocks of 64 MiB: 4 GiB, past the limit
-with tensorferry.Engine(backend="io_uring", threads=1, block_size=64 << 20, queue_depth=64) as engine:
+unaligned = np.ones((1 << 20) + 1, np.uint8)[1:]  # bounced, through a staging block of 1 GiB: past the limit
+with tensorferry.Engine(backend="io_uring", threads=1, block_size=1 << 30, queue_depth=64) as engine:
     try:
         engine.pwrite(unaligned, path).result(timeout=20)
         raise SystemExit("the write did not fail")
@@ -684,6 +685,103 @@ print("closed")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "closed", result.stderr
 
+
+
+def test_a_small_misaligned_read_stages_only_the_memory_it_uses(backend: str, tmp_path) -> None:
+    """One 64 KiB O_DIRECT read into memory unaligned for O_DIRECT mapped and zero-filled the
+    whole staging area: block_size x queue_depth on io_uring (16 MiB blocks: 512 MiB; 1 GiB
+    blocks: the process was killed), block_size per thread on threads. Measured in a
+    subprocess, by the growth of its resident memory."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    script = f"""
+import numpy as np, tensorferry
+def resident():
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) << 10
+out = np.ones((64 << 10) + 1, np.uint8)[1:]  # touched already, one byte off alignment: bounced
+with tensorferry.Engine(backend={backend!r}, threads=1, block_size=128 << 20, queue_depth=4) as engine:
+    with tensorferry.open({str(path)!r}) as f:
+        assert f.direct
+        before = resident()
+        assert engine.read(out, f) == 64 << 10
+        print((resident() - before) >> 20)
+assert (out == np.fromfile({str(path)!r}, np.uint8, 64 << 10)).all()
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) < 16, f"resident memory grew by {result.stdout.strip()} MiB"  # was 128 or 512
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e10, threading.TIMEOUT_MAX])
+def test_a_timeout_past_what_the_clock_holds_waits_without_limit(backend: str, tmp_path, timeout: float) -> None:
+    """Seconds beyond what the clock holds overflowed when made nanoseconds: result(inf)
+    raised TimeoutError at once on a future not yet done."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    with Engine(backend=backend, threads=1, queue_depth=1) as e:
+        futures = [e.pread(np.empty(8 << 20, np.uint8), path) for _ in range(20)]
+        gathered = IOFuture.gather(futures[-3:])
+        assert futures[-1].result(timeout=timeout) == 8 << 20
+        assert futures[-2].wait(timeout=timeout) and futures[-2].exception(timeout=timeout) is None
+        assert gathered.result(timeout=timeout) == 3 * (8 << 20)
+
+
+def test_ctrl_c_interrupts_a_wait_not_the_io(backend: str, tmp_path) -> None:
+    """SIGINT during result() on a long request raised KeyboardInterrupt only once the I/O
+    was over (2.3 s late for 2.4 GB). Now it interrupts the wait; the I/O goes on and a
+    later result() has it whole."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    script = f"""
+import os, signal, sys, threading
+import numpy as np, tensorferry
+with tensorferry.Engine(backend={backend!r}, threads=1, queue_depth=1) as engine:
+    buffer = np.empty(8 << 20, np.uint8)
+    future = engine.pread_many([(buffer, 0)] * 300, {str(path)!r})  # one request of 2.4 GB
+    main, waiting = threading.get_ident(), tensorferry.IOFuture.wait.__code__
+    def interrupt():  # once the I/O runs and the main thread waits for it
+        while future._requests[0].bytes_done == 0 or sys._current_frames()[main].f_code is not waiting:
+            pass
+        os.kill(os.getpid(), signal.SIGINT)
+    sender = threading.Thread(target=interrupt)
+    try:
+        sender.start()
+        future.result()
+        print("no KeyboardInterrupt")
+    except KeyboardInterrupt:
+        print("interrupted while", "done" if future.done() else "pending")
+    sender.join()
+    print(future.result() == 300 * (8 << 20))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["interrupted while pending", "True"], result.stdout
+
+
+def test_a_future_in_flight_at_fork_fails_in_the_child(backend: str, tmp_path) -> None:
+    """The child of a fork has none of the parent's I/O threads: waiting there on a future
+    whose I/O was in flight at the fork blocked forever (done() stayed False). Now it is
+    done, and result() raises an error saying the I/O belongs to the parent."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    with Engine(backend=backend, threads=1, queue_depth=1) as e:
+        futures = [e.pread(np.empty(8 << 20, np.uint8), path) for _ in range(20)]
+        pid = os.fork()
+        if pid == 0:  # the child reports through its exit status only
+            code = 1
+            try:
+                signal.alarm(30)  # a hang ends the child, not the test run
+                last = futures[-1]
+                assert last.done() and last.wait()
+                try:
+                    last.result()
+                except TensorferryError as exc:
+                    code = 0 if "parent process" in str(exc) and str(path) in str(exc) else 2
+            finally:
+                os._exit(code)
+        assert futures[-1].result() == 8 << 20  # the parent's I/O is untouched
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
 
 @pytest.mark.parametrize("offset", [2**64 - 10, 2**63 - 50, 2**63])
 def test_ranges_ending_past_the_largest_file_offset_are_refused(engine: Engine, tmp_path, offset: int) -> None:
