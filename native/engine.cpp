@@ -104,8 +104,8 @@ void Request::cancel() {
   std::lock_guard<std::mutex> lock(mu_);
   if (remaining_.load(std::memory_order_acquire) == 0 || failed_.load(std::memory_order_relaxed)) return;
   err_ = ECANCELED;
-  err_offset_ = 0;  // at the start: every block not yet issued is skipped (failed_before)
-  err_length_ = 0;
+  err_offset_ = offset_;  // the request's start: every block not yet issued is skipped (failed_before)
+  err_length_ = nbytes_;
   err_what_ = "cancelled";
   failed_.store(true, std::memory_order_release);
 }

@@ -527,8 +527,8 @@ print("released" if alive() is None else "alive")
 
 def test_a_cancelled_request_skips_what_it_has_not_issued(backend: str, tmp_path) -> None:
     """IOFuture.cancel: blocks not yet handed to the kernel are skipped and result()
-    raises ECANCELED naming the file; the engine goes on; a finished read cancelled keeps
-    its result (before, it was marked failed as cancelled)."""
+    raises ECANCELED naming the file and the request's range; the engine goes on; a
+    finished read cancelled keeps its result (before, it was marked failed as cancelled)."""
     data = random_bytes(64 << 20)
     path = tmp_path / "f.bin"
     with Engine(backend=backend, block_size=64 << 10, queue_depth=2, threads=1) as e:
@@ -545,6 +545,12 @@ def test_a_cancelled_request_skips_what_it_has_not_issued(backend: str, tmp_path
         assert finished.result() == len(data) and np.array_equal(again, data)
         finished.cancel()  # too late: a finished read keeps its outcome
         assert finished.exception() is None and finished.result() == len(data)
+        write = e.pwrite(data, path, offset=1 << 20)
+        write.cancel()
+        where = rf"at offset {1 << 20} \({len(data)} bytes\)"  # of the request (it said offset 0, no length)
+        with pytest.raises(TensorferryIOError, match=f"cancelled.* {where}") as info:
+            write.result()
+        assert (info.value.offset, info.value.length) == (1 << 20, len(data))
 
 
 # --- opening files, ranges, staging, waiting ------------------------------------------
