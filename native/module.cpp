@@ -98,11 +98,18 @@ NB_MODULE(_native, m) {
   }, "Returns (usable, reason): whether io_uring works in this kernel and sandbox.");
 
   nb::class_<tf::File>(m, "File")
+      // Opens without the GIL: an open waits out a lease break (up to 45 s) or a slow NFS or
+      // FUSE server, and every Python thread would wait with it.
       .def(nb::new_([](const nb::bytes &path, const std::string &mode, bool direct) {
-             return std::make_shared<tf::File>(fs_path(path), mode, direct);
+             const std::string name = fs_path(path);
+             nb::gil_scoped_release unlocked;
+             return std::make_shared<tf::File>(name, mode, direct);
            }), "path"_a, "mode"_a, "direct"_a)
-      .def(nb::new_([](int fd, const nb::bytes &label) { return std::make_shared<tf::File>(fd, fs_path(label)); }),
-           "fd"_a, "label"_a)
+      .def(nb::new_([](int fd, const nb::bytes &label) {
+             const std::string name = fs_path(label);
+             nb::gil_scoped_release unlocked;
+             return std::make_shared<tf::File>(fd, name);
+           }), "fd"_a, "label"_a)
       .def("close", &tf::File::close)
       .def("fsync", &tf::File::fsync, nb::call_guard<nb::gil_scoped_release>())
       .def("truncate", &tf::File::truncate, "size"_a)

@@ -647,6 +647,54 @@ def test_a_pipe_or_socket_is_refused_as_a_file(engine: Engine) -> None:
         b.close()
 
 
+# Takes a read lease on argv[1]; asked for it back (an open for writing), says so, and lets
+# go once told to on stdin, or on its own after 20 s.
+_HOLD_A_LEASE_UNTIL_TOLD = """
+import fcntl, os, select, signal, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+asked = []
+signal.signal(signal.SIGIO, lambda *_: asked.append(True))
+try:
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+except OSError as exc:
+    print(exc, flush=True)
+    sys.exit()
+print("leased", flush=True)
+while not asked:
+    time.sleep(0.01)
+print("asked", flush=True)
+told = select.select([sys.stdin], [], [], 20)[0]
+fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+print("let go when told" if told else "let go untold", flush=True)
+time.sleep(60)
+"""
+
+
+def test_an_open_waiting_for_a_lease_lets_other_threads_run(tmp_path) -> None:
+    """An open waits for a lease holder to let go (up to 45 s), as it does for a slow NFS or
+    FUSE server: it held the GIL meanwhile, and no other Python thread ran."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(4096))
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_A_LEASE_UNTIL_TOLD, str(path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        said = holder.stdout.readline().strip()
+        if said != "leased":
+            pytest.skip(f"no lease here: {said}")
+        opened = []
+        opener = threading.Thread(target=lambda: opened.append(tensorferry.open(path, "r+", direct=False)))
+        opener.start()
+        assert holder.stdout.readline().strip() == "asked"  # the open now waits for the lease
+        holder.stdin.write("let go\n")  # which only a thread that runs meanwhile can say
+        holder.stdin.flush()
+        opener.join()
+        assert holder.stdout.readline().strip() == "let go when told"
+        opened[0].close()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_bounced_blocks_of_a_block_size_off_the_page(backend: str, tmp_path) -> None:
     """The staging blocks of a ring start a page apart: at multiples of a block size that is
     not, all but the first were misaligned, and O_DIRECT refused them (EINVAL)."""
