@@ -120,7 +120,10 @@ class File:
     def from_fd(cls, fd: int, label: str | None = None) -> "File":
         """Wraps a descriptor the caller keeps owning (it is not closed here): a regular
         file's or a block device's. A pipe, socket or terminal is refused, since positional
-        I/O cannot serve it (io_uring would read and write it wherever it stands)."""
+        I/O cannot serve it (io_uring would read and write it wherever it stands). The File
+        works through its own duplicate, so the caller may close ``fd`` with I/O still
+        queued. Writes are refused through a descriptor opened read-only, and through one
+        opened with ``O_APPEND``, which Linux would put at the end whatever their offset."""
         self = cls.__new__(cls)
         self.path = label or f"<fd {fd}>"
         self.mode = "fd"
@@ -392,7 +395,8 @@ class Engine:
         """Starts writing ``buffer`` (or its first ``nbytes``) at ``offset`` of ``file``.
 
         ``file`` is a path (created if missing, never truncated), a :class:`File`
-        or a raw descriptor (host buffers only: kvikio opens files by path).
+        or a raw descriptor (host buffers only: kvikio opens files by path; see
+        :meth:`File.from_fd`).
         """
         return self._submit(buffer, file, offset, nbytes, is_write=True)
 

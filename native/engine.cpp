@@ -225,12 +225,23 @@ void check_range(const File &file, uint64_t offset, uint64_t nbytes) {
     throw IOError{EINVAL, file.path(), "a range ending past 2**63-1, the largest file offset", offset, nbytes};
 }
 
+// Refused before any block runs: a write that could only fail, or that would land elsewhere.
+void check_writable(const File &file, uint64_t offset, uint64_t nbytes) {
+  if (!file.writable()) throw IOError{EBADF, file.path(), "write to a file open read-only", offset, nbytes};
+  if (file.appends())
+    throw IOError{EINVAL, file.path(),
+                  "write through a descriptor opened with O_APPEND, which Linux puts at the end of the file "
+                  "whatever the offset asked (open it without O_APPEND)",
+                  offset, nbytes};
+}
+
 }  // namespace
 
 std::shared_ptr<Request> Engine::submit(std::shared_ptr<File> file, bool is_write, char *ptr,
                                         uint64_t nbytes, uint64_t offset) {
   if (file->is_closed()) throw IOError{EBADF, file->path(), "I/O on a closed file", offset, nbytes};
   check_range(*file, offset, nbytes);
+  if (is_write) check_writable(*file, offset, nbytes);
   auto req = std::make_shared<Request>(file, is_write, offset, nbytes);
   return start(std::move(req), *file, is_write, offset + nbytes, {Segment{ptr, nbytes, offset}});
 }
@@ -249,6 +260,7 @@ std::shared_ptr<Request> request_for(const std::shared_ptr<File> &file, bool is_
     total += s.nbytes;
   }
   if (file->is_closed()) throw IOError{EBADF, file->path(), "I/O on a closed file", first, total};
+  if (is_write) check_writable(*file, first, total);
   if (end) *end = last;
   return std::make_shared<Request>(file, is_write, first, total);
 }

@@ -24,7 +24,8 @@ class File : public std::enable_shared_from_this<File> {
   // mode: "r", "r+", "w" (create, truncate), "w+" (read/write, create, truncate),
   // "a" (write, create, keep contents: positional writes into an existing file).
   File(const std::string &path, const std::string &mode, bool want_direct);
-  // Wraps a descriptor the caller owns; it is never closed here.
+  // Works through its own duplicate of a descriptor the caller keeps owning (and may close
+  // at once); `label` names it in errors.
   File(int fd, const std::string &label);
   ~File();
   File(const File &) = delete;
@@ -44,6 +45,10 @@ class File : public std::enable_shared_from_this<File> {
   int direct_fd() const { return fd_direct_; }
   bool is_closed() const { return fd_buffered_ < 0; }
   bool direct() const { return fd_direct_ >= 0; }
+  // Opened for reading only (mode "r", or a descriptor opened O_RDONLY).
+  bool writable() const { return writable_; }
+  // A descriptor opened with O_APPEND: Linux appends its pwrites whatever their offset.
+  bool appends() const { return appends_; }
   // O_DIRECT was asked for and the filesystem refused it (EINVAL at open).
   bool direct_refused() const { return direct_refused_; }
   uint32_t offset_align() const { return offset_align_; }
@@ -55,7 +60,8 @@ class File : public std::enable_shared_from_this<File> {
   std::string path_;
   int fd_buffered_ = -1;
   int fd_direct_ = -1;
-  bool owns_fd_ = true;
+  bool writable_ = true;
+  bool appends_ = false;
   bool direct_refused_ = false;
   uint32_t offset_align_ = 4096;
   uint32_t mem_align_ = 4096;

@@ -114,8 +114,10 @@ int open_positional(const std::string &path, int flags) {
 
 }  // namespace
 
-File::File(const std::string &path, const std::string &mode, bool want_direct) : path_(path) {
+File::File(const std::string &path, const std::string &mode, bool want_direct)
+    : path_(path) {
   const int flags = open_flags(mode) | O_CLOEXEC;
+  writable_ = (flags & O_ACCMODE) != O_RDONLY;
   fd_buffered_ = open_positional(path, flags);
   probe_alignment(fd_buffered_);
   if (!want_direct) return;
@@ -132,7 +134,7 @@ File::File(const std::string &path, const std::string &mode, bool want_direct) :
   }
 }
 
-File::File(int fd, const std::string &label) : path_(label), owns_fd_(false) {
+File::File(int fd, const std::string &label) : path_(label) {
   const int flags = fcntl(fd, F_GETFL);
   if (flags < 0) throw IOError{errno, label, "fcntl(F_GETFL)"};
   // io_uring reads and writes a pipe, socket or terminal at its current position whatever
@@ -142,29 +144,35 @@ File::File(int fd, const std::string &label) : path_(label), owns_fd_(false) {
   if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode))
     throw IOError{EINVAL, label, std::string("a descriptor of ") + kind_of(st.st_mode) +
                                      ", not of a regular file or block device (positional I/O needs one)"};
+  writable_ = (flags & O_ACCMODE) != O_RDONLY;
+  appends_ = (flags & O_APPEND) != 0;
+  // Our own duplicate: the caller may close its number while requests are queued, and an
+  // open that reuses the number would take their writes into another file.
+  const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own < 0) throw IOError{errno, label, "fcntl(F_DUPFD_CLOEXEC)"};
   // A descriptor opened with O_DIRECT serves the aligned middle; its edges need a
   // buffered twin, which only a reopen through /proc can give. Plain descriptors stay
   // buffered.
   if (flags & O_DIRECT) {
-    const int buffered = reopen(fd, (flags & ~(O_DIRECT | O_CREAT | O_TRUNC)) | O_CLOEXEC);
-    if (buffered < 0) throw IOError{errno, label, "reopen without O_DIRECT"};
+    const int buffered = reopen(own, (flags & ~(O_DIRECT | O_CREAT | O_TRUNC)) | O_CLOEXEC);
+    if (buffered < 0) {
+      const int err = errno;
+      ::close(own);
+      throw IOError{err, label, "reopen without O_DIRECT"};
+    }
     fd_buffered_ = buffered;
-    fd_direct_ = fd;
+    fd_direct_ = own;
   } else {
-    fd_buffered_ = fd;
+    fd_buffered_ = own;
   }
-  probe_alignment(fd);
+  probe_alignment(own);
 }
 
 File::~File() { close(); }
 
 void File::close() {
-  if (owns_fd_) {
-    if (fd_direct_ >= 0) ::close(fd_direct_);
-    if (fd_buffered_ >= 0) ::close(fd_buffered_);
-  } else if (fd_direct_ >= 0 && fd_buffered_ >= 0) {
-    ::close(fd_buffered_);  // only the twin we opened is ours
-  }
+  if (fd_direct_ >= 0) ::close(fd_direct_);
+  if (fd_buffered_ >= 0) ::close(fd_buffered_);
   fd_direct_ = fd_buffered_ = -1;
 }
 

@@ -647,6 +647,68 @@ def test_a_pipe_or_socket_is_refused_as_a_file(engine: Engine) -> None:
         b.close()
 
 
+@pytest.mark.parametrize("flags", [0, os.O_DIRECT], ids=["buffered", "direct"])
+def test_a_descriptor_closed_and_its_number_reused_keeps_its_writes(backend: str, tmp_path, flags: int) -> None:
+    """Writes through a raw descriptor used the caller's number itself: closed with writes
+    queued and the number reused by another open, the writes went into that other file,
+    and every future reported success."""
+    mine, other = tmp_path / "mine.bin", tmp_path / "other.bin"
+    other.write_bytes(b"\x55" * (32 << 20))
+    data = random_bytes(32 << 20)
+    fd = os.open(mine, os.O_CREAT | os.O_RDWR | flags)
+    victim = os.open(other, os.O_RDWR)
+    # 8192 blocks through one worker: most are still queued when the number is reused.
+    with Engine(backend=backend, block_size=4096, queue_depth=1, threads=1) as e:
+        try:
+            future = e.pwrite(data, fd)
+            os.dup2(victim, fd)  # closes fd, and its number now leads to the other file
+            assert not future.done(), "the write was over before its descriptor was closed"
+            assert future.result() == len(data)
+        finally:
+            os.close(fd)
+            os.close(victim)
+    assert other.read_bytes() == b"\x55" * (32 << 20)
+    assert mine.read_bytes() == data.tobytes()
+
+
+def test_a_write_through_an_append_descriptor_is_refused(engine: Engine, tmp_path) -> None:
+    """Linux puts a pwrite through an O_APPEND descriptor at the end of the file whatever
+    its offset: a write asked at offset 0 landed after the existing bytes. Reads are fine."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"A" * 8192)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND)
+    try:
+        with pytest.raises(TensorferryIOError, match="O_APPEND") as info:
+            engine.pwrite(b"BBBB", fd, offset=0)
+        assert info.value.errno == errno.EINVAL and info.value.filename == f"<fd {fd}>"
+        out = bytearray(4)
+        assert engine.read(out, fd, offset=8188) == 4 and out == b"AAAA"
+        with pytest.raises(TensorferryIOError, match="read past end") as info:
+            engine.read(bytearray(4), fd, offset=8190)
+        assert info.value.filename == f"<fd {fd}>"  # named as the caller gave it, not by our duplicate
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"A" * 8192
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_write_to_a_file_open_read_only_says_so(engine: Engine, tmp_path, direct: bool) -> None:
+    """A write to a file opened "r" (or through a descriptor opened O_RDONLY) failed with
+    "fallocate before the write: EBADF", which did not say what was wrong."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(16384))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with tensorferry.open(path, "r", direct=direct) as f:
+            for target, name in ((f, str(path)), (fd, f"<fd {fd}>")):
+                with pytest.raises(TensorferryIOError, match="write to a file open read-only") as info:
+                    engine.write(random_bytes(12288), target, offset=100)
+                assert info.value.errno == errno.EBADF and info.value.filename == name
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == bytes(16384)
+
+
 # Takes a read lease on argv[1]; asked for it back (an open for writing), says so, and lets
 # go once told to on stdin, or on its own after 20 s.
 _HOLD_A_LEASE_UNTIL_TOLD = """
