@@ -16,7 +16,7 @@ _PLAIN = {
     "BOOL": np.bool_, "C64": np.complex64,
 }
 _ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-              "F8_E8M0": "float8_e8m0fnu"}
+              "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu"}
 
 SAFETENSORS_DTYPES = tuple(_PLAIN) + tuple(_ML_DTYPES)
 
@@ -24,7 +24,8 @@ SAFETENSORS_DTYPES = tuple(_PLAIN) + tuple(_ML_DTYPES)
 # (``torch.<name>``), for code that must not import torch.
 TORCH_DTYPE_NAMES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0",
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
     "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL", "complex64": "C64",
 }

@@ -27,8 +27,8 @@ from tensorferry.temporaries import wait_for_discards
 from tensorferry.temporaries import DCP_TOKEN, held_here
 
 DTYPES = [np.float64, np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
-          ml_dtypes.float8_e5m2, np.complex64, np.int64, np.int32, np.int16, np.int8,
-          np.uint64, np.uint32, np.uint16, np.uint8, np.bool_]
+          ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz, np.complex64,
+          np.int64, np.int32, np.int16, np.int8, np.uint64, np.uint32, np.uint16, np.uint8, np.bool_]
 if hasattr(ml_dtypes, "float8_e8m0fnu"):  # ml_dtypes 0.5 on; the dependency allows 0.3
     DTYPES.append(ml_dtypes.float8_e8m0fnu)
 SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (5, 3), (2, 3, 4, 5), (300_001,)]

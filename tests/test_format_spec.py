@@ -16,7 +16,8 @@ import xxhash
 import tensorferry
 
 ELEMENT_SIZES = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
-                 "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1}
+                 "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                 "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def checksum(data: bytes) -> str:

@@ -28,8 +28,9 @@ def _eight_devices():
     if jax.device_count() < 8:
         pytest.skip("needs 8 (virtual) devices: XLA_FLAGS was set after JAX started")
 
-DTYPES = [getattr(jnp, name) for name in ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e8m0fnu",
-                                          "complex64", "int32", "bool_") if hasattr(jnp, name)]  # e8m0: jax 0.5 on
+DTYPES = [getattr(jnp, name) for name in ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2fnuz",
+                                          "float8_e8m0fnu", "complex64", "int32", "bool_")
+          if hasattr(jnp, name)]  # e8m0: jax 0.5 on
 
 
 def mesh(shape):

@@ -24,7 +24,8 @@ from tensorferry.adapters import pytorch as tf_torch  # noqa: E402
 
 DTYPES = [getattr(torch, name) for name in (
     "float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool", "float8_e4m3fn",
-    "float8_e5m2", "float8_e8m0fnu", "complex64") if hasattr(torch, name)]  # float8_e8m0fnu since torch 2.7
+    "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "complex64")
+    if hasattr(torch, name)]  # float8_e8m0fnu since torch 2.7
 
 
 def a_state() -> dict:
