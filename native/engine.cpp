@@ -89,11 +89,16 @@ const std::string &Request::error_what() const { return orphaned() ? kOrphanedWh
 void Request::set_task_count(int64_t n) { remaining_.fetch_add(n, std::memory_order_relaxed); }
 
 void Request::fail(int err, uint64_t offset, uint64_t length, const char *what) {
+  fail(err, offset, what, offset, length);
+}
+
+void Request::fail(int err, uint64_t at, const std::string &what, uint64_t offset, uint64_t length) {
   std::lock_guard<std::mutex> lock(mu_);
   // Blocks fail in any order; report the failure nearest the start of the request,
   // which is where the data stops being good.
-  if (failed_.load(std::memory_order_relaxed) && offset >= err_offset_) return;
+  if (failed_.load(std::memory_order_relaxed) && at >= err_at_) return;
   err_ = err;
+  err_at_ = at;
   err_offset_ = offset;
   err_length_ = length;
   err_what_ = what;
@@ -104,7 +109,8 @@ void Request::cancel() {
   std::lock_guard<std::mutex> lock(mu_);
   if (remaining_.load(std::memory_order_acquire) == 0 || failed_.load(std::memory_order_relaxed)) return;
   err_ = ECANCELED;
-  err_offset_ = offset_;  // the request's start: every block not yet issued is skipped (failed_before)
+  err_at_ = 0;  // at the start: every block not yet issued is skipped (failed_before)
+  err_offset_ = offset_;  // the error names the request cancelled
   err_length_ = nbytes_;
   err_what_ = "cancelled";
   failed_.store(true, std::memory_order_release);
@@ -113,7 +119,7 @@ void Request::cancel() {
 bool Request::failed_before(uint64_t offset) {
   if (!failed()) return false;
   std::lock_guard<std::mutex> lock(mu_);
-  return err_offset_ <= offset;
+  return err_at_ <= offset;
 }
 
 void Request::task_finished() {
@@ -160,6 +166,11 @@ void fault_in_staging(char *area, uint64_t nbytes, uint64_t *faulted) {
   *faulted = end;
 }
 
+void fail_past_end(const Task &task, uint64_t at) {
+  task.req->fail(ENODATA, at, "read past end of file (" + std::to_string(at - task.part_offset) + " bytes read)",
+                 task.part_offset, task.part_length);
+}
+
 void run_task_blocking(const Task &task, char *bounce) {
   Request &req = *task.req;
   if (req.failed_before(task.offset)) return;
@@ -181,7 +192,7 @@ void run_task_blocking(const Task &task, char *bounce) {
       if (is_write)
         req.fail(EIO, task.offset + done, want, "pwrite made no progress");
       else
-        req.fail(ENODATA, task.offset + done, want, "read past end of file");
+        fail_past_end(task, task.offset + done);
       break;
     }
     done += static_cast<uint64_t>(n);
@@ -319,7 +330,7 @@ void Engine::add_tasks(const std::shared_ptr<Request> &req, File &file, char *pt
       const uint64_t len = std::min(chunk, to - at);
       char *p = ptr + (at - offset);
       const bool misaligned = direct && reinterpret_cast<uintptr_t>(p) % file.mem_align() != 0;
-      tasks.push_back(Task{req, fd, p, at, len, misaligned});
+      tasks.push_back(Task{req, fd, p, at, len, misaligned, offset, nbytes});
     }
   };
   const uint64_t align = file.offset_align();

@@ -96,6 +96,9 @@ class Request {
   bool failed_before(uint64_t offset);
 
   void fail(int err, uint64_t offset, uint64_t length, const char *what);
+  // A failure at byte `at`, reported as one of the range [offset, offset + length) that
+  // the caller asked for (what it sees of the request), not of the block that found it.
+  void fail(int err, uint64_t at, const std::string &what, uint64_t offset, uint64_t length);
   // Fails the request as cancelled: its blocks not yet issued are skipped, those in
   // flight finish (their memory is written all the same until then). A request whose
   // every block is done keeps its outcome, and a failed one its error.
@@ -131,6 +134,7 @@ class Request {
   std::mutex mu_;
   std::condition_variable cv_;
   int err_ = 0;
+  uint64_t err_at_ = 0;  // where the failure was found: the one nearest the start is kept
   uint64_t err_offset_ = 0, err_length_ = 0;
   std::string err_what_;
 };
@@ -144,7 +148,13 @@ struct Task {
   uint64_t length;
   // The memory is not aligned for O_DIRECT: stage it through an aligned buffer.
   bool needs_bounce;
+  // The range the caller asked for that this task is a piece of (a segment of the request).
+  uint64_t part_offset = 0, part_length = 0;
 };
+
+// Fails the read `task` belongs to, which found the end of its file at byte `at`: as the
+// caller's range, with how many of its bytes were read (those before `at`).
+void fail_past_end(const Task &task, uint64_t at);
 
 // Performs tasks. Implementations must finish every task they accept exactly once,
 // successfully or by failing its request.

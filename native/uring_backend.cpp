@@ -386,7 +386,7 @@ class UringBackend final : public Backend {
       if (is_write)
         req.fail(EIO, s.task.offset + s.done, want, "pwrite made no progress");
       else
-        req.fail(ENODATA, s.task.offset + s.done, want, "read past end of file");
+        fail_past_end(s.task, s.task.offset + s.done);
     } else {
       s.done += static_cast<uint64_t>(res);
       s.retries = 0;

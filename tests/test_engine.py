@@ -193,8 +193,28 @@ def test_read_past_end_of_file(engine: Engine, tmp_path) -> None:
     err = info.value
     assert err.errno == errno.ENODATA
     assert err.filename == str(path)
-    assert err.offset == 10_000 and err.length > 0  # the first missing byte
-    assert "end of file" in str(err)
+    assert (err.offset, err.length) == (0, 20_000)  # the read asked for
+    assert "read past end of file (10000 bytes read)" in str(err)
+
+
+def test_a_read_past_the_end_is_reported_as_the_range_asked_for(backend: str, tmp_path) -> None:
+    """Each range as the caller gave it, with what of it was read, from the block of the
+    request that found the end or from one wholly past it. The offset and length were
+    the block's remainder: a 5000-byte read of a 100-byte file in 4 KiB blocks said
+    "at offset 100 (3996 bytes)"."""
+    path = tmp_path / "truncated.bin"
+    path.write_bytes(bytes(100))
+    with tensorferry.Engine(backend=backend, block_size=4096, threads=2) as e:
+        for size, offset, read in [(5000, 0, 100), (20_000, 0, 100), (3000, 1000, 0), (4096, 60, 40)]:
+            with pytest.raises(TensorferryIOError) as info:
+                e.read(np.empty(size, np.uint8), path, offset=offset)
+            assert (info.value.errno, info.value.offset, info.value.length) == (errno.ENODATA, offset, size)
+            assert str(info.value) == (f"[Errno 61] read past end of file ({read} bytes read): No data available "
+                                       f"at offset {offset} ({size} bytes): '{path}'")
+        with pytest.raises(TensorferryIOError) as info:  # one request of three parts: the second is named
+            e.pread_many([(np.empty(50, np.uint8), 0), (np.empty(9000, np.uint8), 90), (np.empty(8, np.uint8), 500)],
+                         path).result()
+        assert (info.value.offset, info.value.length) == (90, 9000) and "(10 bytes read)" in str(info.value)
 
 
 def test_pread_many_reads_every_part_as_one_request(engine: Engine, tmp_path) -> None:
@@ -240,8 +260,8 @@ def test_pread_many_names_the_failing_part(engine: Engine, tmp_path) -> None:
     path.write_bytes(bytes(10_000))
     with pytest.raises(TensorferryIOError) as info:
         engine.pread_many([(np.empty(100, np.uint8), 0), (np.empty(500, np.uint8), 9_800)], path).result()
-    assert info.value.errno == errno.ENODATA and info.value.offset == 10_000
-    assert info.value.filename == str(path)
+    assert (info.value.errno, info.value.offset, info.value.length) == (errno.ENODATA, 9_800, 500)
+    assert info.value.filename == str(path) and "(200 bytes read)" in str(info.value)
     with pytest.raises(ValueError, match="negative"):
         engine.pread_many([(np.empty(8, np.uint8), -1)], path)
 
