@@ -13,8 +13,8 @@ from .shard import ShardInfo, ShardReader, ShardWriter, StreamReader, TensorInfo
 from .data import FileSource
 from .offload import OffloadStore
 from .errors import (CheckpointNotFoundError, CheckpointSkippedWarning, ConfigError, CorruptCheckpointError,
-                     DurabilityWarning, EngineClosedError, GDSUnavailableError, RetentionWarning, TensorferryError,
-                     TensorferryIOError)
+                     DurabilityWarning, EngineClosedError, GDSUnavailableError, RetentionWarning, RewrittenFileWarning,
+                     TensorferryError, TensorferryIOError)
 
 __version__ = "0.1.0"
 
@@ -26,5 +26,5 @@ __all__ = [
     "PendingCheckpoint", "ShardInfo", "ShardReader", "ShardWriter", "StreamReader", "TensorInfo", "default_engine",
     "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prune_checkpoints", "read_manifest",
     "save_checkpoint", "verify_checkpoint", "FileSource", "OffloadStore", "GDSUnavailableError",
-    "CheckpointSkippedWarning", "DurabilityWarning", "RetentionWarning", "gc_paused",
+    "CheckpointSkippedWarning", "DurabilityWarning", "RetentionWarning", "RewrittenFileWarning", "gc_paused",
 ]

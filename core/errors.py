@@ -73,6 +73,12 @@ class RetentionWarning(UserWarning):
     remove could not be (a directory without write permission, say): it is kept whole."""
 
 
+class RewrittenFileWarning(UserWarning):
+    """A safetensors file that another tool rewrote from one tensorferry wrote, keeping
+    tensorferry's metadata keys, is read as the plain safetensors file it now is: its
+    tensors unverified, as the checksums carried over no longer describe them."""
+
+
 class DurabilityWarning(UserWarning):
     """A committed checkpoint is complete and in place, but making its rename durable
     (fsync of the parent directory) failed."""

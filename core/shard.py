@@ -33,10 +33,10 @@ from . import _native
 from .buffers import PinnedPool, byte_view, round_up
 from .dtypes import to_numpy_dtype, to_safetensors_dtype
 from .engine import Engine, File, IOFuture, default_engine, local_path
-from .errors import CorruptCheckpointError, DurabilityWarning, TensorferryIOError
+from .errors import CorruptCheckpointError, DurabilityWarning, RewrittenFileWarning, TensorferryIOError
 from .pools import ThreadPool
-from .schema import (ORBAX_STEP_MARKER, ORBAX_TEMPORARY_MARKER, PART_FILE, STEP_NUMBER, check_tensor_entry,
-                     hub_cache_hint, parse_json)
+from .schema import (ORBAX_STEP_MARKER, ORBAX_TEMPORARY_MARKER, PART_FILE, STEP_NUMBER, STRUCTURE_KEY,
+                     check_structure, check_tensor_entry, hub_cache_hint, parse_json)
 from .streams import (STREAM_PIECE, fill_from, is_stream, naming_stream_errors, read_exactly, remaining_bytes, require,
                       stream_name, would_block)
 from .temporaries import (NEW_TEMPORARY_TRIES, discard_later, hold_new, refuse_temporary_marker, release,
@@ -1234,28 +1234,81 @@ class ShardReader:
         if raw[8:9] != b"{" and foreign_format(prefix) is not None:
             raise self._corrupt("the header is not a JSON object", prefix)
         self.header_bytes = raw
-        sealed_with = self._check_header_checksum()  # before the JSON: damage there is named as such
+        sealed_with, intact = self._header_checksum()
+        try:
+            metadata = self._parse_entries(data_size)
+        except CorruptCheckpointError:
+            if not intact:  # damage to the JSON is named as such
+                raise self._corrupt("the header does not match its checksum: it is damaged") from None
+            raise
+        unsealed = sealed_with is None and not self.header_vouched and any(key.startswith("tensorferry.")
+                                                                           for key in metadata)
+        if not intact or unsealed:
+            if not self._laid_out_by_another_writer(data_size):
+                raise self._corrupt("the header does not match its checksum: it is damaged" if not intact else
+                                    f"the header has tensorferry keys but no {HEADER_CHECKSUM_KEY}: it is damaged "
+                                    "(or was written by an older tensorferry, before files carried one)")
+            self._drop_stale_keys(metadata, f"does not match its {HEADER_CHECKSUM_KEY}" if not intact else
+                                  f"lacks {HEADER_CHECKSUM_KEY} though it has tensorferry keys")
+        elif metadata.pop(HEADER_CHECKSUM_KEY, None) != sealed_with:
+            raise self._corrupt(f"{HEADER_CHECKSUM_KEY} is not where the format puts it")
+        checksums = metadata.pop(CHECKSUMS_KEY, None)
+        if checksums is not None:
+            self._attach_checksums(checksums)
+        self.metadata: dict[str, str] = metadata
+
+    def _parse_entries(self, data_size: int) -> dict[str, Any]:
+        """Parses the header's JSON into ``self.tensors``, each entry checked against the
+        ``data_size``-byte data section; returns its ``__metadata__``."""
         header = parse_json(self.header_bytes[8:], "header", self.path)
         if not isinstance(header, dict):
             raise self._corrupt("header is not a JSON object")
         metadata = header.pop("__metadata__", None) or {}
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise self._corrupt("__metadata__ must map strings to strings")
-        self.data_start = len(raw)
+        self.data_start = len(self.header_bytes)
         self.tensors = {name: self._validate(name, entry, data_size) for name, entry in header.items()}
         spans = sorted((t.begin, t.end, n) for n, t in self.tensors.items() if t.nbytes)
         for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
             if begin_b < end_a:
                 raise self._corrupt(f"tensors {a!r} and {b!r} overlap")
-        if metadata.pop(HEADER_CHECKSUM_KEY, None) != sealed_with:
-            raise self._corrupt(f"{HEADER_CHECKSUM_KEY} is not where the format puts it")
-        if sealed_with is None and not self.header_vouched and any(key.startswith("tensorferry.") for key in metadata):
-            raise self._corrupt(f"the header has tensorferry keys but no {HEADER_CHECKSUM_KEY}: it is damaged "
-                                "(or was written by an older tensorferry, before files carried one)")
-        checksums = metadata.pop(CHECKSUMS_KEY, None)
-        if checksums is not None:
-            self._attach_checksums(checksums)
-        self.metadata: dict[str, str] = metadata
+        return metadata
+
+    def _laid_out_by_another_writer(self, data_size: int) -> bool:
+        """Whether a header that tensorferry's keys do not vouch for is another writer's
+        whole header, not tensorferry's damaged: its data does not start on the 4096-byte
+        boundary where tensorferry starts it (damage inside a header leaves its length be),
+        and its tensors fill the data section without a hole, to the end of the file (a
+        changed length would leave them short of it, or past it). A checkpoint's shard
+        is never another writer's: its manifest holds the header's checksum."""
+        if self.header_vouched or len(self.header_bytes) % ALIGNMENT == 0:
+            return False
+        end = 0
+        for t in sorted(self.tensors.values(), key=lambda t: (t.begin, t.end)):
+            if t.begin != end:
+                return False
+            end = t.end
+        return end == data_size or data_size == sys.maxsize  # a stream of unknown length: no end to check
+
+    def _drop_stale_keys(self, metadata: dict[str, str], why: str) -> None:
+        """Reads a file that another tool rewrote, carrying tensorferry's metadata over (as
+        ``metadata = f.metadata(); save_file(tensors, out, metadata=metadata)`` does), as
+        the safetensors file it now is: its checksums no longer describe it and are left
+        out, and so is its structure where the tensors it names are no longer the file's."""
+        for key in (HEADER_CHECKSUM_KEY, CHECKSUMS_KEY):
+            metadata.pop(key, None)
+        dropped = ""
+        if STRUCTURE_KEY in metadata:
+            try:
+                check_structure(parse_json(metadata[STRUCTURE_KEY], STRUCTURE_KEY, self.path), self.path, self.tensors)
+            except CorruptCheckpointError as exc:
+                del metadata[STRUCTURE_KEY]
+                dropped = f"; its {STRUCTURE_KEY} no longer fits its tensors ({exc}) and is left out"
+        warnings.warn(f"{self.path} was rewritten by another tool that carried tensorferry's metadata over: its header "
+                      f"{why}, and is another writer's (its data starts at byte {self.data_start}, where tensorferry's "
+                      f"starts on a {ALIGNMENT}-byte boundary), with every tensor in place. It is read as a plain "
+                      "safetensors file, its tensors unverified: the checksums carried over no longer describe "
+                      f"them{dropped}", RewrittenFileWarning, stacklevel=2)
 
     def _validate(self, name: str, entry: Any, data_size: int) -> TensorInfo:
         dtype, shape, begin, end = check_tensor_entry(self.path, name, entry)
@@ -1264,18 +1317,17 @@ class ShardReader:
                                 f"{data_size}-byte data section")
         return TensorInfo(dtype, shape, begin, end)
 
-    def _check_header_checksum(self) -> str | None:
-        """The header checksum the file carries (None if it has none), once it matches."""
+    def _header_checksum(self) -> tuple[str | None, bool]:
+        """The header checksum the file carries (None if it has none), and whether the
+        header matches it (a header without one does)."""
         raw = self.header_bytes
         at = raw.find(_HEADER_CHECKSUM_MARK)
         if at < 0:
-            return None
+            return None, True
         start = at + len(_HEADER_CHECKSUM_MARK)
         stored = raw[start:start + _DIGEST_CHARS]
         zeroed = raw[:start] + b"0" * _DIGEST_CHARS + raw[start + _DIGEST_CHARS:]
-        if digest(zeroed).encode() != stored:
-            raise self._corrupt("the header does not match its checksum: it is damaged")
-        return stored.decode()
+        return stored.decode("ascii", "replace"), digest(zeroed).encode() == stored
 
     def _attach_checksums(self, text: str) -> None:
         digests = parse_json(text, CHECKSUMS_KEY, self.path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import threading
 
 import numpy as np
@@ -218,6 +219,34 @@ def test_a_single_file_header_is_covered_by_its_checksum(tmp_path) -> None:
             load(path)
         with open(path, "wb") as f:
             f.write(original)
+
+
+def test_a_rewritten_files_header_is_damaged_unless_it_is_whole(tmp_path) -> None:
+    """A file another tool rewrote with our keys carried over loads (test_pytorch); such a
+    header is another writer's only while it is whole: one damaged since (a shape that
+    no longer fits its offsets, a length prefix or file size changed) is still damaged."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tensorferry.adapters.pytorch import load, save
+    path = str(tmp_path / "state.safetensors")
+    save({"w": torch.ones(4, 4), "b": torch.ones(4)}, path)
+    with safe_open(path, "pt") as f:
+        save_file({k: f.get_tensor(k) for k in f.keys()}, path, metadata=f.metadata())
+    with open(path, "rb") as f:
+        original = f.read()
+    with pytest.warns(tensorferry.RewrittenFileWarning):
+        assert load(path)["w"].shape == (4, 4)
+    (n,) = struct.unpack("<Q", original[:8])
+    padding = n - len(original[8:8 + n].rstrip(b" "))  # a length short by it still holds the whole JSON
+    assert padding > 0
+    damaged = [original.replace(b'"shape":[4,4]', b'"shape":[4,5]'), original + b"\0" * 8,
+               struct.pack("<Q", n - padding) + original[8:], struct.pack("<Q", n + 8) + original[8:]]
+    for raw in damaged:
+        with open(path, "wb") as f:
+            f.write(raw)
+        with pytest.raises(CorruptCheckpointError, match="does not match its checksum: it is damaged"):
+            load(path)
 
 
 def test_a_plain_safetensors_file_still_loads(tmp_path) -> None:

@@ -406,6 +406,43 @@ def test_streams_read_once_through_the_last_tensor() -> None:
         load(WriteOnly())
 
 
+def test_a_file_resaved_by_safetensors_with_our_metadata_loads(tmp_path) -> None:
+    """The conversion scripts' ``metadata = f.metadata(); save_file(tensors, out,
+    metadata=metadata)`` on a file we wrote: its header checksum (or, dropped, its absence
+    beside our other keys) was taken for damage, with or without verify. Such a file is
+    now read as the safetensors file it is, with a warning naming it; its structure is
+    kept while it fits the tensors."""
+    import io
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    source = tmp_path / "ours.safetensors"
+    save({"model": {"w": torch.randn(4, 4), "b": torch.randn(4)}, "step": 7}, source)
+    with safe_open(str(source), "pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    assert {"tensorferry.checksums", "tensorferry.header_checksum", "tensorferry.structure"} <= set(metadata)
+    without_seal = {k: v for k, v in metadata.items() if k != "tensorferry.header_checksum"}
+    out = tmp_path / "out.safetensors"
+    for kept, changed in [(metadata, tensors), (metadata, {k: v.bfloat16() for k, v in tensors.items()}),
+                          (without_seal, tensors)]:
+        save_file(changed, str(out), metadata=kept)
+        for loads in (lambda: load(out), lambda: load(out, verify=False), lambda: load(io.BytesIO(out.read_bytes()))):
+            with pytest.warns(tensorferry.RewrittenFileWarning, match="was rewritten by another tool"):
+                back = loads()
+            assert back["step"] == 7 and set(back["model"]) == {"w", "b"}
+            assert all(same(back["model"][k], changed[f"model.{k}"]) for k in ("w", "b"))
+        os.makedirs(tmp_path / "folder", exist_ok=True)
+        shutil.copy(out, tmp_path / "folder" / "model.safetensors")
+        with pytest.warns(tensorferry.RewrittenFileWarning, match="model.safetensors was rewritten"):
+            back = load_checkpoint(tmp_path / "folder")  # a folder of safetensors files: its tensors by name
+        assert all(same(back[k], changed[k]) for k in changed) and len(back) == 2
+    save_file({k.replace("model.", "m."): v for k, v in tensors.items()}, str(out), metadata=metadata)
+    with pytest.warns(tensorferry.RewrittenFileWarning, match="tensorferry.structure no longer fits") as caught:
+        back = load(out)
+    assert str(out) in str(caught[0].message) and set(back) == {"m.w", "m.b"}  # a flat dict, as safetensors gives
+    assert set(load_file(str(out))) == {"m.w", "m.b"}
+
+
 def test_load_plain_safetensors_and_map_location(tmp_path) -> None:
     from safetensors.torch import save_file
     save_file({"x": torch.arange(6.0)}, str(tmp_path / "peer.safetensors"))
