@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import errno
+import functools
 import gc
 import json
 import os
@@ -23,7 +24,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -587,7 +588,8 @@ def names_to_read(where: str, held: Mapping[str, Any], names: Iterable[str] | No
     entries tied to others: a destination ``where`` does not hold that is the very memory
     of one it does (``model.state_dict()``'s ``lm_head.weight`` and its tied embedding,
     which ``save_pretrained`` stores once) is filled by that one's read. ``KeyError``
-    naming any other that ``where`` does not hold."""
+    naming any other that ``where`` does not hold; ``ValueError`` for a destination of
+    another shape or dtype than its tensor (:func:`_check_destination`)."""
     out = dict(out)
     wanted = list(dict.fromkeys([*(names if names is not None else out or held), *out]))
     missing = [n for n in wanted if n not in held]
@@ -599,7 +601,14 @@ def names_to_read(where: str, held: Mapping[str, Any], names: Iterable[str] | No
         out = {n: d for n, d in out.items() if n not in tied}
     if missing:
         raise KeyError(missing_names(where, "tensor(s)", missing, held))
+    for name, destination in out.items():
+        _check_destination(where, name, *_placement(held[name]), destination)
     return wanted, out
+
+
+def _placement(entry: Any) -> tuple[str, Sequence[int]]:
+    """A held tensor's dtype and shape, as a manifest lists it (a dict) or a layout (a ``TensorEntry``)."""
+    return (entry["dtype"], entry["shape"]) if isinstance(entry, dict) else (entry.dtype, entry.shape)
 
 
 def _memory_of(destination: Any) -> tuple[str, int, int]:
@@ -615,8 +624,6 @@ def _load_as_listed(directory: str, manifest: Mapping[str, Any], names: Iterable
                     mmap: bool = False) -> dict[str, np.ndarray]:
     tensors = manifest["tensors"]
     wanted, out = names_to_read(directory, tensors, names, out or {})
-    for name, dest in out.items():
-        _check_destination(directory, name, tensors[name], dest)
     by_file: dict[str, list[str]] = {}
     for n in wanted:
         by_file.setdefault(tensors[n]["file"], []).append(n)
@@ -688,18 +695,22 @@ def read_directory_file(directory: str | os.PathLike, name: str) -> bytes:
     return read_small_file(member_path(directory, name))
 
 
-def _check_destination(directory: str, name: str, entry: Mapping[str, Any], dest: Any) -> None:
-    shape = getattr(dest, "shape", None)
-    if shape is not None and tuple(shape) != tuple(entry["shape"]):
-        raise ValueError(f"{directory}: tensor {name!r} has shape {tuple(entry['shape'])}, "
-                         f"the destination {tuple(shape)}")
-    dtype = getattr(dest, "dtype", None)
-    expected = to_numpy_dtype(entry["dtype"])  # first: it makes ml_dtypes' names known to numpy
-    given = None if dtype is None else _numpy_dtype_of(dtype)
-    if given is not None and given != expected:  # not "in (None, ...)": numpy takes None for float64
-        raise ValueError(f"{directory}: tensor {name!r} is {entry['dtype']}, the destination {dtype}")
+def _check_destination(where: str, name: str, dtype: str, shape: Sequence[int], destination: Any) -> None:
+    """Refuses a destination of ``out=`` for tensor ``name`` (of safetensors dtype ``dtype``
+    and ``shape``) that has another shape or dtype: a read checks only the byte size, and
+    would fill it with the bytes reinterpreted. Every load with ``out=`` comes here
+    (:func:`names_to_read`), whatever the layout; it costs a lookup and two comparisons."""
+    given_shape = getattr(destination, "shape", None)
+    if given_shape is not None and tuple(given_shape) != tuple(shape):
+        raise ValueError(f"{where}: tensor {name!r} has shape {tuple(shape)}, the destination {tuple(given_shape)}")
+    given = getattr(destination, "dtype", None)
+    expected = to_numpy_dtype(dtype)  # first: it makes ml_dtypes' names known to numpy
+    as_numpy = None if given is None else _numpy_dtype_of(given)
+    if as_numpy is not None and as_numpy != expected:  # not "in (None, ...)": numpy takes None for float64
+        raise ValueError(f"{where}: tensor {name!r} is {dtype}, the destination {given}")
 
 
+@functools.lru_cache(maxsize=64)  # a destination's dtype is one of a few, each asked for per tensor
 def _numpy_dtype_of(dtype: Any) -> np.dtype | None:
     """A destination's dtype as numpy's: numpy's and JAX's as they are, torch's by name
     (``torch.float32`` is numpy's ``float32``; bf16 and fp8 through ml_dtypes); None for

@@ -161,6 +161,30 @@ def test_save_pretrained_folders_load(tmp_path: Path, dtype: torch.dtype) -> Non
     assert tensorferry.read_manifest(tmp_path / "ckpt")["metadata"] == {"format": "pt"}
 
 
+def test_out_of_another_dtype_or_shape_is_refused_in_a_hf_folder_as_in_a_checkpoint(tmp_path: Path) -> None:
+    """``load_checkpoint(folder, out=...)`` checked only byte counts in a save_pretrained
+    folder: a bf16 model's weights read into an fp16 model came back reinterpreted, and a
+    [96, 64] weight into a [64, 96] tensor. Refused there now as in a tensorferry
+    checkpoint of the same weights, with the same message, before anything is read."""
+    model = tiny_llama(torch.bfloat16)
+    model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    tf_torch.save_checkpoint(tmp_path / "ours", saved_weights(model))
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    for path in (tmp_path / "hf", tmp_path / "ours"):
+        fp16 = {k: torch.zeros_like(v, dtype=torch.float16) for k, v in saved_weights(model).items()}
+        first = next(iter(fp16))
+        with pytest.raises(ValueError, match=f"^{path}: tensor '{first}' is BF16, the destination float16$"):
+            tf_torch.load_checkpoint(path, out=fp16)
+        transposed = torch.zeros(64, 96, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=f"^{path}: tensor '{gate}' has shape \\(96, 64\\), "
+                                             "the destination \\(64, 96\\)$"):
+            tf_torch.load_checkpoint(path, out={gate: transposed})
+        assert not any(t.any() for t in fp16.values()) and not transposed.any()
+        right = {k: torch.zeros_like(v) for k, v in saved_weights(model).items()}
+        tf_torch.load_checkpoint(path, out=right)
+        assert same_tensors(right, saved_weights(model))
+
+
 def test_a_damaged_hf_folder_is_reported(tmp_path: Path) -> None:
     tiny_llama().save_pretrained(tmp_path / "hf", max_shard_size="100KB")
     victim = sorted((tmp_path / "hf").glob("*.safetensors"))[1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -119,6 +120,41 @@ def test_a_folder_of_one_model_file_reads_as_that_file(tmp_path: Path) -> None:
         with pytest.raises((CheckpointNotFoundError, layouts.UnknownLayoutError),
                            match="its folders unet, vae hold safetensors files: give one of them"):
             read(pipeline)
+
+
+def test_every_layout_refuses_a_destination_of_another_dtype_or_shape(tmp_path: Path) -> None:
+    """``out=`` of the tensor's byte size but of another dtype or shape: a tensorferry
+    checkpoint refused it, while a safetensors file, a Hugging Face folder and a layout
+    read in chunks filled it with the bytes reinterpreted (F32 as int32, [4, 6] as
+    [6, 4]). Every layout refuses it now, with the same message, and names itself where
+    it holds no tensor of a name asked for (a Hugging Face folder said "this layout")."""
+    import safetensors.numpy
+
+    tensorferry.save_checkpoint(tmp_path / "ckpt", STATE)
+    safetensors.numpy.save_file(STATE, str(tmp_path / "one.safetensors"))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    safetensors.numpy.save_file(STATE, str(hf / "model-00001-of-00001.safetensors"))
+    (hf / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": dict.fromkeys(STATE, "model-00001-of-00001.safetensors")}))
+    chunks = tmp_path / "chunks"  # a rank's file of torch's distributed writer: read in chunks
+    chunks.mkdir()
+    safetensors.numpy.save_file(STATE, str(chunks / "shard-00001-model-00001-of-00001.safetensors"))
+    wrong = {"w": [(np.zeros((4, 6), np.int32), "is F32, the destination int32"),
+                   (np.zeros((6, 4), np.float32), r"has shape \(4, 6\), the destination \(6, 4\)")],
+             "b": [(np.zeros(5, np.float16), "is BF16, the destination float16")]}
+    for path, kind in ((tmp_path / "ckpt", "tensorferry"), (tmp_path / "one.safetensors", "safetensors"),
+                       (hf, "huggingface"), (chunks, "huggingface-shards")):
+        assert layouts.detect(path).kind == kind
+        for name, cases in wrong.items():
+            for destination, message in cases:
+                with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: tensor '{name}' {message}$"):
+                    tensorferry.load_checkpoint(path, out={name: destination})
+                assert not destination.any(), (path, name)
+        with pytest.raises(KeyError, match=f"{re.escape(str(path))} holds no tensor\\(s\\) 'wieght'"):
+            tensorferry.load_checkpoint(path, names=["wieght"])
+        right = np.zeros((4, 6), np.float32)
+        assert tensorferry.load_checkpoint(path, out={"w": right})["w"] is right and same(right, STATE["w"])
 
 
 def test_an_index_naming_a_file_outside_its_folder_is_refused(tmp_path: Path) -> None:
@@ -237,6 +273,9 @@ def test_orbax_step_with_tensorferry_items(orbax_step: Path, tmp_path: Path) -> 
     assert same(loaded["extra/['x']"], np.ones(2, np.float32)) and loaded["extra/['n']"] == 7
     arrays = tensorferry.load_checkpoint(orbax_step, names=["extra/['h']", "state/['params']['b']"])
     assert arrays["extra/['h']"].dtype == ml_dtypes.bfloat16
+    for name, wrong in (("state/['params']['w']", np.zeros((8, 4), np.int32)), ("extra/['h']", np.zeros(6, np.int16))):
+        with pytest.raises(ValueError, match=f"^{orbax_step}: tensor {re.escape(repr(name))} "):  # not filled
+            tensorferry.load_checkpoint(orbax_step, out={name: wrong})
     assert same(arrays["state/['params']['b']"], np.arange(3, dtype=np.int32))
 
     shard = next((orbax_step / "state").glob("process-0.safetensors"))
@@ -325,6 +364,10 @@ def test_torch_dcp_from_torchs_writer_reads_without_a_process_group(tmp_path: Pa
         assert source.read_range("w", 4, 8).tobytes() == state["w"].numpy().tobytes()[4:12]
     assert np.array_equal(arrays["w"], state["w"].numpy())
     assert arrays["h"].view(np.int16).tobytes() == state["h"].view(torch.int16).numpy().tobytes()
+    wrong = np.zeros(3, np.float16)  # bf16's byte size, not its dtype
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'dcp'}: tensor 'h' is BF16, the destination float16$"):
+        tensorferry.load_checkpoint(tmp_path / "dcp", out={"h": wrong})
+    assert not wrong.any()
 
 
 def test_an_unreadable_checkpoint_is_described_not_raised(tmp_path: Path) -> None:

@@ -102,21 +102,23 @@ CHECKSUMS_AGAINST_MANIFEST = "the checksum of every file against the manifest"
 class TensorSource:
     """Reads the tensors of an opened layout; ``tensors`` lists those it can read and
     ``metadata`` is what the layout keeps besides (JSON values), ``skipped`` the items
-    it cannot give as tensors (pickled objects, say)."""
+    it cannot give as tensors (pickled objects, say); ``where`` (the layout's path) starts
+    its errors."""
 
     def __init__(self, tensors: Mapping[str, TensorEntry], metadata: Mapping[str, Any] | None = None,
-                 skipped: int = 0) -> None:
+                 skipped: int = 0, where: str = "") -> None:
         self.tensors = dict(tensors)
         self.metadata = dict(metadata or {})
         self.skipped = skipped
+        self._where = where or "this layout"
 
     def read(self, names: Iterable[str] | None = None, out: Mapping[str, Any] | None = None, *,
              mmap: bool = False) -> dict[str, np.ndarray]:
         """Tensors ``names`` (default: all, or those of ``out``), into the host buffers of
-        ``out`` where given (of the tensor's byte size); with ``mmap``, as copy-on-write
+        ``out`` where given (of the tensor's dtype and shape); with ``mmap``, as copy-on-write
         mappings of the files where the layout keeps tensors whole
         (:meth:`ShardReader.map_many`)."""
-        wanted, out = names_to_read("this layout", self.tensors, names, out or {})
+        wanted, out = names_to_read(self._where, self.tensors, names, out or {})
         if mmap:
             refuse_out_when_mapped(out)
             return self._map(wanted)
@@ -174,8 +176,8 @@ class ShardSource(TensorSource):
     the others (:meth:`ShardReader.read_many`), at most ``MAX_CONCURRENT_SHARDS`` at once."""
 
     def __init__(self, tensors: Mapping[str, TensorEntry], open_reader: Callable[[str], ShardReader],
-                 metadata: Mapping[str, Any] | None = None, skipped: int = 0) -> None:
-        super().__init__(tensors, metadata, skipped)
+                 metadata: Mapping[str, Any] | None = None, skipped: int = 0, where: str = "") -> None:
+        super().__init__(tensors, metadata, skipped, where)
         self._readers = _Readers(open_reader)
 
     def _key(self, name: str) -> str:
@@ -223,9 +225,8 @@ class ChunkSource(TensorSource):
 
     def __init__(self, tensors: Mapping[str, TensorEntry], open_reader: Callable[[str], ShardReader],
                  metadata: Mapping[str, Any] | None = None, skipped: int = 0, where: str = "") -> None:
-        super().__init__(tensors, metadata, skipped)
+        super().__init__(tensors, metadata, skipped, where)
         self._readers = _Readers(open_reader)
-        self._where = where
 
     def _read(self, names: list[str], out: dict[str, Any]) -> dict[str, np.ndarray]:
         results, reads = {}, []

@@ -194,7 +194,7 @@ class DCPFolder(Layout):
 
             if all(_stored_whole(e) for e in tensors.values()):  # saved by one rank: read (or mapped) as files
                 whole = {n: dataclasses.replace(e, file=e.chunks[0].file) for n, e in tensors.items()}
-                return ShardSource(whole, open_reader, TORCH_TENSORS, skipped=skipped)
+                return ShardSource(whole, open_reader, TORCH_TENSORS, skipped=skipped, where=self.path)
             return ChunkSource(tensors, open_reader, TORCH_TENSORS, skipped=skipped, where=self.path)
         return _TorchSource(self.path, tensors, metadata, skipped)
 
@@ -242,7 +242,7 @@ class _TorchSource(TensorSource):
     once, not once per call (which made a conversion quadratic)."""
 
     def __init__(self, path: str, tensors: Mapping[str, TensorEntry], metadata: Any, skipped: int) -> None:
-        super().__init__(tensors, TORCH_TENSORS, skipped)
+        super().__init__(tensors, TORCH_TENSORS, skipped, where=path)
         import torch.distributed.checkpoint as dcp
 
         self._reader = dcp.FileSystemReader(path)

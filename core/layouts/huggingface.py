@@ -153,7 +153,7 @@ class HuggingFaceFolder(Layout):
         if problems:
             raise CorruptCheckpointError(f"{self.path}: " + "; ".join(problems))
         return ShardSource({e.name: e for e in entries}, lambda file: self._reader(file, engine, verify),
-                           file_metadata)
+                           file_metadata, where=self.path)
 
 
 # torch's HuggingFaceStorageWriter(save_distributed=True) before consolidation: each rank's

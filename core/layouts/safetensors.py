@@ -99,7 +99,8 @@ class SafetensorsFile(Layout):
         with self._reader() as reader:
             entries = entries_of(reader)
             metadata = file_metadata(reader.metadata, self.path)
-        return ShardSource({e.name: e for e in entries}, lambda file: self._reader(engine, verify), metadata)
+        return ShardSource({e.name: e for e in entries}, lambda file: self._reader(engine, verify), metadata,
+                           where=self.path)
 
 
 class SafetensorsFiles(Layout):

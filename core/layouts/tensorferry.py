@@ -58,4 +58,4 @@ class TensorferryCheckpoint(Layout):
         refuse_dcp_folder_without_metadata(self.path, manifest)  # even where no shard is opened (meta tensors)
         return ShardSource({e.name: e for e in self._entries(manifest)},
                            lambda file: open_shard(self.path, manifest, file, engine=engine, verify=verify),
-                           manifest.get("metadata", {}))
+                           manifest.get("metadata", {}), where=self.path)
