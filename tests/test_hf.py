@@ -185,6 +185,31 @@ def test_out_of_another_dtype_or_shape_is_refused_in_a_hf_folder_as_in_a_checkpo
         assert same_tensors(right, saved_weights(model))
 
 
+def test_a_stale_copy_of_a_tensor_in_another_shard_is_left_for_the_index_s(tmp_path: Path) -> None:
+    """A shard holding a copy of a tensor the index places in another shard (left by an
+    earlier save into the folder, say): the folder was refused with the false "<the
+    index's file>: holds no tensor ...", since only the last file's copy of each name was
+    kept. The copy in the file the index names is read, with a warning naming the other."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_llama()
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder, max_shard_size="100KB")
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    files = sorted(set(weight_map.values()))
+    name = next(n for n, f in weight_map.items() if f == files[0])
+    last = load_file(str(folder / files[-1]))
+    save_file({**last, name: torch.full_like(model.state_dict()[name], 7.0)}, str(folder / files[-1]),
+              metadata={"format": "pt"})
+    for read in (tf_torch.load_checkpoint, tf_torch.load):
+        with pytest.warns(UserWarning, match=f"{folder}: 1 tensor\\(s\\) also held by another file than the "
+                                             f"index places them in \\('{name}' in {files[-1]}\\)"):
+            assert same_tensors(read(folder), saved_weights(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        assert layouts.describe(folder)["complete"] and not layouts.detect(folder).verify().problems
+
+
 def test_a_damaged_hf_folder_is_reported(tmp_path: Path) -> None:
     tiny_llama().save_pretrained(tmp_path / "hf", max_shard_size="100KB")
     victim = sorted((tmp_path / "hf").glob("*.safetensors"))[1]

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import warnings
 from typing import Any, Callable, Iterable, Mapping
 
 from ..checkpoint import read_directory_file
@@ -106,29 +107,39 @@ class HuggingFaceFolder(Layout):
 
     def _survey(self) -> tuple[list[TensorEntry], list[dict[str, Any]], list[str], dict[str, str]]:
         """Every tensor the index names, found in its file: entries, files, problems, and
-        the files' own metadata (the same in every shard, as ``save_pretrained`` writes it)."""
+        the files' own metadata (the same in every shard, as ``save_pretrained`` writes it).
+        A copy of a tensor in another file than the index names (left by an earlier save,
+        say) is not read, with a warning: the index says where each tensor is. (transformers
+        5's ``from_pretrained`` reads every tensor of every file, so that the last file's copy wins.)"""
         weight_map, _ = self._index()
         files = [file_row(self.directory, f) for f in self._files(weight_map)]
         problems = size_problems(files)
-        entries: dict[str, TensorEntry] = {}
+        held: dict[str, dict[str, TensorEntry]] = {}  # file: its tensors by name
         file_metadata: dict[str, str] = {}
         for f in files:
             if f["size"] is None:
                 continue
             try:
                 with self._reader(f["name"]) as reader:
-                    entries.update((e.name, e) for e in entries_of(reader, f["name"]))
+                    held[f["name"]] = {e.name: e for e in entries_of(reader, f["name"])}
                     problems += trailing_bytes(reader, f["name"])
                     file_metadata.update(reader.metadata)
             except CorruptCheckpointError as exc:
                 problems.append(f"{f['name']}: {exc}")
+        found = []
         for name, file in weight_map.items():
-            entry = entries.get(name)
-            if entry is None or entry.file != file:
-                present = any(p.startswith(f"{file}:") for p in problems)
-                if not present:
-                    problems.append(f"{file}: holds no tensor {name!r}, which the index places there")
-        found = [entries[n] for n in weight_map if n in entries and entries[n].file == weight_map[n]]
+            entry = held.get(file, {}).get(name)
+            if entry is not None:
+                found.append(entry)
+            elif not any(p.startswith(f"{file}:") for p in problems):
+                problems.append(f"{file}: holds no tensor {name!r}, which the index places there")
+        stale = [(name, file) for file, tensors in held.items() for name in tensors
+                 if name in weight_map and weight_map[name] != file]
+        if stale:
+            shown = ", ".join(f"{name!r} in {file}" for name, file in stale[:3])
+            warnings.warn(f"{self.path}: {len(stale)} tensor(s) also held by another file than the index places "
+                          f"them in ({shown}{', ...' if len(stale) > 3 else ''}): those copies are not read, "
+                          "each tensor is read from the file the index names", stacklevel=3)
         return found, files, problems, file_metadata
 
     def describe(self) -> dict[str, Any]:
