@@ -1268,6 +1268,8 @@ class ShardReader:
             raise self._corrupt("__metadata__ must map strings to strings")
         self.data_start = len(self.header_bytes)
         self.tensors = {name: self._validate(name, entry, data_size) for name, entry in header.items()}
+        if self.header_bytes.count(b'"data_offsets"') != len(self.tensors):  # a key, never inside a string
+            self._refuse_named_twice()
         spans = sorted((t.begin, t.end, n) for n, t in self.tensors.items() if t.nbytes)
         for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
             if begin_b < end_a:
@@ -1309,6 +1311,17 @@ class ShardReader:
                       f"starts on a {ALIGNMENT}-byte boundary), with every tensor in place. It is read as a plain "
                       "safetensors file, its tensors unverified: the checksums carried over no longer describe "
                       f"them{dropped}", RewrittenFileWarning, stacklevel=2)
+
+    def _refuse_named_twice(self) -> None:
+        """Refuses a header that names a tensor twice, as safetensors does: ``json.loads``
+        keeps the last entry, and the bytes of the others would go unnoticed. Called only
+        where the header holds more ``"data_offsets"`` keys than it lists tensors."""
+        pairs = json.loads(self.header_bytes[8:], object_pairs_hook=lambda pairs: pairs)
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise self._corrupt(f"the header names tensor {name!r} twice")
+            seen.add(name)
 
     def _validate(self, name: str, entry: Any, data_size: int) -> TensorInfo:
         dtype, shape, begin, end = check_tensor_entry(self.path, name, entry)

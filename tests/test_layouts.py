@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import warnings
@@ -155,6 +156,30 @@ def test_every_layout_refuses_a_destination_of_another_dtype_or_shape(tmp_path: 
             tensorferry.load_checkpoint(path, names=["wieght"])
         right = np.zeros((4, 6), np.float32)
         assert tensorferry.load_checkpoint(path, out={"w": right})["w"] is right and same(right, STATE["w"])
+
+
+def test_a_header_naming_a_tensor_twice_is_refused(tmp_path: Path) -> None:
+    """JSON keeps the last of two entries of one name: the file was read with the first
+    entry's bytes unnoticed. safetensors refuses it (the bytes the first entry covers are
+    no tensor's there); tensorferry names the tensor. A tensor named like a field of an
+    entry ("data_offsets", which counting the fields meets) is no duplicate."""
+    import safetensors.numpy
+
+    data = np.arange(4, dtype=np.float32).tobytes() + np.full(4, 9, np.float32).tobytes()
+    header = (b'{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},'
+              b'"a":{"dtype":"F32","shape":[4],"data_offsets":[16,32]}}')
+    header += b" " * (-len(header) % 8)
+    path = tmp_path / "hf" / "model.safetensors"
+    path.parent.mkdir()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    with pytest.raises(Exception, match="invalid offset"):
+        safetensors.numpy.load_file(str(path))
+    for given in (path, path.parent):
+        with pytest.raises(CorruptCheckpointError, match=f"{path}: the header names tensor 'a' twice"):
+            tensorferry.load_checkpoint(given)
+    safetensors.numpy.save_file({"data_offsets": STATE["w"], "dtype": STATE["b"]}, str(path))
+    loaded = tensorferry.load_checkpoint(path)
+    assert same(loaded["data_offsets"], STATE["w"]) and same(loaded["dtype"], STATE["b"])
 
 
 def test_an_index_naming_a_file_outside_its_folder_is_refused(tmp_path: Path) -> None:
