@@ -1181,11 +1181,14 @@ class ShardReader:
     _ahead_landing: "_ReadAhead | None" = None  # the one read_many is taking from (for cancel)
 
     def __init__(self, path: str | os.PathLike, engine: Engine | None = None, *, verify: bool = True,
-                 chunk_size: int = 64 << 20, header_vouched: bool = False) -> None:
+                 chunk_size: int = 64 << 20, header_vouched: bool = False, ends_at_last_tensor: bool = True) -> None:
         self.path = os.fspath(path)
         # A checkpoint's shard (``header_vouched``) has its header checked against the
         # manifest instead, which lets files written before header checksums be read.
         self.header_vouched = header_vouched
+        # Bytes after the last tensor are refused, as safetensors refuses them, unless the file
+        # is read as a stream is (a file object's, which its caller may have written on after a save).
+        self.ends_at_last_tensor = ends_at_last_tensor
         self.engine = engine or default_engine()
         self.verify = verify
         self.chunk_size = chunk_size
@@ -1216,7 +1219,11 @@ class ShardReader:
         length = self._header_length(prefix, self.size, "file")
         raw = bytearray(8 + length)
         self.engine.read(raw, self._file, 0)
-        self._take_header(bytes(raw), self.size - 8 - length)
+        data_end = self._take_header(bytes(raw), self.size - 8 - length)
+        trailing = self.size - self.data_start - data_end
+        if trailing and self.ends_at_last_tensor:
+            raise self._corrupt(f"the file goes on {trailing} bytes after its last tensor (written in place over "
+                                "a longer file, or appended to?): safetensors refuses it too")
 
     def _header_length(self, prefix: bytes, size: int | None, what: str) -> int:
         """The header length the first 8 bytes give, once it fits a ``size``-byte ``what``."""
@@ -1227,9 +1234,10 @@ class ShardReader:
             raise self._corrupt(f"header length {length} runs past the end of the {size}-byte {what}", prefix)
         return length
 
-    def _take_header(self, raw: bytes, data_size: int) -> None:
+    def _take_header(self, raw: bytes, data_size: int) -> int:
         """Parses the header ``raw`` (its 8-byte length included), for a data section of
-        ``data_size`` bytes, which its tensors must lie in."""
+        ``data_size`` bytes, which its tensors must lie in; returns where in it the last
+        tensor's bytes end."""
         prefix = raw[:8]
         if raw[8:9] != b"{" and foreign_format(prefix) is not None:
             raise self._corrupt("the header is not a JSON object", prefix)
@@ -1256,6 +1264,7 @@ class ShardReader:
         if checksums is not None:
             self._attach_checksums(checksums)
         self.metadata: dict[str, str] = metadata
+        return max((t.end for t in self.tensors.values() if t.nbytes), default=0)
 
     def _parse_entries(self, data_size: int) -> dict[str, Any]:
         """Parses the header's JSON into ``self.tensors``, each entry checked against the

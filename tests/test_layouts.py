@@ -158,6 +158,40 @@ def test_every_layout_refuses_a_destination_of_another_dtype_or_shape(tmp_path: 
         assert tensorferry.load_checkpoint(path, out={"w": right})["w"] is right and same(right, STATE["w"])
 
 
+def test_bytes_after_the_last_tensor_are_refused_in_a_file_as_in_a_folder(tmp_path: Path) -> None:
+    """A safetensors file that goes on after its last tensor (appended to, written over a
+    longer file): a folder holding it was refused, the file given alone was read. Both
+    are refused, as safetensors refuses the file; what safetensors and tensorferry write
+    (safetensors' header padding, our 4096-byte one, tensors of odd sizes last) still loads."""
+    import safetensors.numpy
+
+    odd = {**STATE, "tail": np.arange(3, dtype=np.uint8)}  # 3 bytes: ends the data off any alignment
+    ours = tmp_path / "ours.safetensors"
+    with tensorferry.ShardWriter(ours) as writer:
+        for name, array in odd.items():
+            writer.add(name, array)
+    theirs = tmp_path / "hf" / "model.safetensors"
+    theirs.parent.mkdir()
+    safetensors.numpy.save_file(odd, str(theirs))
+    for path in (ours, theirs, theirs.parent):
+        assert all(same(tensorferry.load_checkpoint(path)[n], a) for n, a in odd.items())
+        assert layouts.describe(path)["complete"] and not layouts.detect(path).verify().problems
+    assert all(same(safetensors.numpy.load_file(str(ours))[n], a) for n, a in odd.items())
+
+    for path in (ours, theirs):
+        with open(path, "ab") as f:
+            f.write(bytes(8))
+    with pytest.raises(Exception, match="file not fully covered"):
+        safetensors.numpy.load_file(str(theirs))
+    for path, file in ((ours, ours), (theirs, theirs), (theirs.parent, theirs)):
+        with pytest.raises(CorruptCheckpointError, match=f"{file}: the file goes on 8 bytes after its last tensor"):
+            tensorferry.load_checkpoint(path)
+        with pytest.raises(CorruptCheckpointError, match="8 bytes after its last tensor"):
+            layouts.open_layout(path)
+        assert not layouts.describe(path)["complete"]
+        assert any("8 bytes after its last tensor" in p for p in layouts.detect(path).verify().problems)
+
+
 def test_a_header_naming_a_tensor_twice_is_refused(tmp_path: Path) -> None:
     """JSON keeps the last of two entries of one name: the file was read with the first
     entry's bytes unnoticed. safetensors refuses it (the bytes the first entry covers are

@@ -251,7 +251,9 @@ def test_a_file_just_opened_for_writing_is_written_as_the_file(tmp_path, small_t
             f.write(b"trailer")
         assert (tmp_path / f"opened_{mode}").read_bytes() == on_disk + b"trailer" and not through_stream
         with open(tmp_path / f"opened_{mode}", "rb") as f:
-            assert torch.equal(load(f)["w"], state["w"])
+            assert torch.equal(load(f)["w"], state["w"])  # a file object is read up to its last tensor
+        with pytest.raises(tensorferry.CorruptCheckpointError, match="goes on 7 bytes after its last tensor"):
+            load(tmp_path / f"opened_{mode}")  # a path is a file, which safetensors too takes whole
     with tempfile.NamedTemporaryFile(dir=tmp_path) as f:
         save(state, f)
         f.flush()

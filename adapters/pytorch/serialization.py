@@ -338,7 +338,9 @@ def load(path: str | os.PathLike | BinaryIO, map_location: MapLocation = None, *
 
     A file object is read once into new memory from where it stands through the file's
     last tensor, and the tensors are views of that memory; one opened on a file, at its
-    start, is read as that file.
+    start, is read as that file, up to its last tensor (the caller may have written on
+    after a save). A path is read as the whole file: bytes after the last tensor are
+    refused, as safetensors refuses them.
 
     To ``map_location="meta"``, as ``torch.load`` does, tensors come back on the meta
     device with their shapes and dtypes and nothing of them is read (a file object's
@@ -348,8 +350,8 @@ def load(path: str | os.PathLike | BinaryIO, map_location: MapLocation = None, *
     device = None if meta else _cuda_device(map_location, mmap)
     if is_stream(path):
         with file_behind(path) as own:
-            if own is not None:
-                reader = ShardReader(own, engine, verify=verify)
+            if own is not None:  # read as that file, up to its last tensor: the caller may have written on
+                reader = ShardReader(own, engine, verify=verify, ends_at_last_tensor=False)
                 loaded = _load_shard(reader, map_location, meta, device, mmap)
                 path.seek(reader.end)  # where a read through the stream stops: on to the object saved after it
                 return loaded

@@ -17,7 +17,7 @@ from ..schema import PART_FILE, member_path, parse_json
 from ..shard import ShardInfo, ShardReader
 from . import (Chunk, ChunkSource, Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row,
                size_problems, tensor_entry, verify_files)
-from .safetensors import entries_of, read_header, trailing_bytes
+from .safetensors import entries_of, read_header
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -122,7 +122,6 @@ class HuggingFaceFolder(Layout):
             try:
                 with self._reader(f["name"]) as reader:
                     held[f["name"]] = {e.name: e for e in entries_of(reader, f["name"])}
-                    problems += trailing_bytes(reader, f["name"])
                     file_metadata.update(reader.metadata)
             except CorruptCheckpointError as exc:
                 problems.append(f"{f['name']}: {exc}")

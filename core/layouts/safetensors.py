@@ -29,12 +29,6 @@ def entries_of(reader: ShardReader, file: str | None = None) -> list[TensorEntry
     return [TensorEntry(n, t.dtype, t.shape, t.nbytes, file) for n, t in ordered]
 
 
-def trailing_bytes(reader: ShardReader, name: str) -> list[str]:
-    """A problem if the file goes on after its last tensor."""
-    end = reader.data_start + max((t.end for t in reader.tensors.values()), default=0)
-    return [f"{name}: {reader.size - end} bytes after the last tensor"] if reader.size > end else []
-
-
 def file_metadata(metadata: dict[str, str], where: str) -> dict[str, Any]:
     """A file's string metadata as a checkpoint's metadata: its own keys where they are,
     plus what :data:`METADATA_KEY` carries (JSON) unpacked beside them."""
@@ -81,19 +75,16 @@ class SafetensorsFile(Layout):
             name = os.path.basename(self.path)
             checksummed = bool(reader.tensors) and all(t.checksum for t in reader.tensors.values())
             return self.description(entries_of(reader), [file_row(os.path.dirname(self.path) or ".", name)],
-                                    trailing_bytes(reader, name), reader.metadata, checksummed=checksummed)
+                                    [], reader.metadata, checksummed=checksummed)
 
     def verify(self, progress: Callable[[int], None] | None = None) -> Verification:
         name = os.path.basename(self.path)
         try:
-            with self._reader() as reader:
-                problems = trailing_bytes(reader, name)
+            self._reader().close()
         except CorruptCheckpointError as exc:
             problem = str(exc)  # names the file already where it says where in it
             return Verification([name], None, [problem if problem.startswith(self.path) else f"{name}: {problem}"], "")
-        found = verify_files(os.path.dirname(self.path) or ".", [name], progress,
-                             lambda file: self._reader(verify=True))
-        return Verification(found.files, found.nbytes, problems + found.problems, found.checked)
+        return verify_files(os.path.dirname(self.path) or ".", [name], progress, lambda file: self._reader(verify=True))
 
     def open(self, *, verify: bool = True, engine: Any = None) -> TensorSource:
         with self._reader() as reader:
@@ -123,7 +114,6 @@ class SafetensorsFiles(Layout):
             try:
                 with read_header(os.path.join(self.path, name)) as reader:
                     tensors += entries_of(reader, name)
-                    problems += trailing_bytes(reader, name)
             except CorruptCheckpointError as exc:
                 problems.append(str(exc))
         return self.description(tensors, files, problems)
