@@ -185,6 +185,21 @@ def test_out_of_another_dtype_or_shape_is_refused_in_a_hf_folder_as_in_a_checkpo
         assert same_tensors(right, saved_weights(model))
 
 
+def test_errors_of_a_load_from_a_hf_folder_name_the_folder_and_the_entry(tmp_path: Path) -> None:
+    """A name the folder lacks was a bare "this layout holds no tensor(s) ..."; an ``out=``
+    tensor that cannot be read into (not contiguous) did not say which entry it was."""
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    folder = tmp_path / "hf"
+    with pytest.raises(KeyError, match=f"{folder} holds no tensor\\(s\\) 'model.norm.wieght'; "
+                                       "closest held: 'model.norm.weight'"):
+        tf_torch.load_checkpoint(folder, names=["model.norm.wieght"])
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    with pytest.raises(ValueError, match=f"^{folder}: out\\['{gate}'\\]: can read in place only into a "
+                                         "contiguous CPU tensor, got one on cpu \\(not contiguous\\)$"):
+        tf_torch.load_checkpoint(folder, out={gate: torch.empty(64, 96).t()})
+
+
 def test_a_stale_copy_of_a_tensor_in_another_shard_is_left_for_the_index_s(tmp_path: Path) -> None:
     """A shard holding a copy of a tensor the index places in another shard (left by an
     earlier save into the folder, say): the folder was refused with the false "<the

@@ -474,7 +474,8 @@ def load_checkpoint(directory: str | os.PathLike, map_location: MapLocation = No
     elif device is not None and listed_by_manifest(directory):
         manifest, arrays = _load_directory_to_device(directory, names, out, device, engine, verify)
     else:
-        destinations = {name: host_array(t, writable=True) for name, t in (out or {}).items()}
+        destinations = {name: host_array(t, writable=True, where=f"{os.fspath(directory)}: out[{name!r}]")
+                        for name, t in (out or {}).items()}
         manifest, arrays = load_with_manifest(directory, names, out=destinations, engine=engine, verify=verify,
                                               mmap=mmap)
         arrays = {name: out[name] if out and name in out else a for name, a in arrays.items()}

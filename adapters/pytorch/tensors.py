@@ -75,18 +75,18 @@ def from_array(array: np.ndarray, dtype_name: str) -> torch.Tensor:
     return torch.from_numpy(array.view(_SAME_WIDTH[array.itemsize])).view(dtype)
 
 
-def host_array(tensor: torch.Tensor, *, writable: bool = False) -> np.ndarray:
+def host_array(tensor: torch.Tensor, *, writable: bool = False, where: str = "") -> np.ndarray:
     """The tensor as a numpy array of its safetensors dtype (ml_dtypes' for bf16 and fp8),
     which the core reads and writes without knowing torch; with ``writable``, over the
-    tensor's own memory, for reads into it."""
+    tensor's own memory, for reads into it. A refusal starts with ``where`` (the entry), if given."""
     if writable:
         lazy = tensor.is_conj() or tensor.is_neg()
         if tensor.device.type != "cpu" or not tensor.is_contiguous() or lazy:
-            raise ValueError(f"can read in place only into a contiguous CPU tensor, got one on {tensor.device}"
-                             f"{'' if tensor.is_contiguous() else ' (not contiguous)'}"
+            raise ValueError(f"{where}{': ' if where else ''}can read in place only into a contiguous CPU tensor, "
+                             f"got one on {tensor.device}{'' if tensor.is_contiguous() else ' (not contiguous)'}"
                              f"{' (a lazy conjugate or negation: resolve_conj()/resolve_neg() it)' if lazy else ''}")
     raw = writable_bytes(tensor) if writable else host_bytes(tensor)
-    return raw.view(to_numpy_dtype(safetensors_dtype(tensor.dtype))).reshape(tensor.shape)
+    return raw.view(to_numpy_dtype(safetensors_dtype(tensor.dtype, where))).reshape(tensor.shape)
 
 
 def writable_bytes(tensor: torch.Tensor) -> Any:
