@@ -510,10 +510,13 @@ def test_typed_prng_keys_saved_under_jax_before_0_5(tmp_path, monkeypatch):
     assert ckptr.restore(tmp_path / "c")["unsafe_rbg"].dtype == state["unsafe_rbg"].dtype
 
 
-def test_reads_only_needed_bytes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("verify", [False, True], ids=["unverified", "verified"])
+def test_reads_only_needed_bytes(tmp_path, monkeypatch, verify):
     from tensorferry.shard import ShardReader
     # Saved in row blocks, restored in column blocks: each device needs an 8x8 corner of
-    # each 8x64 chunk, read as 8 runs of one row piece rather than the whole chunk.
+    # each 8x64 chunk. Unverified, read as 8 runs of one row piece rather than the whole
+    # chunk; verified, each chunk is read whole once (its checksum covers all of it), and
+    # every device's corner copied out of it.
     x = jax.device_put(make(jnp.float32, (16, 64)), NamedSharding(mesh((2, 4)), P("x", None)))
     ckptr = ocp.Checkpointer(FerryCheckpointHandler())
     ckptr.save(tmp_path / "c", args=FerrySave({"x": x}))
@@ -526,9 +529,11 @@ def test_reads_only_needed_bytes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ShardReader, "pread", counting)
     target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh((1, 8)), P(None, "y")))}
-    restored = ckptr.restore(tmp_path / "c", args=FerryRestore(target))
+    restored = ocp.Checkpointer(FerryCheckpointHandler(verify=verify)).restore(tmp_path / "c",
+                                                                                args=FerryRestore(target))
     np.testing.assert_array_equal(np.asarray(restored["x"]), np.asarray(x))
-    assert sum(read) == x.nbytes  # every byte read once, none of the rest of each chunk
+    assert sum(read) == x.nbytes  # every byte read once
+    assert read == [x.nbytes // 2] * 2 if verify else max(read) < x.nbytes // 2
 
 
 def test_async_save_returns_before_io(tmp_path, monkeypatch):
@@ -859,7 +864,8 @@ def test_restore_reads_ahead_within_a_window(tmp_path, monkeypatch):
     ckptr = ocp.Checkpointer(FerryCheckpointHandler())
     ckptr.save(tmp_path / "c", args=FerrySave(state))
     leaf_bytes = 64 * 64 * 4
-    monkeypatch.setattr(handler, "RESTORE_WINDOW", 3 * leaf_bytes)
+    # A leaf in flight holds its boxes and its one chunk, read whole to verify the parts the boxes take.
+    monkeypatch.setattr(handler, "RESTORE_WINDOW", 6 * leaf_bytes)
     events = []
     original = handler._Checkpoint.start_box
 
@@ -923,6 +929,33 @@ def test_a_flipped_data_byte_fails_the_restore(saved, restore_as, mapped):
     unchecked = ocp.Checkpointer(FerryCheckpointHandler(verify=False)).restore(
         path, args=FerryRestore(target, mmap=mapped))
     assert not np.array_equal(np.asarray(unchecked["rows"]), np.asarray(state["rows"]))
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])
+@pytest.mark.parametrize("target", ["inside one chunk", "across chunks"])
+def test_a_flipped_data_byte_fails_a_restore_onto_another_sharding(tmp_path, target, mapped):
+    """A restore whose boxes take parts of stored chunks read only those parts, which no
+    checksum covers: a flipped byte came back silently as data. Each chunk such a box
+    takes from is now read whole and verified."""
+    from tensorferry.shard import ShardReader
+    x = jax.device_put(make(jnp.float32, (16, 64)), NamedSharding(mesh((2, 1)), P("x")))  # two 8x64 chunks
+    path = tmp_path / "c"
+    ocp.Checkpointer(FerryCheckpointHandler()).save(path, args=FerrySave({"x": x}))
+    shard_file = path / "process-0.safetensors"
+    with ShardReader(shard_file) as reader:
+        at = reader.data_start + reader.info("['x']@8,0").begin + 3
+    raw = bytearray(shard_file.read_bytes())
+    raw[at] ^= 0x10
+    shard_file.write_bytes(bytes(raw))
+    sharding = (NamedSharding(mesh((2, 4)), P("x", "y")) if target == "inside one chunk"  # 8x16 boxes
+                else NamedSharding(mesh((1, 8)), P(None, "y")))  # 16x8 boxes, a part of each chunk
+    abstract_x = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)}
+    with pytest.raises(CorruptCheckpointError, match=r"process-0.safetensors: checksum mismatch in tensor "
+                                                     r"\"\['x'\]@8,0\""):
+        ocp.Checkpointer(FerryCheckpointHandler()).restore(path, args=FerryRestore(abstract_x, mmap=mapped))
+    unchecked = ocp.Checkpointer(FerryCheckpointHandler(verify=False)).restore(
+        path, args=FerryRestore(abstract_x, mmap=mapped))
+    assert not np.array_equal(np.asarray(unchecked["x"]), np.asarray(x))
 
 
 def _nested(depth, leaf):
