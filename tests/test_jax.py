@@ -751,6 +751,76 @@ def test_process_local_arrays_are_refused_by_the_save_and_by_the_restore(tmp_pat
     assert all("OK" in out for out in outputs)
 
 
+_STEP_OF_TWO_PROCESSES = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+path, pid, port, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tensorferry.adapters.jax import FerryCheckpointHandler, FerryRestore, FerrySave
+from tensorferry.errors import CorruptCheckpointError
+
+full = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+rows = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+with ocp.CheckpointManager(path, item_handlers={"state": FerryCheckpointHandler()}) as mngr:
+    if mode == "save":
+        x = jax.make_array_from_callback(full.shape, rows, lambda i: full[i])
+        mngr.save(0, args=ocp.args.Composite(state=FerrySave({"x": x, "step": 1})))
+        mngr.wait_until_finished()
+    else:  # every process refuses the step alike: none goes on into Orbax's barrier to wait for the other
+        columns = NamedSharding(rows.mesh, P(None, "x"))
+        target = {"x": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=columns), "step": 0}
+        for target in [target, None]:
+            with pytest.raises(CorruptCheckpointError, match=r"state: the step is incomplete, it lacks "
+                                                             r"'process-1.json' \(its indexes record 2 processes"):
+                mngr.restore(0, args=ocp.args.Composite(state=FerryRestore(target)))
+print("OK", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_step_lacking_a_process_index_is_refused_naming_it(tmp_path):
+    """A step copied without one process's process-N.json failed on a box the missing
+    chunks left uncovered ("the saved chunks of ... do not cover the box"), in a job of
+    two processes on one of them while the other waited in Orbax's barrier, and a partial
+    restore or the metadata succeeded without a word: each now refuses the step on every
+    process, naming the missing index."""
+    from conftest import free_ports, run_processes
+
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    run = str(tmp_path / "run")
+    for mode in ("save", "restore"):
+        (port,) = free_ports(1)
+        try:
+            outputs = run_processes(_STEP_OF_TWO_PROCESSES, [([run, str(i), str(port), mode], env) for i in range(2)],
+                                    timeout=90)
+        except AssertionError as exc:  # as in test_two_processes
+            if "Multiprocess computations aren't implemented on the CPU backend" in str(exc):
+                pytest.skip("this JAX has no computations across processes on the CPU (later ones have)")
+            raise
+        assert all("OK" in out for out in outputs)
+        if mode == "save":
+            (tmp_path / "run" / "0" / "state" / "process-1.json").unlink()
+    incomplete = r"state: the step is incomplete, it lacks 'process-1.json' \(its indexes record 2 processes"
+    everywhere = NamedSharding(mesh((1, 8)), P())
+    target = {"x": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=everywhere), "step": 0}
+    with ocp.CheckpointManager(run, item_handlers={"state": FerryCheckpointHandler()}) as mngr:
+        for args in [FerryRestore(target), FerryRestore(), FerryRestore({"step": 0}, partial_restore=True)]:
+            with pytest.raises(CorruptCheckpointError, match=incomplete):
+                mngr.restore(0, args=ocp.args.Composite(state=args))
+    with pytest.raises(CorruptCheckpointError, match=incomplete):
+        FerryCheckpointHandler().metadata(tmp_path / "run" / "0" / "state")
+    (tmp_path / "run" / "0" / "state" / "process-0.json").rename(tmp_path / "run" / "0" / "state" / "process-1.json")
+    with pytest.raises(CorruptCheckpointError, match=r"process-1.json is the index of process 0"):
+        FerryCheckpointHandler().metadata(tmp_path / "run" / "0" / "state")
+
+
 _SAVED_BY_ONE_PROCESS = r"""
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"

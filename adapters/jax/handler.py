@@ -179,8 +179,10 @@ class _Checkpoint:
         self.manifests: dict[str, dict[str, Any]] = {}
         self.leaves: dict[str, _Leaf] = {}
         self.structure = None
-        for path in paths:
-            index = read_manifest_file(path)
+        indexes = [(path, read_manifest_file(path)) for path in paths]
+        # Before anything a process could do otherwise: every process reads the same indexes.
+        _refuse_missing_indexes(directory, [(path, index.get("metadata", {})) for path, index in indexes])
+        for path, index in indexes:
             meta = index.get("metadata", {})
             if meta.get("format") != INDEX_FORMAT:
                 raise CorruptCheckpointError(f"{path} is not a tensorferry JAX index")
@@ -377,6 +379,33 @@ class _SharedChunk:
 
     read: BoxRead | None
     boxes_left: int = 0
+
+
+def _refuse_missing_indexes(directory: str, indexes: list[tuple[str, Any]]) -> None:
+    """Raises :class:`CorruptCheckpointError` naming the ``process-N.json`` that the indexes'
+    ``process_count`` calls for and the directory lacks (a step copied or synced in part),
+    or an index not at its process's name; a restore would otherwise fail on a box the
+    missing chunks leave uncovered, or on one process alone, or succeed without a word."""
+    counts = set()
+    for path, meta in indexes:
+        process, count = (meta.get("process"), meta.get("process_count")) if isinstance(meta, dict) else (None, None)
+        if process is None or count is None:  # not an index of ours: refused with its leaves
+            continue
+        if type(process) is not int or type(count) is not int or not 0 <= process < count:
+            raise CorruptCheckpointError(f"{path}: records process {process!r} of {count!r}")
+        if os.path.basename(path) != os.path.basename(_index_path(directory, process)):
+            raise CorruptCheckpointError(f"{path} is the index of process {process}")
+        counts.add(count)
+    if len(counts) > 1:
+        raise CorruptCheckpointError(f"{directory}: the process indexes record different process counts "
+                                     f"{sorted(counts)}: they are of different saves")
+    present = {os.path.basename(path) for path, _ in indexes}
+    missing = [name for name in (f"process-{i}.json" for i in range(max(counts, default=0))) if name not in present]
+    if missing:
+        raise CorruptCheckpointError(
+            f"{directory}: the step is incomplete, it lacks {listed(missing)} (its indexes record "
+            f"{max(counts)} processes, each of which wrote an index and a shard file): copy the whole step, "
+            "or restore another")
 
 
 def _on_accelerator(array: Any) -> bool:
