@@ -1168,6 +1168,60 @@ class MappedReads:
         return lambda: array
 
 
+class SharedChunks:
+    """Stored tensors read whole, each once, for the boxes that take parts of them, so that
+    a verifying reader checks their checksums (which cover whole tensors): what a load
+    onto another sharding than the save's passes to :meth:`ShardReader.read_box`.
+
+    A tensor's read starts with the first box that takes a part of it; each box's
+    ``result()`` copies its part out of the verified tensor, and after the last started
+    box's copy the tensor's memory goes. Boxes started before any of them finishes share
+    one read; a box started after the last one finished reads the tensor again.
+    """
+
+    def __init__(self) -> None:
+        self._chunks: dict[tuple[ShardReader, str], _SharedChunk] = {}
+        self.started_bytes = 0  # of every tensor read whole here so far
+        self.held_bytes = 0  # of those that a started box still needs
+
+    def start(self, reader: "ShardReader", name: str, where: tuple[slice, ...], dest: np.ndarray | None,
+              shape: tuple[int, ...]) -> BoxRead:
+        """The part ``where`` (of ``shape``) of tensor ``name`` of ``reader``, copied into
+        ``dest`` or new memory once the whole tensor, read once for every box, passed its checksum."""
+        key = (reader, name)
+        shared = self._chunks.get(key)
+        if shared is None:
+            info = reader.info(name)
+            whole = reader.read_box(name, (0,) * len(info.shape), info.shape)
+            shared = self._chunks[key] = _SharedChunk(whole, info.nbytes)
+            self.started_bytes += info.nbytes
+            self.held_bytes += info.nbytes
+        shared.boxes_left += 1
+
+        def take() -> np.ndarray:
+            try:
+                part = shared.read.result()[where]
+                return _copy_items(part, np.empty(shape, part.dtype) if dest is None else dest)
+            finally:
+                shared.boxes_left -= 1
+                if shared.boxes_left == 0:
+                    shared.read = None  # the tensor's memory goes once no box needs it
+                    self.held_bytes -= shared.nbytes
+                    if self._chunks.get(key) is shared:
+                        del self._chunks[key]
+
+        return BoxRead(shared.read.future, True, take)
+
+
+@dataclass
+class _SharedChunk:
+    """A stored tensor read whole for the boxes that take parts of it (:class:`SharedChunks`)."""
+
+    read: BoxRead | None
+    nbytes: int
+    boxes_left: int = 0
+
+
 class ShardReader:
     """Reads tensors from a safetensors file, validating the header before trusting it.
 
@@ -1639,7 +1693,8 @@ class ShardReader:
             chunks.append([n])
         return chunks
 
-    def read_box(self, name: str, offsets: Sequence[int], lengths: Sequence[int], out: Any = None) -> BoxRead:
+    def read_box(self, name: str, offsets: Sequence[int], lengths: Sequence[int], out: Any = None,
+                 shared: SharedChunks | None = None) -> BoxRead:
         """Starts reading the box ``[offsets, offsets + lengths)`` of tensor ``name`` (a
         row-major array), fetching little more than the box's own bytes: how a reader
         with another sharding than the writer's takes its part of a stored chunk.
@@ -1654,9 +1709,11 @@ class ShardReader:
         ``out`` may be an array of shape ``lengths`` whose items have the stored size,
         in any layout (a slice of a larger array, say), or any contiguous writable host
         buffer of the box's bytes (a torch tensor's, say). Checksums cover whole tensors,
-        so only a box that is the whole tensor is verified. A box that does not fit in
-        the tensor means the caller's record of the file and the file disagree: it
-        raises :class:`CorruptCheckpointError`.
+        so only a box that is the whole tensor is verified, unless ``shared`` is given:
+        then, when the reader verifies, a box that is part of the tensor is copied out of
+        the whole tensor, read once for every box that ``shared`` started on it and checked
+        (:class:`SharedChunks`). A box that does not fit in the tensor means the caller's
+        record of the file and the file disagree: it raises :class:`CorruptCheckpointError`.
         """
         t = self.info(name)
         dtype = to_numpy_dtype(t.dtype)
@@ -1683,6 +1740,8 @@ class ShardReader:
             empty = np.empty(lengths, dtype) if dest is None else dest
             whole = t.nbytes == 0
             return BoxRead(IOFuture.completed(0), whole, lambda: self._verified(name, empty, whole))
+        if shared is not None and self.verify and t.checksum is not None and not whole_tensor:
+            return shared.start(self, name, tuple(slice(o, o + n) for o, n in zip(offsets, lengths)), dest, lengths)
         itemsize = dtype.itemsize
         strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]  # in elements
         first = sum(o * s for o, s in zip(offsets, strides))

@@ -2468,6 +2468,47 @@ def test_dcp_async_save_in_torchs_checkpointing_process_on_2_ranks(tmp_path) -> 
     assert tensorferry.verify_checkpoint(tmp_path / "step_7") == []
 
 
+def scenario_dcp_save_rows(rank: int, world: int, root: str) -> None:
+    """``w`` saved in row shards, one chunk per rank (for the resharded loads below)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"w": distribute_tensor(torch.arange(48.0).reshape(8, 6), mesh, [Shard(0)])}
+    dcp.save(state, storage_writer=DCPWriter(os.path.join(root, "c")))
+
+
+def scenario_dcp_load_flipped_columns(rank: int, world: int, root: str) -> None:
+    """Column shards of a checkpoint saved in row shards: each rank's box takes a part of
+    every stored chunk, one of which has a flipped byte in rank 0's columns; rank 1 reads
+    that chunk whole too, for its checksum, and both fail."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    expected = torch.arange(48.0).reshape(8, 6)
+    for target in ("cpu", "other dtype"):
+        dtype = torch.float32 if target == "cpu" else torch.float64
+        back = {"w": distribute_tensor(torch.zeros(8, 6, dtype=dtype), mesh, [Shard(1)])}
+        with pytest.raises(CheckpointException, match=r"rank00000.*checksum mismatch in tensor"):
+            dcp.load(back, storage_reader=DCPReader(os.path.join(root, "c")))
+        dcp.load(back, storage_reader=DCPReader(os.path.join(root, "c"), verify=False))  # the parts, unverified
+        full = back["w"].full_tensor()
+        assert not torch.equal(full[:4], expected[:4].to(dtype)) and torch.equal(full[4:], expected[4:].to(dtype))
+
+
+@pytest.mark.slow
+def test_a_flipped_data_byte_fails_a_dcp_load_onto_another_sharding_on_2_ranks(tmp_path) -> None:
+    """A resharded DCP load read the parts of stored chunks unverified (checksums cover
+    whole chunks): a flipped byte came back as data."""
+    run(2, str(tmp_path), "dcp_save_rows")
+    shard = next((tmp_path / "c").glob("rank00000-*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    header_length = int.from_bytes(raw[:8], "little")
+    begin = json.loads(raw[8:8 + header_length])["w@0,0"]["data_offsets"][0]  # rows 0-3
+    raw[8 + header_length + begin + 1] ^= 0x40  # in w[0, 0]
+    shard.write_bytes(bytes(raw))
+    run(2, str(tmp_path), "dcp_load_flipped_columns")
+
+
 def test_torch_older_than_the_extra_allows_is_named_at_import() -> None:
     # torch 2.5 imported the adapter, then failed inside DCP saves (_StorageInfo has no
     # transform_descriptors before 2.7): the import says so instead.

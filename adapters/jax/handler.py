@@ -35,8 +35,8 @@ from ...engine import Engine, local_path
 from ...errors import CorruptCheckpointError, listed, missing_names
 from ...schema import (MAX_SMALL_FILE_BYTES, MAX_STRUCTURE_DEPTH, MAX_TENSOR_NAME_CHARS, NON_FINITE_FLOATS,
                        non_finite_name, walk_structure)
-from ...shard import (DEFAULT_BUFFER_SIZE, BoxRead, MappedReads, ShardReader, ShardWriter, WholeReads, aligned_copies,
-                      gc_paused)
+from ...shard import (DEFAULT_BUFFER_SIZE, MappedReads, ShardReader, ShardWriter, SharedChunks, WholeReads,
+                      aligned_copies, gc_paused)
 
 INDEX_FORMAT = "tensorferry.jax"
 _SCALARS = (bool, int, float, str)
@@ -237,9 +237,8 @@ class _Checkpoint:
         self._readers: dict[str, ShardReader] = {}
         self._whole: dict[str, WholeReads | MappedReads] = {}
         self._whole_boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[WholeReads | MappedReads, str]] = {}
-        # Chunks read whole, to be verified, for boxes that take a part of them: see _part_of_chunk.
-        self._shared_chunks: dict[tuple[str, str], _SharedChunk] = {}
-        self.shared_chunk_bytes = 0  # bytes of such chunks started, for the restore's window
+        # Chunks read whole, to be verified, for the boxes that take parts of them (when verifying).
+        self.shared_chunks = SharedChunks()
 
     def restorable(self, name: str) -> _Leaf:
         """The saved leaf ``name``; a ``KeyError`` where none was saved, and a
@@ -265,7 +264,7 @@ class _Checkpoint:
         self._readers.clear()
         self._whole.clear()
         self._whole_boxes.clear()
-        self._shared_chunks.clear()
+        self.shared_chunks = SharedChunks()
 
     def read_whole_chunks_together(self, boxes: Iterable[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> None:
         """Of the boxes ``(leaf, offsets, sizes)`` a restore is about to start, those that
@@ -292,7 +291,9 @@ class _Checkpoint:
         stored chunks that overlap it; the function returned waits for the reads and
         returns the box. Without ``verify`` only the bytes needed are read. With it, a
         chunk the box takes a part of is read whole, once for all boxes taking parts, so that
-        its checksum (which covers the whole chunk) is checked: see :meth:`_part_of_chunk`."""
+        its checksum (which covers the whole chunk) is checked: see :class:`SharedChunks`. A
+        restore starts every box of a leaf before it finishes any, so a chunk is read once
+        per leaf and held no longer."""
         whole_chunk = self._whole_boxes.get((name, tuple(offsets), tuple(sizes)))
         if whole_chunk is not None:  # the usual restore, settled by read_whole_chunks_together
             whole, key = whole_chunk
@@ -307,10 +308,7 @@ class _Checkpoint:
                 # say): a contiguous box comes back in its own aligned buffer, uncopied;
                 # a strided one is made compact so the envelope read need not stay alive.
                 rel = [o - c for o, c in zip(offsets, c_off)]
-                if self.verify and tuple(sizes) != c_size:
-                    take = self._part_of_chunk(filename, key, c_size)
-                    return lambda: take(tuple(slice(r, r + s) for r, s in zip(rel, sizes)), np.empty(sizes, dtype))
-                read = self.reader(filename).read_box(key, rel, sizes)
+                read = self.reader(filename).read_box(key, rel, sizes, shared=self.shared_chunks)
 
                 def one_chunk() -> np.ndarray:
                     box = read.result()
@@ -319,7 +317,6 @@ class _Checkpoint:
         out = np.empty(sizes, dtype)
         covered = 0
         reads = []
-        parts = []
         for filename, key, c_off, c_size in leaf.chunks:
             lo = [max(o, c) for o, c in zip(offsets, c_off)]
             hi = [min(o + s, c + n) for o, s, c, n in zip(offsets, sizes, c_off, c_size)]
@@ -328,11 +325,7 @@ class _Checkpoint:
             rel = [l - c for l, c in zip(lo, c_off)]
             lengths = [h - l for l, h in zip(lo, hi)]
             dest = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
-            if self.verify and tuple(lengths) != c_size:
-                parts.append((self._part_of_chunk(filename, key, c_size),
-                              tuple(slice(r, r + n) for r, n in zip(rel, lengths)), dest))
-            else:
-                reads.append(self.reader(filename).read_box(key, rel, lengths, out=out[dest]))
+            reads.append(self.reader(filename).read_box(key, rel, lengths, out=out[dest], shared=self.shared_chunks))
             covered += math.prod(lengths)
         if covered != out.size:
             raise CorruptCheckpointError(f"{self.directory}: the saved chunks of {name!r} do not cover "
@@ -341,44 +334,8 @@ class _Checkpoint:
         def assembled() -> np.ndarray:
             for read in reads:
                 read.result()
-            for take, part, dest in parts:
-                take(part, out[dest])
             return out
         return assembled
-
-    def _part_of_chunk(self, filename: str, key: str, sizes: tuple[int, ...]
-                       ) -> Callable[[tuple[slice, ...], np.ndarray], np.ndarray]:
-        """Counts one more box that takes a part of stored chunk ``key``, starting the
-        chunk's read (whole, to be verified) for the first. The function returned, called
-        once per box, copies the part ``where`` of the verified chunk into ``out``; after
-        the last box's copy the chunk is let go. A restore starts every box of a leaf
-        before it finishes any, so a chunk is read once per leaf and held no longer."""
-        shared = self._shared_chunks.get((filename, key))
-        if shared is None:
-            read = self.reader(filename).read_box(key, (0,) * len(sizes), sizes)
-            shared = self._shared_chunks[filename, key] = _SharedChunk(read)
-            self.shared_chunk_bytes += self.reader(filename).info(key).nbytes
-        shared.boxes_left += 1
-
-        def take(where: tuple[slice, ...], out: np.ndarray) -> np.ndarray:
-            try:
-                out[...] = shared.read.result()[where]  # one dtype: copied as it is
-                return out
-            finally:
-                shared.boxes_left -= 1
-                if shared.boxes_left == 0:
-                    shared.read = None  # the chunk's memory goes once no box needs it
-                    if self._shared_chunks.get((filename, key)) is shared:
-                        del self._shared_chunks[filename, key]
-        return take
-
-
-@dataclasses.dataclass
-class _SharedChunk:
-    """A stored chunk read whole for the boxes that take parts of it (``_Checkpoint._part_of_chunk``)."""
-
-    read: BoxRead | None
-    boxes_left: int = 0
 
 
 def _refuse_missing_indexes(directory: str, indexes: list[tuple[str, Any]]) -> None:
@@ -715,9 +672,9 @@ class _LeafRead:
     def start(self) -> tuple[int, Callable[[], Any]]:
         """Starts the boxes' reads; returns the bytes in flight (the boxes, and the chunks
         read whole to verify the parts the boxes take of them) and what finishes the leaf."""
-        chunk_bytes_before = self.ckpt.shared_chunk_bytes
+        chunk_bytes_before = self.ckpt.shared_chunks.started_bytes
         started = {box: self.ckpt.start_box(self.name, *box) for box in self.boxes}
-        return self.nbytes + self.ckpt.shared_chunk_bytes - chunk_bytes_before, lambda: self.finish(started)
+        return self.nbytes + self.ckpt.shared_chunks.started_bytes - chunk_bytes_before, lambda: self.finish(started)
 
 
 def _restore_leaves(ckpt: _Checkpoint, reads: list[_LeafRead]) -> list[Any]:

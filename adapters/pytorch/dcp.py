@@ -48,8 +48,8 @@ from ...engine import Engine, absolute_local_path
 from ...errors import CorruptCheckpointError
 from ...layouts.dcp import DCP_METADATA, ITEMS_KEY, read_dcp_metadata, unpickle_dcp_metadata, written_by_torch
 from ...pools import ThreadPool
-from ...shard import (DEFAULT_BUFFER_SIZE, BoxRead, ShardInfo, ShardReader, default_read_ahead, gc_paused,
-                     write_order)
+from ...shard import (DEFAULT_BUFFER_SIZE, BoxRead, ShardInfo, ShardReader, SharedChunks, default_read_ahead,
+                     gc_paused, write_order)
 from ...temporaries import DCP_TOKEN
 from .staging import DeviceToHost, leased, stage_state_dict, staging_pool
 from .tensors import FROM_SAFETENSORS, refuse_wrapper_subclass, safetensors_dtype, writable_bytes
@@ -370,9 +370,13 @@ class DCPReader(StorageReader):
     """A ``torch.distributed.checkpoint`` StorageReader for checkpoints of :class:`DCPWriter`.
 
     ``dcp.load(state_dict, storage_reader=DCPReader(path))``. Each rank reads only
-    the byte ranges its plan needs, straight into the destination tensors where the
-    layout allows. Whole stored chunks are checked against their checksums unless
-    ``verify=False``; partial reads (when resharding) cannot be.
+    the stored chunks its plan needs, straight into the destination tensors where the
+    layout allows, and checks them against their checksums unless ``verify=False``. A
+    chunk the rank takes only parts of (a load onto another sharding than the save's) is
+    read whole for its checksum, once for all of the rank's parts of it: each rank reads
+    every chunk it takes a part of (two ranks taking halves of each chunk read the
+    checkpoint twice between them), holding at most ``default_read_ahead()`` bytes of
+    such chunks at once; with ``verify=False`` only the parts' bytes are read.
 
     From ``set_up_storage_reader`` on, while torch plans, the rank's own shard files are
     read ahead into pooled buffers, ``read_ahead`` bytes at most (a count or ``"256M"``;
@@ -511,7 +515,11 @@ class DCPReader(StorageReader):
                 readers[name] = self._opened.pop(name, None) or open_shard(
                     self._folder, self._manifest, name, engine=self.engine, verify=self.verify)
             started: list[tuple[ReadItem, _Read]] = []
+            finished = 0  # of started
             whole: dict[str, dict[str, tuple[ReadItem, torch.Tensor]]] = {}  # file: key: (item, target)
+            # Chunks the plan takes parts of, read whole to be verified: those held at once stay
+            # within the read-ahead's default bound, beyond which the earliest items are finished first.
+            shared, shared_bound = SharedChunks(), default_read_ahead()
             for name, items in per_file.items():
                 reader = readers[name]
                 for item in items:
@@ -521,7 +529,11 @@ class DCPReader(StorageReader):
                             and _whole_in_place(reader, key, item, target)):
                         whole.setdefault(name, {})[key] = (item, target)
                     else:
-                        started.append((item, _start_read(reader, key, item, planner, target)))
+                        started.append((item, _start_read(reader, key, item, planner, target, shared)))
+                        while shared.held_bytes > shared_bound and finished < len(started):
+                            earlier, read = started[finished]
+                            read.finish(earlier, planner)
+                            finished += 1
             for name, reader in readers.items():
                 if name not in whole:  # box reads only, each served as it started
                     reader.end_read_ahead()
@@ -531,7 +543,7 @@ class DCPReader(StorageReader):
                 readers[name].read_many([], {key: writable_bytes(target) for key, (_, target) in entries.items()})
                 for item, target in entries.values():
                     planner.commit_tensor(item, target)
-            for item, read in started:  # each finished as it lands, later reads still in flight
+            for item, read in started[finished:]:  # each finished as it lands, later reads still in flight
                 read.finish(item, planner)
             # Copies to a device read from pinned buffers that go back to the pool once dropped.
             for device in {read.target.device for _, read in started if read.pinned is not None}:
@@ -603,18 +615,20 @@ def _whole_in_place(reader: ShardReader, key: str, item: ReadItem, target: torch
 
 
 def _start_read(reader: ShardReader, key: str, item: ReadItem, planner: LoadPlanner,
-                target: torch.Tensor | None) -> _Read:
+                target: torch.Tensor | None, shared: SharedChunks) -> _Read:
+    """Starts reading the item's box of stored chunk ``key``; a part of the chunk through
+    ``shared``, which reads the chunk whole where the reader verifies."""
     info = reader.info(key)
     if item.type == LoadItemType.BYTE_IO:
         return _Read(reader.read_box(key, [0] * len(info.shape), info.shape), info.dtype)
     lengths = tuple(item.lengths)
     if target.device.type == "cpu" and target.is_contiguous() and safetensors_dtype(target.dtype) == info.dtype:
         # Plain memory of the stored dtype: the box is read (or, if strided, copied) into it.
-        return _Read(reader.read_box(key, item.storage_offsets, lengths, out=writable_bytes(target)),
+        return _Read(reader.read_box(key, item.storage_offsets, lengths, out=writable_bytes(target), shared=shared),
                      info.dtype, target, in_place=True)
     if target.device.type == "cuda" and safetensors_dtype(target.dtype) == info.dtype:
         # Read into pinned memory, copied to the device as soon as it lands.
         pinned = leased(staging_pool(), target.numel() * target.element_size())
-        return _Read(reader.read_box(key, item.storage_offsets, lengths, out=pinned), info.dtype, target,
-                     pinned=pinned)
-    return _Read(reader.read_box(key, item.storage_offsets, lengths), info.dtype, target)
+        return _Read(reader.read_box(key, item.storage_offsets, lengths, out=pinned, shared=shared), info.dtype,
+                     target, pinned=pinned)
+    return _Read(reader.read_box(key, item.storage_offsets, lengths, shared=shared), info.dtype, target)
