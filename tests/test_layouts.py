@@ -369,6 +369,27 @@ def test_orbax_step_with_tensorferry_items(orbax_step: Path, tmp_path: Path) -> 
     assert any(problem.startswith(f"{damaged}/extra: Orbax could not read it") for problem in result["problems"])
 
 
+def test_verify_reports_a_tensorferry_item_lacking_a_process_index(orbax_step: Path, tmp_path: Path) -> None:
+    """An item whose process-0.json records two processes, without process-1.json (a step
+    copied in part): the JAX restore refuses it, and verify reported it OK."""
+    from tensorferry.checkpoint import encode_manifest, read_manifest_file
+    from tensorferry.shard import ShardReader
+    step = tmp_path / "3"
+    shutil.copytree(orbax_step, step)
+    index = read_manifest_file(step / "state" / "process-0.json")
+    index["metadata"]["process_count"] = 2  # as process 0 of two writes it
+    with ShardReader(step / "state" / "process-0.safetensors") as reader:
+        (step / "state" / "process-0.json").write_bytes(encode_manifest([reader.shard_info()], index["metadata"]))
+    incomplete = f"{step / 'state'}: the step is incomplete, it lacks 'process-1.json' (its indexes record 2 processes"
+    for target in (step, step / "state"):
+        result = cli("verify", target, expect=1)
+        assert not result["ok"] and any(p.startswith(incomplete) for p in result["problems"]), result
+        info = cli("inspect", target, expect=1)  # as for any incomplete checkpoint
+        assert not info["complete"] and any(p.startswith(incomplete) for p in info["problems"]), info
+    with pytest.raises(CorruptCheckpointError, match=re.escape(incomplete)):
+        tensorferry.load_checkpoint(step, names=["state/['params']['b']"])
+
+
 def test_an_orbax_pytree_with_strings_and_numbers(tmp_path: Path) -> None:
     """PyTreeCheckpointer's own save (the item is the step): arrays and numbers are read,
     a string is listed as an object and left out, not passed to Orbax as an array."""

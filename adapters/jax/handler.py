@@ -33,6 +33,7 @@ from ...checkpoint import encode_manifest, load_checkpoint, open_shard, read_man
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine, local_path
 from ...errors import CorruptCheckpointError, listed, missing_names
+from ...layouts.orbax import refuse_missing_indexes
 from ...schema import (MAX_SMALL_FILE_BYTES, MAX_STRUCTURE_DEPTH, MAX_TENSOR_NAME_CHARS, NON_FINITE_FLOATS,
                        non_finite_name, walk_structure)
 from ...shard import (DEFAULT_BUFFER_SIZE, MappedReads, ShardReader, ShardWriter, SharedChunks, WholeReads,
@@ -181,7 +182,7 @@ class _Checkpoint:
         self.structure = None
         indexes = [(path, read_manifest_file(path)) for path in paths]
         # Before anything a process could do otherwise: every process reads the same indexes.
-        _refuse_missing_indexes(directory, [(path, index.get("metadata", {})) for path, index in indexes])
+        refuse_missing_indexes(directory, [(path, index.get("metadata", {})) for path, index in indexes])
         for path, index in indexes:
             meta = index.get("metadata", {})
             if meta.get("format") != INDEX_FORMAT:
@@ -336,33 +337,6 @@ class _Checkpoint:
                 read.result()
             return out
         return assembled
-
-
-def _refuse_missing_indexes(directory: str, indexes: list[tuple[str, Any]]) -> None:
-    """Raises :class:`CorruptCheckpointError` naming the ``process-N.json`` that the indexes'
-    ``process_count`` calls for and the directory lacks (a step copied or synced in part),
-    or an index not at its process's name; a restore would otherwise fail on a box the
-    missing chunks leave uncovered, or on one process alone, or succeed without a word."""
-    counts = set()
-    for path, meta in indexes:
-        process, count = (meta.get("process"), meta.get("process_count")) if isinstance(meta, dict) else (None, None)
-        if process is None or count is None:  # not an index of ours: refused with its leaves
-            continue
-        if type(process) is not int or type(count) is not int or not 0 <= process < count:
-            raise CorruptCheckpointError(f"{path}: records process {process!r} of {count!r}")
-        if os.path.basename(path) != os.path.basename(_index_path(directory, process)):
-            raise CorruptCheckpointError(f"{path} is the index of process {process}")
-        counts.add(count)
-    if len(counts) > 1:
-        raise CorruptCheckpointError(f"{directory}: the process indexes record different process counts "
-                                     f"{sorted(counts)}: they are of different saves")
-    present = {os.path.basename(path) for path, _ in indexes}
-    missing = [name for name in (f"process-{i}.json" for i in range(max(counts, default=0))) if name not in present]
-    if missing:
-        raise CorruptCheckpointError(
-            f"{directory}: the step is incomplete, it lacks {listed(missing)} (its indexes record "
-            f"{max(counts)} processes, each of which wrote an index and a shard file): copy the whole step, "
-            "or restore another")
 
 
 def _on_accelerator(array: Any) -> bool:

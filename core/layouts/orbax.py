@@ -17,7 +17,7 @@ import numpy as np
 from ..buffers import byte_view
 from ..checkpoint import open_shard, read_manifest_file, verify_shard
 from ..dtypes import to_safetensors_dtype
-from ..errors import CorruptCheckpointError, TensorferryError
+from ..errors import CorruptCheckpointError, TensorferryError, listed
 from ..schema import (NON_FINITE_FLOATS, ORBAX_STEP_MARKER, ORBAX_TEMPORARY_MARKER, non_finite_name, parse_json,
                       read_small_file)
 from . import (OBJECT, Chunk, ChunkSource, Layout, TensorEntry, TensorSource, Verification, file_row, size_problems,
@@ -30,6 +30,38 @@ INDEX_PATTERN = "process-*.json"
 
 def _is_ferry_item(directory: str) -> bool:
     return bool(glob.glob(os.path.join(glob.escape(directory), INDEX_PATTERN)))
+
+
+def index_name(process: int) -> str:
+    return f"process-{process}.json"
+
+
+def refuse_missing_indexes(directory: str, indexes: list[tuple[str, Any]]) -> None:
+    """Raises :class:`CorruptCheckpointError` naming the ``process-N.json`` that the indexes'
+    ``process_count`` calls for and the directory lacks (a step copied or synced in part),
+    or an index not at its process's name; ``indexes`` are the ``(path, metadata)`` of those
+    present. A restore would otherwise fail on a box the missing chunks leave uncovered, or
+    on one process alone, or succeed without a word; ``verify`` would report it sound."""
+    counts = set()
+    for path, meta in indexes:
+        process, count = (meta.get("process"), meta.get("process_count")) if isinstance(meta, dict) else (None, None)
+        if process is None or count is None:  # not an index of ours: refused with its leaves
+            continue
+        if type(process) is not int or type(count) is not int or not 0 <= process < count:
+            raise CorruptCheckpointError(f"{path}: records process {process!r} of {count!r}")
+        if os.path.basename(path) != index_name(process):
+            raise CorruptCheckpointError(f"{path} is the index of process {process}")
+        counts.add(count)
+    if len(counts) > 1:
+        raise CorruptCheckpointError(f"{directory}: the process indexes record different process counts "
+                                     f"{sorted(counts)}: they are of different saves")
+    present = {os.path.basename(path) for path, _ in indexes}
+    missing = [name for name in map(index_name, range(max(counts, default=0))) if name not in present]
+    if missing:
+        raise CorruptCheckpointError(
+            f"{directory}: the step is incomplete, it lacks {listed(missing)} (its indexes record "
+            f"{max(counts)} processes, each of which wrote an index and a shard file): copy the whole step, "
+            "or restore another")
 
 
 def _scalar_fields(record: dict[str, Any], where: str) -> dict[str, Any]:
@@ -79,16 +111,22 @@ class OrbaxStep(Layout):
     def _prefix(self, item: str) -> str:
         return "" if item == self.path else os.path.basename(item) + "/"
 
-    def _indexes(self, item: str) -> dict[str, dict[str, Any]]:
-        """Each shard file of a tensorferry item with the process index that lists it."""
-        indexes = {}
+    def _indexes(self, item: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        """Each shard file of a tensorferry item with the process index that lists it, and
+        the item's problem where it lacks a process's index (as a JAX restore refuses it)."""
+        indexes, metadata = {}, []
         for path in sorted(glob.glob(os.path.join(glob.escape(item), INDEX_PATTERN))):
             index = read_manifest_file(path)
             if index["metadata"].get("format") != INDEX_FORMAT:
                 raise CorruptCheckpointError(f"{path} is not a tensorferry JAX index")
+            metadata.append((path, index["metadata"]))
             for file in index["files"]:
                 indexes[file] = index
-        return indexes
+        try:
+            refuse_missing_indexes(item, metadata)
+        except CorruptCheckpointError as exc:
+            return indexes, [str(exc)]
+        return indexes, []
 
     def _ferry_entries(self, item: str, indexes: dict[str, dict[str, Any]]) -> list[TensorEntry]:
         leaves: dict[str, dict[str, Any]] = {}
@@ -147,7 +185,8 @@ class OrbaxStep(Layout):
                 entries += own
                 readable.update((e.name, (item, self._prefix(item), self._trees[item])) for e in own if e.is_tensor)
                 continue
-            indexes = self._indexes(item)
+            indexes, incomplete = self._indexes(item)
+            problems += incomplete
             ferried = self._ferry_entries(item, indexes)
             entries += ferried
             readable.update((e.name, None) for e in ferried if e.is_tensor)
