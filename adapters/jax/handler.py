@@ -33,7 +33,7 @@ from ...checkpoint import encode_manifest, load_checkpoint, open_shard, read_man
 from ...dtypes import to_numpy_dtype, to_safetensors_dtype
 from ...engine import Engine, local_path
 from ...errors import CorruptCheckpointError, listed, missing_names
-from ...layouts.orbax import refuse_missing_indexes
+from ...layouts.orbax import index_name, refuse_missing_indexes
 from ...schema import (MAX_SMALL_FILE_BYTES, MAX_STRUCTURE_DEPTH, MAX_TENSOR_NAME_CHARS, NON_FINITE_FLOATS,
                        non_finite_name, walk_structure)
 from ...shard import (DEFAULT_BUFFER_SIZE, MappedReads, ShardReader, ShardWriter, SharedChunks, WholeReads,
@@ -354,7 +354,7 @@ def _to_host(arrays: list[tuple[str, Any]]) -> list[tuple[str, np.ndarray]]:
 
 
 def _index_path(directory: str, process: int) -> str:
-    return os.path.join(directory, f"process-{process}.json")
+    return os.path.join(directory, index_name(process))
 
 
 def _refuse_index_over_cap(directory: str, process: int, size: int, bound: str = "") -> None:

@@ -33,6 +33,7 @@ def _is_ferry_item(directory: str) -> bool:
 
 
 def index_name(process: int) -> str:
+    """The name of process ``process``'s index in a tensorferry JAX item (``INDEX_PATTERN``)."""
     return f"process-{process}.json"
 
 
