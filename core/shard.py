@@ -748,7 +748,8 @@ def _several_files_hint(entries: Sequence[os.DirEntry]) -> str:
 def _orbax_run_hint(directory: str) -> str:
     """For the directory of an Orbax ``CheckpointManager`` (its steps as subdirectories)
     given instead of one of its steps: which step to give (the latest), as a clause, or ``""``."""
-    # Not a step Orbax is still writing, <step>.orbax-checkpoint-tmp-<time>: its time read as its step, it was the latest.
+    # Not a step Orbax is still writing, <step>.orbax-checkpoint-tmp-<time>: its time, read as
+    # its step, made it the latest.
     steps = subfolders_holding(directory, lambda path: os.path.isfile(os.path.join(path, ORBAX_STEP_MARKER))
                                and ORBAX_TEMPORARY_MARKER not in os.path.basename(path))
     if not steps:

@@ -609,19 +609,22 @@ def test_a_name_replaced_while_it_is_opened_never_mixes_two_files(tmp_path) -> N
         swapper.wait()
 
 
-# Takes a read lease on argv[1] and lets go of it when the kernel asks (an open for writing).
-_HOLD_A_LEASE = """
-import fcntl, os, signal, sys, time
+# Takes a read lease on argv[1], ``on_asked`` run when the kernel asks for it back (an open for writing).
+_TAKE_A_LEASE = """
+import fcntl, os, select, signal, sys, time
 fd = os.open(sys.argv[1], os.O_RDONLY)
-signal.signal(signal.SIGIO, lambda *_: fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK))
+asked = []
+signal.signal(signal.SIGIO, {on_asked})
 try:
     fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
 except OSError as exc:
     print(exc, flush=True)
     sys.exit()
 print("leased", flush=True)
-time.sleep(60)
 """
+# Lets go of the lease as soon as the kernel asks.
+_HOLD_A_LEASE = _TAKE_A_LEASE.format(on_asked="lambda *_: fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)") + \
+    "time.sleep(60)\n"
 
 
 def test_a_file_another_process_holds_a_lease_on_opens(backend: str, tmp_path) -> None:
@@ -729,19 +732,8 @@ def test_a_write_to_a_file_open_read_only_says_so(engine: Engine, tmp_path, dire
     assert path.read_bytes() == bytes(16384)
 
 
-# Takes a read lease on argv[1]; asked for it back (an open for writing), says so, and lets
-# go once told to on stdin, or on its own after 20 s.
-_HOLD_A_LEASE_UNTIL_TOLD = """
-import fcntl, os, select, signal, sys, time
-fd = os.open(sys.argv[1], os.O_RDONLY)
-asked = []
-signal.signal(signal.SIGIO, lambda *_: asked.append(True))
-try:
-    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
-except OSError as exc:
-    print(exc, flush=True)
-    sys.exit()
-print("leased", flush=True)
+# Asked for the lease back, says so, and lets go once told to on stdin, or on its own after 20 s.
+_HOLD_A_LEASE_UNTIL_TOLD = _TAKE_A_LEASE.format(on_asked="lambda *_: asked.append(True)") + """
 while not asked:
     time.sleep(0.01)
 print("asked", flush=True)

@@ -17,6 +17,7 @@ import threading
 import time
 import warnings
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import ml_dtypes
@@ -529,16 +530,9 @@ def test_checkpoint_directories_of_every_dtype(tmp_path) -> None:
         load_checkpoint(path, out={"model.float32": torch.zeros(3, 5).t()})
 
 
-@pytest.mark.parametrize("as_directory", [False, True], ids=["file", "checkpoint"])
-def test_parameters_and_requires_grad_come_back_as_torch_load_gives_them(tmp_path, as_directory: bool) -> None:
-    """A tensor saved while it requires grad (a learned prompt, say) loaded without it
-    would be skipped by an optimizer made over it, without a word."""
+def _ours_and_torchs(state: Any, tmp_path: Path, as_directory: bool) -> tuple[Any, Any]:
+    """``state`` saved and loaded by tensorferry (as a file, or a checkpoint directory), and by torch."""
     import io
-    linear = torch.nn.Linear(3, 2)
-    linear.bias.requires_grad_(False)
-    prompt = torch.randn(4, requires_grad=True)
-    state = {"w": linear.weight, "b": linear.bias, "w_again": linear.weight, "w_data": linear.weight.data,
-             "prompt": prompt, "plain": torch.ones(2), "model": linear.state_dict()}
     if as_directory:
         save_checkpoint(tmp_path / "c", state)
         ours = load_checkpoint(tmp_path / "c")
@@ -548,7 +542,19 @@ def test_parameters_and_requires_grad_come_back_as_torch_load_gives_them(tmp_pat
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    theirs = torch.load(buffer)
+    return ours, torch.load(buffer)
+
+
+@pytest.mark.parametrize("as_directory", [False, True], ids=["file", "checkpoint"])
+def test_parameters_and_requires_grad_come_back_as_torch_load_gives_them(tmp_path, as_directory: bool) -> None:
+    """A tensor saved while it requires grad (a learned prompt, say) loaded without it
+    would be skipped by an optimizer made over it, without a word."""
+    linear = torch.nn.Linear(3, 2)
+    linear.bias.requires_grad_(False)
+    prompt = torch.randn(4, requires_grad=True)
+    state = {"w": linear.weight, "b": linear.bias, "w_again": linear.weight, "w_data": linear.weight.data,
+             "prompt": prompt, "plain": torch.ones(2), "model": linear.state_dict()}
+    ours, theirs = _ours_and_torchs(state, tmp_path, as_directory)
 
     def described(loaded):
         leaves = ({k: v for k, v in loaded.items() if k != "model"}
@@ -600,22 +606,12 @@ def test_state_dicts_and_sizes_come_back_as_torch_load_gives_them(tmp_path, as_d
     """A state dict came back a plain dict without its ``_metadata``, so ``load_state_dict``
     handed every module no version and each migrated its current state as the oldest's;
     a torch.Size came back a tuple."""
-    import io
     from collections import OrderedDict
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), Renamed())
     model[1](torch.randn(3, 4))  # num_batches_tracked counts
     state = {"model": model.state_dict(), "size": torch.Size([2, 3]), "sizes": [torch.Size([]), (torch.Size([4]),)],
              "nested": [OrderedDict(b=1, a=[OrderedDict(z=torch.ones(2), y=OrderedDict())])], "plain": {"b": 1, "a": 2}}
-    if as_directory:
-        save_checkpoint(tmp_path / "c", state)
-        ours = load_checkpoint(tmp_path / "c")
-    else:
-        save(state, tmp_path / "s.safetensors")
-        ours = load(tmp_path / "s.safetensors")
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    theirs = torch.load(buffer)
+    ours, theirs = _ours_and_torchs(state, tmp_path, as_directory)
     assert _described(ours) == _described(theirs) == _described(state)
     assert type(ours["model"]) is OrderedDict and list(ours["model"]) == list(state["model"])
     assert ours["model"]._metadata == theirs["model"]._metadata == state["model"]._metadata

@@ -551,8 +551,8 @@ def test_io_errors_during_iteration_name_the_file_offset_and_errno(tmp_path) -> 
     path.write_bytes(b"y" * (64 * 100))
     ds = make_dataset(str(path), record_bytes=64)
     os.truncate(path, 64 * 50)
-    with pytest.raises(tf.errors.DataLossError,
-                       match=rf"{path}: read past end of file \(\d+ bytes read\) at offset \d+ \(\d+ bytes\): .*errno 61"):
+    past_the_end = rf"{path}: read past end of file \(\d+ bytes read\) at offset \d+ \(\d+ bytes\): .*errno 61"
+    with pytest.raises(tf.errors.DataLossError, match=past_the_end):
         list(ds)
 
 
