@@ -727,7 +727,10 @@ def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, en
                verify: bool = True, names: Iterable[str] = ()) -> ShardReader:
     """A reader for one of a checkpoint's files, checked against the manifest: its size,
     its header checksum, and for each tensor in ``names`` the manifest's entry against
-    the header's (:func:`check_index`)."""
+    the header's (:func:`check_index`). The header checksum is checked even without
+    ``verify`` (which governs the tensors' checksums): it costs a hash of the header read
+    already, and is what tells a file of another save (an overwrite committed since the
+    manifest was read) from this one's, whose tensors a load would otherwise mix."""
     entry = manifest["files"].get(filename)
     path = os.fspath(member_path(directory, filename))
     refuse_dcp_folder_without_metadata(directory, manifest)
@@ -741,7 +744,7 @@ def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, en
                                      "truncated or replaced")
     reader = ShardReader(path, engine, verify=verify, header_vouched=True)
     try:
-        if verify and reader.checksum != entry["checksum"]:
+        if reader.checksum != entry["checksum"]:
             raise CorruptCheckpointError(f"{path}: header checksum does not match the manifest")
         for name in names:
             check_index(reader.path, manifest["tensors"], name, reader.tensors.get(name))

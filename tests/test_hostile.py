@@ -637,6 +637,35 @@ def test_a_load_racing_an_overwrite_reads_the_new_checkpoint(checkpoint, monkeyp
     assert raced and list(loaded) == ["a"] and (loaded["a"] == 7).all()
 
 
+def test_a_load_without_verification_never_mixes_two_saves(tmp_path, monkeypatch) -> None:
+    """The overwrite lands after the load opened the first of two shard files and before
+    the second: unverified, the second file's header went unchecked against the manifest,
+    and the load returned "a" of one save and "b" of the next."""
+    from tensorferry import checkpoint as module
+    path = tmp_path / "step_1"
+
+    def save(value: float, **kwargs) -> None:
+        tensorferry.save_checkpoint(path, {"a": np.full(4096, value), "b": np.full(4096, value)},
+                                    max_shard_bytes=32 << 10, **kwargs)
+
+    save(1.0)
+    assert len([n for n in os.listdir(path) if n.endswith(".safetensors")]) == 2
+    real_open_shard = module.open_shard
+    opened = []
+
+    def overwritten_after_the_first(*args, **kwargs):
+        reader = real_open_shard(*args, **kwargs)
+        opened.append(reader.path)
+        if len(opened) == 1:
+            save(2.0, overwrite=True)
+        return reader
+
+    monkeypatch.setattr(module, "open_shard", overwritten_after_the_first)
+    loaded = tensorferry.load_checkpoint(path, verify=False)
+    assert (loaded["a"] == 2.0).all() and (loaded["b"] == 2.0).all()
+    assert len(opened) > 2, "the overwrite landed between the two files, and the load read the new ones"
+
+
 def test_a_killed_offload_store_is_reclaimed_by_the_next(tmp_path) -> None:
     import subprocess
     import sys
