@@ -39,8 +39,8 @@ from .schema import (MANIFEST_VERSION, STEP_NUMBER, check_index, member_path, pa
 from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo, ShardReader, ShardWriter, digest,
                     first_names, foreign_files_hint, fsync_after_commit, fsync_dir, gc_paused, subfolders_holding)
 from .temporaries import (NEW_TEMPORARY_TRIES, TMP_MARKER, aside_name, discard_later, earlier_stem, held_here,
-                          hold_new, is_temporary_name, refuse_temporary_marker, release, remove_stale_temporaries,
-                          temporary_name, temporary_stem, temporary_token)
+                          hold_new, hold_to_move, is_temporary_name, refuse_temporary_marker, release,
+                          remove_stale_temporaries, temporary_name, temporary_stem, temporary_token)
 
 MANIFEST = "tensorferry.json"
 FORMAT_VERSION = MANIFEST_VERSION
@@ -90,7 +90,7 @@ class PendingCheckpoint:
         refuse_temporary_marker(directory)
         _refuse_working_directory(directory)
         parent, name = os.path.split(directory)
-        recoverable = list(recoverable_checkpoints(parent).values())
+        recoverable = functools.partial(_recoverable_paths, parent)
         remove_stale_temporaries(parent, name, keep=recoverable)
         for _ in range(NEW_TEMPORARY_TRIES if token is None else 1):
             pending = cls(directory, token or temporary_token(6))
@@ -190,10 +190,15 @@ class PendingCheckpoint:
                 self._committed()
                 return swapping
             # No atomic exchange here: between the two renames the old checkpoint lives
-            # under a name that list_checkpoints and the loaders find (recoverable_checkpoints).
+            # under a name that list_checkpoints and the loaders find (recoverable_checkpoints),
+            # held, so that no clean-up takes it for a leftover before the second is done.
             old = aside_name(self.directory, OLD_REASON)
-            os.rename(self.directory, old)
-            os.rename(swapping, self.directory)
+            held = hold_to_move(self.directory)
+            try:
+                os.rename(self.directory, old)
+                os.rename(swapping, self.directory)
+            finally:
+                release(held)
             in_place = True
             self._committed()
             return old
@@ -308,6 +313,10 @@ def recoverable_checkpoints(root: str | os.PathLike) -> dict[str, str]:
         if os.path.isfile(os.path.join(entry.path, MANIFEST)):
             found[name] = entry.path
     return found
+
+
+def _recoverable_paths(root: str) -> list[str]:
+    return list(recoverable_checkpoints(root).values())
 
 
 def _recoverable(path: str) -> bool:
@@ -836,7 +845,7 @@ def remove_leftovers(root: str | os.PathLike) -> list[str]:
     """Removes what killed saves and prunes left directly under ``root``: temporaries no
     running save holds, but not an old checkpoint an interrupted overwrite moved aside
     (:func:`recoverable_checkpoints`: it is the checkpoint); returns what went."""
-    return remove_stale_temporaries(root, keep=recoverable_checkpoints(root).values())
+    return remove_stale_temporaries(root, keep=functools.partial(_recoverable_paths, root))
 
 
 def remove_checkpoints(paths: Iterable[str], *, wait: bool = True) -> list[str]:

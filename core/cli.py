@@ -33,12 +33,12 @@ import numpy as np
 
 from . import __version__, bench, layouts
 from .checkpoint import (DEFAULT_SHARD_BYTES, MANIFEST, PendingCheckpoint, occupied, recoverable_checkpoints,
-                         split_by_size)
+                         remove_leftovers, split_by_size)
 from .config import count_arg, parse_size, size_arg
 from .errors import TensorferryError
 from .layouts.safetensors import to_file_metadata
 from .shard import ShardWriter, write_order
-from .temporaries import is_temporary_name, remove_stale_temporaries, stale_temporaries
+from .temporaries import is_temporary_name, stale_temporaries
 
 EXIT_OK, EXIT_FINDING, EXIT_ERROR = 0, 1, 2
 
@@ -435,11 +435,10 @@ def cmd_clean(args: argparse.Namespace) -> int:
     found: list[str] = []
     unread: list[str] = []  # folders under the root it could not list: not cleaned
     for directory in _directories_to_clean(args.root, unread):
-        keep = recoverable_checkpoints(directory).values()  # an interrupted overwrite's old checkpoint
-        if args.dry_run:
-            found += stale_temporaries(directory, keep=keep)
+        if args.dry_run:  # not an interrupted overwrite's old checkpoint
+            found += stale_temporaries(directory, keep=recoverable_checkpoints(directory).values())
         else:
-            found += remove_stale_temporaries(directory, keep=keep)
+            found += remove_leftovers(directory)
     verb = "would remove" if args.dry_run else "removed"
     text = [f"{args.root}: {verb} {plural(len(found), 'leftover')}"] + [f"  {p}" for p in found]
     text += [f"not searched (could not list it): {p}" for p in unread]

@@ -19,7 +19,8 @@ import secrets
 import shutil
 import sys
 import threading
-from typing import Iterable
+import time
+from typing import Callable, Iterable
 
 from .pools import ThreadPool
 
@@ -102,6 +103,38 @@ def release(fd: int | None) -> None:
     if fd is not None:
         _held_here.pop(fd, None)
         os.close(fd)
+
+
+# Tries, 10 ms apart, at the lock of a checkpoint that another save holds for a moment: the
+# one that has just renamed it into place, or sets it aside between its two renames.
+_MOVE_TRIES = 500
+
+
+def hold_to_move(path: str) -> int | None:
+    """The writer's lock (:func:`hold`) on what stands at ``path``, taken before it is
+    renamed aside, so that no clean-up takes it for a leftover under its aside name until
+    :func:`release`; taken only on what is still at ``path`` once held. None where it
+    cannot be held (a link; still held by another save after every try);
+    ``FileNotFoundError`` where nothing is at ``path``."""
+    for _ in range(_MOVE_TRIES):
+        try:
+            fd = hold(path)
+        except BlockingIOError:
+            time.sleep(0.01)
+            continue
+        except FileNotFoundError:
+            raise
+        except OSError:  # a link (ELOOP) or something else that cannot be opened to lock
+            return None
+        try:
+            still_there = os.path.samestat(os.fstat(fd), os.lstat(path))
+        except FileNotFoundError:
+            release(fd)
+            raise
+        if still_there:
+            return fd
+        release(fd)  # replaced before we held it: hold what is there now
+    return None
 
 
 def held_here(path: str) -> bool:
@@ -298,14 +331,18 @@ def wait_for_discards() -> None:
 
 
 def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
-                             keep: Iterable[str] = ()) -> list[str]:
+                             keep: Iterable[str] | Callable[[], Iterable[str]] = ()) -> list[str]:
     """Removes the leftovers of killed saves under ``root`` (those of ``target``, a name
     in ``root``, only, if given), never a temporary a live writer holds nor one in
-    ``keep``; returns what went."""
-    return [path for path in stale_temporaries(root, target, keep) if remove_if_stale(path)]
+    ``keep``; returns what went. ``keep`` may be a function giving them, asked once the
+    temporaries are found: what it names may have been made meanwhile (an old checkpoint an
+    overwrite set aside, then killed, which a list made before the scan left out)."""
+    stale = stale_temporaries(root, target)
+    kept = {os.path.abspath(p) for p in (keep() if callable(keep) else keep)}
+    return [path for path in stale if os.path.abspath(path) not in kept and remove_if_stale(path)]
 
 
 __all__ = ["DCP_TOKEN", "NEW_TEMPORARY_TRIES", "TMP_MARKER", "aside_name", "discard_later", "earlier_stem",
-           "held_here", "hold", "hold_new", "is_leftover_name", "is_temporary_name", "refuse_temporary_marker",
+           "held_here", "hold", "hold_new", "hold_to_move", "is_leftover_name", "is_temporary_name", "refuse_temporary_marker",
            "release", "remove_if_stale", "remove_stale_temporaries", "set_aside", "stale_temporaries",
            "temporary_name", "temporary_stem", "temporary_token", "wait_for_discards"]

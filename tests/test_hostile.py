@@ -307,6 +307,73 @@ shutil.rmtree = dies_after(shutil.rmtree)
 tensorferry.save_checkpoint(os.path.join(root, target), {"x": np.full(1000, 2.0)}, overwrite=True)
 """
 
+# An overwrite without RENAME_EXCHANGE that stops before and between its two renames, each
+# time until the test writes a line: "ready" before, "between" once the old checkpoint is aside.
+_PAUSED_BETWEEN_RENAMES = r"""
+import os, sys
+import numpy as np
+import tensorferry
+from tensorferry import checkpoint
+
+checkpoint.exchange = lambda a, b: False  # as on a filesystem without RENAME_EXCHANGE
+real_rename = os.rename
+
+def paused_around_the_first(source, target, *args, **kwargs):
+    if checkpoint.OLD_TAIL not in os.fspath(target):
+        return real_rename(source, target, *args, **kwargs)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    real_rename(source, target, *args, **kwargs)
+    print("between", os.fspath(target), flush=True)
+    sys.stdin.readline()
+
+os.rename = paused_around_the_first
+tensorferry.save_checkpoint(sys.argv[1], {"x": np.full(1000, 2.0)}, overwrite=True)
+"""
+
+
+def _paused_overwrite(path: str) -> "subprocess.Popen[str]":
+    import subprocess
+    import sys
+    child = subprocess.Popen([sys.executable, "-c", _PAUSED_BETWEEN_RENAMES, path], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "ready\n"
+    return child
+
+
+def test_a_clean_up_during_an_overwrite_killed_between_its_renames_keeps_the_old_checkpoint(
+        tmp_path, monkeypatch) -> None:
+    """The clean-up listed what to keep (nothing: step_1 was in place), then the overwrite set
+    step_1 aside, unheld, and was killed before its second rename; the clean-up's scan then
+    found step_1.tmp-old-* unheld and removed it: both copies of step_1 were lost."""
+    from tensorferry import checkpoint as module
+    from tensorferry.temporaries import stale_temporaries
+    path = str(tmp_path / "step_1")
+    tensorferry.save_checkpoint(path, {"x": np.full(1000, 1.0)})
+    child = _paused_overwrite(path)
+    real_recoverable = module.recoverable_checkpoints
+    aside = []
+
+    def overwrite_set_aside_then_killed(root):
+        found = real_recoverable(root)
+        if not aside:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            word, aside_path = child.stdout.readline().split()
+            assert word == "between"
+            aside.append(aside_path)
+            assert aside_path not in stale_temporaries(tmp_path), "the writer holds the old checkpoint set aside"
+            child.kill()
+            child.wait()
+        return found
+
+    monkeypatch.setattr(module, "recoverable_checkpoints", overwrite_set_aside_then_killed)
+    module.remove_leftovers(tmp_path)  # as prune_checkpoints(remove_unfinished=True) and tensorferry clean do
+    monkeypatch.undo()
+    assert aside and os.path.isdir(aside[0]), "the old checkpoint was removed as a leftover"
+    assert (tensorferry.load_checkpoint(path)["x"] == 1.0).all()
+
+
 # Names near NAME_MAX (255 bytes): their temporaries are named after their first bytes (cut
 # inside a character here, at one's end in the second) and a hash of them.
 _LONG_NAMES = ["step_1-" + "\u00e9" * 120, "step_1-" + "x" * 240]
