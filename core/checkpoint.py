@@ -154,7 +154,9 @@ class PendingCheckpoint:
         elif not overwrite:
             raise FileExistsError(f"{self.directory} exists; pass overwrite=True to replace it")
         else:
-            discard_later(self._replace())
+            replaced = self._replace()
+            if replaced is not None:
+                discard_later(replaced)
         release(self._lock)
         self._lock = None
         remove_stale_temporaries(*os.path.split(self.directory))  # an old one moved aside is one now
@@ -173,11 +175,12 @@ class PendingCheckpoint:
         self._moved = True
         return True
 
-    def _replace(self) -> str:
+    def _replace(self) -> str | None:
         """Puts the new checkpoint in place of the one at the path; returns the name the
         old one now has, a fresh one, never this save's temporary name: a token may be
         fixed (DCP's saves all write "<path>.tmp-dcp"), and the old checkpoint left there
-        while its files were freed refused the next save to the path."""
+        while its files were freed refused the next save to the path. None where nothing
+        was left to replace (pruned, or set aside by another save, meanwhile)."""
         # The exchange leaves the old checkpoint under the name the new one had: a fresh
         # one, taken first. The new one stays held meanwhile (the lock is on the folder).
         swapping = aside_name(self.directory, "replaced")
@@ -185,26 +188,57 @@ class PendingCheckpoint:
         self._moved = True
         in_place = False
         try:
-            if exchange(swapping, self.directory):
-                in_place = True
-                self._committed()
-                return swapping
-            # No atomic exchange here: between the two renames the old checkpoint lives
-            # under a name that list_checkpoints and the loaders find (recoverable_checkpoints),
-            # held, so that no clean-up takes it for a leftover before the second is done.
-            old = aside_name(self.directory, OLD_REASON)
-            held = hold_to_move(self.directory)
-            try:
-                os.rename(self.directory, old)
-                os.rename(swapping, self.directory)
-            finally:
-                release(held)
+            old = self._swap_in(swapping)
             in_place = True
             self._committed()
             return old
         finally:
             if not in_place:  # what abort() removes, under the name it took to be swapped in
                 shutil.rmtree(swapping, ignore_errors=True)
+
+    def _swap_in(self, swapping: str) -> str | None:
+        try:
+            if exchange(swapping, self.directory):
+                return swapping
+        except FileNotFoundError:  # the old one left since commit found it (pruned)
+            return self._into_vacated_name(swapping)
+        # No atomic exchange here: between the two renames the old checkpoint lives
+        # under a name that list_checkpoints and the loaders find (recoverable_checkpoints),
+        # held, so that no clean-up takes it for a leftover before the second is done.
+        old = aside_name(self.directory, OLD_REASON)
+        try:
+            held = hold_to_move(self.directory)
+        except FileNotFoundError:  # pruned, or aside between another overwrite's renames
+            return self._into_vacated_name(swapping)
+        try:
+            try:
+                os.rename(self.directory, old)
+            except FileNotFoundError:
+                return self._into_vacated_name(swapping)
+            try:
+                os.rename(swapping, self.directory)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                discard_later(old)  # the other save's checkpoint is in place: the old one is no more
+                raise self._another_save_replaced() from None
+        finally:
+            release(held)
+        return old
+
+    def _into_vacated_name(self, swapping: str) -> None:
+        """Commits into the path the old checkpoint left while this save replaced it: a
+        plain rename, which puts a directory only where nothing is, or an empty directory."""
+        try:
+            os.rename(swapping, self.directory)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+            raise self._another_save_replaced() from None
+
+    def _another_save_replaced(self) -> FileExistsError:
+        return FileExistsError(errno.EEXIST, "another save replaced the checkpoint at the same time as this one, "
+                               "whose checkpoint is dropped", self.directory)
 
     def _committed(self) -> None:
         fsync_after_commit(self.directory)
@@ -283,7 +317,8 @@ def exchange(a: str, b: str) -> bool:
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
-    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}", a)
+    missing = b if err == errno.ENOENT and os.path.lexists(a) else a  # the error names the one not there
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}", missing)
 
 
 def recoverable_checkpoints(root: str | os.PathLike) -> dict[str, str]:

@@ -582,8 +582,56 @@ def test_exchange_swaps_two_directories_in_one_step(tmp_path) -> None:
     (tmp_path / "b").mkdir()
     assert exchange(str(tmp_path / "a"), str(tmp_path / "b")), "ext4 and tmpfs have RENAME_EXCHANGE"
     assert os.listdir(tmp_path / "b") == ["from_a"] and os.listdir(tmp_path / "a") == []
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError) as raised:
         exchange(str(tmp_path / "a"), str(tmp_path / "missing"))
+    assert raised.value.filename == str(tmp_path / "missing"), "the error names the path that is not there"
+
+
+@pytest.mark.parametrize("protocol", ["exchange", "two renames"])
+def test_an_overwrite_whose_target_is_pruned_meanwhile_commits_into_the_free_name(
+        tmp_path, monkeypatch, protocol) -> None:
+    """step_1 was pruned between the commit's check and the exchange: the save failed with a
+    FileNotFoundError naming its own temporary, which existed, and removed its complete checkpoint."""
+    from tensorferry import checkpoint as module
+    for step in (1, 2):
+        tensorferry.save_checkpoint(tmp_path / f"step_{step}", {"x": np.full(100, float(step))})
+    real_exchange = module.exchange
+
+    def pruned_first(a: str, b: str) -> bool:
+        assert tensorferry.prune_checkpoints(tmp_path, keep_last=1) == [str(tmp_path / "step_1")]
+        return real_exchange(a, b) if protocol == "exchange" else False
+
+    monkeypatch.setattr(module, "exchange", pruned_first)
+    tensorferry.save_checkpoint(tmp_path / "step_1", {"x": np.full(100, 3.0)}, overwrite=True)
+    wait_for_discards()
+    assert sorted(os.listdir(tmp_path)) == ["step_1", "step_2"]
+    assert (tensorferry.load_checkpoint(tmp_path / "step_1")["x"] == 3.0).all()
+
+
+def test_an_overwrite_that_another_save_beats_between_its_renames_says_so(tmp_path, monkeypatch) -> None:
+    """Without RENAME_EXCHANGE, another save committed into step_1 while this overwrite had
+    the old checkpoint aside: its second rename failed with a bare "Directory not empty"."""
+    from tensorferry import checkpoint as module
+    path = tmp_path / "step_1"
+    tensorferry.save_checkpoint(path, {"x": np.full(100, 1.0)})
+    monkeypatch.setattr(module, "exchange", lambda a, b: False)
+    real_rename = os.rename
+    beaten = []
+
+    def another_save_between(source, target, *args, **kwargs):
+        real_rename(source, target, *args, **kwargs)
+        if module.OLD_TAIL in os.fspath(target) and not beaten:
+            beaten.append(target)
+            tensorferry.save_checkpoint(path, {"x": np.full(100, 3.0)}, overwrite=True)
+
+    monkeypatch.setattr(os, "rename", another_save_between)
+    with pytest.raises(FileExistsError, match="another save replaced the checkpoint") as raised:
+        tensorferry.save_checkpoint(path, {"x": np.full(100, 2.0)}, overwrite=True)
+    monkeypatch.undo()
+    assert raised.value.filename == str(path)
+    wait_for_discards()
+    assert os.listdir(tmp_path) == ["step_1"], "the old checkpoint set aside went, as the dropped save's temporary"
+    assert (tensorferry.load_checkpoint(path)["x"] == 3.0).all()
 
 
 def test_a_failed_io_uring_enter_fails_its_requests_not_the_engine(tmp_path) -> None:
