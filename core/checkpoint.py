@@ -417,13 +417,19 @@ def write_durably(path: str, data: bytes) -> None:
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a complete checkpoint; raises if ``directory`` is not one."""
+    return _located_manifest(directory)[1]
+
+
+def _located_manifest(directory: str | os.PathLike) -> tuple[str, dict[str, Any]]:
+    """:func:`read_manifest`, with where the checkpoint was found (``directory``, or where
+    an interrupted overwrite left it aside: :func:`resolve_checkpoint`)."""
     directory = os.fspath(directory)
     resolved = resolve_checkpoint(directory)
     if is_temporary_name(os.path.basename(resolved.rstrip(os.sep))) and not _recoverable(resolved):
         raise CheckpointNotFoundError(f"{directory} is an unfinished checkpoint (temporary directory)", directory)
     path = os.path.join(resolved, MANIFEST)
     try:
-        return read_manifest_file(path)
+        return resolved, read_manifest_file(path)
     except FileNotFoundError:
         if os.path.isdir(directory):
             raise CheckpointNotFoundError(f"{directory} has no {MANIFEST}: not a complete checkpoint"
@@ -558,32 +564,51 @@ def load_with_manifest(directory: str | os.PathLike, names: Iterable[str] | None
     from the same checkpoint even if an overwrite replaces it meanwhile."""
     if mmap:
         refuse_out_when_mapped(out)
-    directory = resolve_checkpoint(directory)
-    foreign = _foreign_layout(directory)
+    directory = local_path(directory)
+    foreign = _foreign_layout(resolve_checkpoint(directory))
     if foreign is not None:
         with foreign.open(engine=engine, verify=verify) as source:
             return None, source.read(names, out, mmap=mmap)
-    manifest, tries = read_manifest(directory), 1
+    tries = 0
     while True:
+        tries += 1
+        read_from = None  # where this try found the checkpoint, and which save's it is
         try:
-            return manifest, _load_as_listed(directory, manifest, names, out, engine, verify, mmap)
+            where, manifest = _located_manifest(directory)
+            read_from = where, _identity(manifest)
+            return manifest, _load_as_listed(where, manifest, names, out, engine, verify, mmap)
         except (CorruptCheckpointError, OSError):
-            # An overwrite may have replaced the checkpoint between its manifest and its
-            # files: then, and only then, the new one is read.
-            directory = resolve_checkpoint(directory)
-            again = read_manifest(directory)
-            if tries == OVERWRITTEN_READ_TRIES or _identity(again) == _identity(manifest):
+            # An overwrite may have replaced the checkpoint, or moved it aside, between its
+            # manifest and its files: then, and only then, it is read again, where it is now.
+            if tries == OVERWRITTEN_READ_TRIES or not _moved_or_replaced(directory, read_from):
                 raise
-            manifest, tries = again, tries + 1
 
 
 # Reads of a checkpoint that overwrites kept replacing under them (six threads
 # overwriting one checkpoint while reading it: a second try failed now and then).
 OVERWRITTEN_READ_TRIES = 8
+# Looks, 10 ms apart, for a checkpoint that was read a moment ago and is found nowhere: between
+# the two renames of an overwrite without exchange, a reader's lookups may each miss it.
+_VANISHED_LOOKS = 5
 
 
 def _identity(manifest: Mapping[str, Any]) -> tuple[Any, Any]:
     return manifest["files"], manifest.get("committed_at")
+
+
+def _moved_or_replaced(directory: str, read_from: tuple[str, Any] | None) -> bool:
+    """Whether the checkpoint at ``directory`` is now elsewhere or another save's than where
+    a failed read found it (``read_from``: where, and :func:`_identity`; None where the read
+    found no manifest)."""
+    for look in range(_VANISHED_LOOKS if read_from is not None else 1):
+        if look:
+            time.sleep(0.01)
+        try:
+            where, manifest = _located_manifest(directory)
+        except (CorruptCheckpointError, OSError):
+            continue
+        return (where, _identity(manifest)) != read_from
+    return False
 
 
 def _foreign_layout(directory: str) -> Any:

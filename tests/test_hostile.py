@@ -374,6 +374,47 @@ def test_a_clean_up_during_an_overwrite_killed_between_its_renames_keeps_the_old
     assert (tensorferry.load_checkpoint(path)["x"] == 1.0).all()
 
 
+@pytest.mark.parametrize("rename", ["first", "second"])
+def test_a_load_during_an_overwrite_without_exchange_reads_one_checkpoint_whole(
+        tmp_path, monkeypatch, rename) -> None:
+    """The overwrite's first rename (step_1 set aside) or its second (the new one in place, the
+    old one removed) lands between the load's reading of the manifest and of the files: the
+    load failed, naming step_1's files missing or step_1.tmp-old-* an unfinished checkpoint."""
+    from tensorferry import checkpoint as module
+    path = str(tmp_path / "step_1")
+    tensorferry.save_checkpoint(path, {"x": np.full(1000, 1.0)})
+    child = _paused_overwrite(path)
+
+    def next_rename() -> None:
+        child.stdin.write("go\n")
+        child.stdin.flush()
+
+    if rename == "second":
+        next_rename()
+        assert child.stdout.readline().startswith("between ")
+    real_open_shard = module.open_shard
+    renamed = []
+
+    def renamed_first(*args, **kwargs):
+        if not renamed:
+            renamed.append(rename)
+            next_rename()
+            if rename == "first":
+                assert child.stdout.readline().startswith("between ")
+            else:
+                assert child.wait() == 0
+        return real_open_shard(*args, **kwargs)
+
+    monkeypatch.setattr(module, "open_shard", renamed_first)
+    try:
+        loaded = tensorferry.load_checkpoint(path)["x"]
+    finally:
+        if child.poll() is None:
+            next_rename()
+        assert child.wait() == 0
+    assert (loaded == (1.0 if rename == "first" else 2.0)).all()
+
+
 # Names near NAME_MAX (255 bytes): their temporaries are named after their first bytes (cut
 # inside a character here, at one's end in the second) and a hash of them.
 _LONG_NAMES = ["step_1-" + "\u00e9" * 120, "step_1-" + "x" * 240]
