@@ -343,6 +343,7 @@ def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
 
 
 __all__ = ["DCP_TOKEN", "NEW_TEMPORARY_TRIES", "TMP_MARKER", "aside_name", "discard_later", "earlier_stem",
-           "held_here", "hold", "hold_new", "hold_to_move", "is_leftover_name", "is_temporary_name", "refuse_temporary_marker",
+           "held_here", "hold", "hold_new", "hold_to_move", "is_leftover_name", "is_temporary_name",
+           "refuse_temporary_marker",
            "release", "remove_if_stale", "remove_stale_temporaries", "set_aside", "stale_temporaries",
            "temporary_name", "temporary_stem", "temporary_token", "wait_for_discards"]

@@ -8,6 +8,7 @@ import os
 import shutil
 import struct
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -332,7 +333,7 @@ tensorferry.save_checkpoint(sys.argv[1], {"x": np.full(1000, 2.0)}, overwrite=Tr
 """
 
 
-def _paused_overwrite(path: str) -> "subprocess.Popen[str]":
+def _paused_overwrite(path: str) -> Any:
     import subprocess
     import sys
     child = subprocess.Popen([sys.executable, "-c", _PAUSED_BETWEEN_RENAMES, path], stdin=subprocess.PIPE,
