@@ -530,7 +530,7 @@ def test_checkpoint_directories_of_every_dtype(tmp_path) -> None:
         load_checkpoint(path, out={"model.float32": torch.zeros(3, 5).t()})
 
 
-def _ours_and_torchs(state: Any, tmp_path: Path, as_directory: bool) -> tuple[Any, Any]:
+def _ours_and_torchs(state: Any, tmp_path: Path, as_directory: bool, weights_only: bool = True) -> tuple[Any, Any]:
     """``state`` saved and loaded by tensorferry (as a file, or a checkpoint directory), and by torch."""
     import io
     if as_directory:
@@ -542,7 +542,7 @@ def _ours_and_torchs(state: Any, tmp_path: Path, as_directory: bool) -> tuple[An
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    return ours, torch.load(buffer)
+    return ours, torch.load(buffer, weights_only=weights_only)
 
 
 @pytest.mark.parametrize("as_directory", [False, True], ids=["file", "checkpoint"])
@@ -636,6 +636,20 @@ def test_what_a_state_dicts_metadata_cannot_save_is_named(tmp_path) -> None:
     with pytest.raises(TypeError, match=r"model\._metadata\.\.hook: cannot save a object without pickle"):
         save({"model": state}, tmp_path / "bad.safetensors")
     assert not (tmp_path / "bad.safetensors").exists()
+
+
+@pytest.mark.parametrize("as_directory", [False, True], ids=["file", "checkpoint"])
+def test_odd_entries_torch_save_takes_come_back_or_are_refused_by_name(tmp_path, as_directory: bool) -> None:
+    """A tensor under the key "__metadata__" (the safetensors header's own) failed the save,
+    naming a temporary shard; a numpy str was refused as a numpy array of dtype <U2; a lazy
+    module's uninitialized parameter raised torch's ValueError, naming no entry."""
+    state = {"__metadata__": torch.ones(2), "label": np.str_("ab"), "n": np.int64(3)}
+    ours, theirs = _ours_and_torchs(state, tmp_path, as_directory, weights_only=False)  # numpy's str is pickled
+    assert torch.equal(ours["__metadata__"], theirs["__metadata__"]) and ours["n"] == theirs["n"] == 3
+    assert ours["label"] == theirs["label"] == "ab" and type(ours["label"]) is str  # numpy's own str type is lost
+    lazy = torch.nn.LazyLinear(3).state_dict()
+    with pytest.raises(TypeError, match=r"^model\.weight is an uninitialized parameter or buffer of a lazy module"):
+        save({"model": lazy}, tmp_path / "lazy.safetensors")
 
 
 @pytest.mark.parametrize("node", [{"ordered_dict": [["a", {"value": 1}]]}, {"ordered_dict": {"items": {}}},

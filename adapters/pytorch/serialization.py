@@ -69,6 +69,9 @@ def _check_savable(tensor: torch.Tensor, where: str) -> None:
     if tensor.layout != torch.strided:
         raise TypeError(f"{where} is a {str(tensor.layout).removeprefix('torch.')} tensor: safetensors holds "
                         "dense tensors; save tensor.to_dense(), or the sparse tensor's own index and value tensors")
+    if isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin):  # torch's own error named no entry
+        raise TypeError(f"{where} is an uninitialized parameter or buffer of a lazy module (LazyLinear, say): "
+                        "run a forward pass to make its shape, or save the state dict without it")
     _check_has_data(tensor, where)
     refuse_wrapper_subclass(tensor, where)
 
@@ -95,7 +98,7 @@ class _Encoder:
     def _name(self, identity: Any, value: torch.Tensor | np.ndarray, where: str) -> str:
         if identity not in self._seen:
             key = where or "tensor"
-            while key in self.tensors:
+            while key in self.tensors or key == "__metadata__":  # the safetensors header's own key
                 key += "'"
             self._seen[identity] = key
             self.tensors[key] = value
@@ -114,6 +117,8 @@ class _Encoder:
             else:
                 kind = "tensor_requires_grad" if value.requires_grad else "tensor"
             return {kind: self._name(_storage_key(value), value, where)}
+        if isinstance(value, np.str_):  # a str (its subclass), which the numpy branch took for an array
+            return {"value": str(value)}
         if isinstance(value, (np.ndarray, np.generic)):
             array = np.asarray(value)
             try:
