@@ -376,6 +376,44 @@ def test_dtypes_without_a_safetensors_name_are_refused_naming_the_leaf(tmp_path,
     assert not (tmp_path / "p.safetensors").exists()
 
 
+_REFUSED_SAVE_THEN_EXIT = r"""
+import sys
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from tensorferry import shard
+from tensorferry.adapters.jax import FerryCheckpointHandler, FerrySave
+
+shard.MAX_HEADER_BYTES = 8192
+bad = {"int4": {"x": jnp.zeros(4, jnp.int4)}, "complex128": {"x": np.zeros(4, np.complex128)},
+       "header": {f"w{i}": np.ones(2, np.float32) for i in range(200)}}[sys.argv[2]]
+mngr = ocp.CheckpointManager(sys.argv[1], item_names=("state",), item_handlers={"state": FerryCheckpointHandler()})
+try:
+    mngr.save(0, args=ocp.args.Composite(state=FerrySave(bad)))
+except (TypeError, ValueError) as exc:
+    print("REFUSED", type(exc).__name__, exc, flush=True)
+"""
+
+
+@pytest.mark.parametrize("bad", ["int4", "complex128", "header"])
+def test_a_program_ending_on_a_refused_async_save_exits(tmp_path, bad):
+    """A save through an async CheckpointManager that the handler refuses raised from the
+    save call, but a program that then ended hung at exit for 300 s: Orbax had started
+    threads creating the step's and the item's directories, whose futures the refusal
+    dropped; the first failed as the interpreter shut down, and the second, which the
+    interpreter joins, waited its coordination timeout for the first's signal. A race
+    (whether the first thread finished before the interpreter shut down): before the fix,
+    about half the runs hung."""
+    import subprocess
+    import sys
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    done = subprocess.run([sys.executable, "-c", _REFUSED_SAVE_THEN_EXIT, str(tmp_path / "run"), bad], env=env,
+                          capture_output=True, text=True, timeout=120)  # a guard against the hang, not a timing
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("REFUSED"), done.stdout + done.stderr[-2000:]
+    assert ("no safetensors equivalent" if bad != "header" else "more than the 8192") in done.stdout
+
+
 def test_flax_train_states(tmp_path):
     """What Flax users hand Orbax: a Linen TrainState with optax's Adam state (custom
     pytree nodes, namedtuples, an int32 count) and an NNX model's state (Variables, and

@@ -491,7 +491,11 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             item = args.item
         # Orbax creates the directory meanwhile; a path awaiting its creation names it already.
         path = local_path(directory.path if hasattr(directory, "await_creation") else directory)
-        metadata, writer = self._stage(path, item, self.copy_host_arrays)
+        try:
+            metadata, writer = self._stage(path, item, self.copy_host_arrays)
+        except BaseException:
+            _await_orbax_directory_creation()
+            raise
 
         async def commit() -> None:
             if hasattr(directory, "await_creation"):
@@ -573,6 +577,20 @@ class FerryCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
 
     def close(self) -> None:
         pass
+
+
+async def _nothing() -> None:
+    pass
+
+
+def _await_orbax_directory_creation() -> None:
+    """Waits for the directory creation Orbax started in its threads before calling
+    ``async_save`` (a refused save drops their futures). A program that ends on the
+    refusal otherwise hangs at exit for Orbax's coordination timeout (300 s): the step
+    directory's thread fails once the interpreter shuts down (its executor takes no more
+    work) and never signals, and the item directory's thread, which the interpreter joins,
+    waits for that signal. Returns at once where Orbax awaits no signal."""
+    ocp_future.CommitFutureAwaitingContractedSignals(_nothing(), name="tensorferry_jax_refused").result()
 
 
 def _refuse_process_local(name: str, value: jax.Array) -> None:
