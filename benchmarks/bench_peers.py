@@ -75,15 +75,18 @@ class Contender:
     whose tensors do not outlive the call (a reused buffer) touches them itself and returns
     None. A load in place is touched in its targets. With ``in_place``, ``read`` gets, in
     place of the saved state, tensors like it to load into (a model's, made before the
-    clock starts), as DCP loads. ``convert`` turns the state into another framework's
-    arrays first (JAX's), untimed."""
+    clock starts), as DCP loads. ``target``, if given, makes what ``read`` gets in place
+    of the saved state, before the clock starts too (JAX's abstract target, as a user
+    makes it from the state's shapes before calling restore). ``convert`` turns the
+    state into another framework's arrays first (JAX's), untimed."""
 
     def __init__(self, name: str, path: str, read: Callable[[str, dict], object],
                  write: Callable[[dict, str], object] | None = None,
                  prepare: Callable[[dict, str], object] | None = None, *, in_place: bool = False,
-                 convert: Callable[[dict], dict] | None = None) -> None:
+                 convert: Callable[[dict], dict] | None = None, target: Callable[[dict], dict] | None = None) -> None:
         self.name, self.path, self.read, self.write, self.prepare = name, path, read, write, prepare
         self.in_place, self.convert = in_place, convert
+        self.target = target or (destinations if in_place else None)
 
     def run(self, directory: str, state: dict[str, torch.Tensor], label: str) -> Rows:
         path = os.path.join(directory, self.path)
@@ -99,7 +102,7 @@ class Contender:
             else:
                 self.prepare(state, path)
                 bench.fsync_tree(path)
-            target = destinations(state) if self.in_place else state
+            target = self.target(state) if self.target is not None else state
             bench.drop_cache(files_of(path))
             rows.append(bench.timed(f"{self.name} [{label}]", "read", nbytes, lambda: self.load(path, target)))
             del target
@@ -262,18 +265,21 @@ def jax_contender(skipped: dict[str, str]) -> list[Contender]:
     def convert(state: dict) -> dict:
         return {k: jax.device_put(v.numpy()) for k, v in state.items()}
 
+    def abstract(state: dict) -> dict:
+        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
+
     def reader(mapped: bool) -> Callable[[str, dict], None]:
-        def read(path: str, state: dict) -> dict:
-            target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
+        def read(path: str, target: dict) -> dict:
             return jax.block_until_ready(checkpointer.restore(path, args=FerryRestore(target, mmap=mapped)))
         return read
 
     def save(state: dict, path: str) -> None:
         checkpointer.save(path, args=FerrySave(state))
 
-    return [Contender("tensorferry FerryCheckpointHandler (JAX)", "tf-jax", reader(False), save, convert=convert),
+    return [Contender("tensorferry FerryCheckpointHandler (JAX)", "tf-jax", reader(False), save, convert=convert,
+                      target=abstract),
             Contender("tensorferry FerryCheckpointHandler (JAX), restore with mmap=True", "tf-jax-mmap", reader(True),
-                      prepare=save, convert=convert)]
+                      prepare=save, convert=convert, target=abstract)]
 
 
 def peers(skipped: dict[str, str]) -> list[Contender]:

@@ -43,7 +43,9 @@ METHOD = """\
   by reading one byte of every page it returned (the Run:ai streamer's tensors as they
   stream: they are views of a buffer it reuses, so it alone does not end holding the
   state in new memory, and pays no faults for it); DCP loads, ours and torch's, go into
-  tensors made before the clock starts, as a model's are.
+  tensors made before the clock starts, as a model's are, and the JAX restore gets its
+  abstract target (`jax.ShapeDtypeStruct`s) made before the clock too, as a program
+  makes it from its state before calling `restore` (and as `bench_jax.py` always has).
 - **Reference rows.** "reference: torch DCP alone" is `dcp.save`/`dcp.load` through a
   storage layer that moves no bytes: torch's own planning and per-item bookkeeping,
   which every DCP storage writer and reader pays on top of its I/O. It is left out of
