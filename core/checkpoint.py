@@ -793,16 +793,19 @@ def _numpy_dtype_of(dtype: Any) -> np.dtype | None:
 
 
 def open_shard(directory: str, manifest: Mapping[str, Any], filename: str, *, engine: Engine | None = None,
-               verify: bool = True, names: Iterable[str] = ()) -> ShardReader:
+               verify: bool = True, names: Iterable[str] = (), whole_folder: bool = True) -> ShardReader:
     """A reader for one of a checkpoint's files, checked against the manifest: its size,
     its header checksum, and for each tensor in ``names`` the manifest's entry against
     the header's (:func:`check_index`). The header checksum is checked even without
     ``verify`` (which governs the tensors' checksums): it costs a hash of the header read
     already, and is what tells a file of another save (an overwrite committed since the
-    manifest was read) from this one's, whose tensors a load would otherwise mix."""
+    manifest was read) from this one's, whose tensors a load would otherwise mix.
+    ``whole_folder=False`` opens the file of a DCPWriter folder that lost its ``.metadata``
+    (:func:`refuse_dcp_folder_without_metadata`), which a load refuses, as verify checks it."""
     entry = manifest["files"].get(filename)
     path = os.fspath(member_path(directory, filename))
-    refuse_dcp_folder_without_metadata(directory, manifest)
+    if whole_folder:
+        refuse_dcp_folder_without_metadata(directory, manifest)
     if entry is None:
         raise CorruptCheckpointError(f"{directory}: {filename} is not listed in the manifest")
     if not os.path.exists(path):
@@ -989,7 +992,9 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
                 progress(nbytes)
 
         try:
-            with open_shard(directory, manifest, filename, engine=engine, names=placed.get(filename, ())) as reader:
+            # The .metadata of a DCPWriter folder is checked below, as the file to blame when it is gone.
+            with open_shard(directory, manifest, filename, engine=engine, names=placed.get(filename, ()),
+                            whole_folder=False) as reader:
                 unlisted = set(reader.tensors) - set(placed.get(filename, ()))
                 if unlisted:
                     raise CorruptCheckpointError(f"{reader.path} holds {len(unlisted)} tensor(s) the manifest "

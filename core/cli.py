@@ -760,7 +760,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Re-reads every file of a checkpoint and checks the checksums tensorferry wrote: against the\n"
             "manifest for a tensorferry checkpoint (or a DCPWriter's, or the index of an Orbax item), per\n"
             "tensor in safetensors files that carry them. Where a layout keeps no checksums (torch's DCP,\n"
-            "files from elsewhere), checks that every file is there, long enough and consistent.\n"
+            "files from elsewhere), checks that every file is there, long enough and consistent (torch's\n"
+            "DCP: that every tensor loads).\n"
             "Exit status 1, with the names of the bad files, on any mismatch or missing file.")
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or file")
     p.set_defaults(func=cmd_verify)

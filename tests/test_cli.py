@@ -652,3 +652,46 @@ def test_python_m_tensorferry_runs_the_command() -> None:
     result = subprocess.run([sys.executable, "-m", "tensorferry", "--version"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and result.stdout.startswith("tensorferry ")
+
+
+def dcpwriter_folder(path: Path) -> Path:
+    """A step as FSDPCheckpointer saves it: DCPWriter's shards, .metadata and tensorferry.json."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    from tensorferry.adapters.pytorch import DCPWriter
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it saves as a single process
+        dcp.save({"model": {"w": torch.randn(10, 6), "b": torch.arange(4)}, "step": 5}, storage_writer=DCPWriter(path))
+    return path
+
+
+def flip(path: Path, offset: int, bit: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= bit
+    path.write_bytes(bytes(data))
+
+
+def test_verify_of_a_dcpwriter_folder_with_a_damaged_manifest_is_a_finding(tmp_path: Path) -> None:
+    """As for a plain checkpoint: status 1 naming tensorferry.json. It exited 2, "error",
+    with no --json document."""
+    folder = dcpwriter_folder(tmp_path / "step_5")
+    flip(folder / "tensorferry.json", (folder / "tensorferry.json").read_bytes().index(b'"files"') + 2, 0x20)
+    found = run_json("verify", folder, expect=1)
+    assert found["bad_files"] == ["tensorferry.json"] and not found["ok"]
+
+
+def test_a_dcpwriter_folder_copied_without_hidden_files_blames_its_metadata(tmp_path: Path) -> None:
+    """``cp step/* copy/`` leaves .metadata behind: inspect said "complete: yes", and verify
+    named the sound shards as the bad files; a damaged .metadata was named by none."""
+    folder = dcpwriter_folder(tmp_path / "step_5")
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for path in folder.iterdir():
+        if not path.name.startswith("."):
+            shutil.copy(path, copy / path.name)
+    info = run_json("inspect", copy, expect=1)
+    assert not info["complete"] and info["problems"] == [".metadata: missing"]
+    assert run_json("verify", copy, expect=1)["bad_files"] == [".metadata"]
+    flip(folder / ".metadata", (folder / ".metadata").stat().st_size // 3, 0x04)
+    assert run_json("verify", folder, expect=1)["bad_files"] == [".metadata"]

@@ -4,6 +4,7 @@ tensorferry from the safetensors files and the manifest."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -211,3 +212,78 @@ def test_an_fsdp2_checkpoint_of_two_ranks_reads_whole(tmp_path: Path) -> None:
     for loaded in (load_checkpoint(folder), tensorferry.load_checkpoint(folder)):
         assert set(loaded) == set(arrays)  # whole tensors by name: no chunk apart, no pickled object's bytes
         assert all(np.asarray(loaded[n]).tobytes() == a.tobytes() for n, a in arrays.items())
+
+
+def _flip_pickled_class_name(folder: Path) -> Path:
+    """One bit of the first item's pickle in torch's data file: "OrderedDict" -> "OrdereeDict"."""
+    victim = folder / "__0_0.distcp"
+    data = bytearray(victim.read_bytes())
+    data[data.index(b"OrderedDict") + 6] ^= 0x01
+    victim.write_bytes(bytes(data))
+    return victim
+
+
+def cli(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tensorferry.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_damaged_pickle_in_torchs_folder_is_a_corrupt_checkpoint_naming_its_file(tmp_path: Path) -> None:
+    """torch's CheckpointException (a BaseException) came through load_checkpoint as it was,
+    convert died with a 67-line traceback, and verify, which checked sizes alone, said OK."""
+    folder = tmp_path / "dcp"
+    save(folder, {"a": torch.randn(64, 32), "b": torch.arange(10)}, "torch")
+    victim = _flip_pickled_class_name(folder)
+    with pytest.raises(tensorferry.CorruptCheckpointError) as caught:
+        tensorferry.load_checkpoint(folder)
+    assert str(folder) in str(caught.value) and victim.name in str(caught.value)
+    assert isinstance(caught.value.__cause__, pickle.UnpicklingError)  # torch's own, kept
+    verified = cli("verify", folder, "--json")
+    assert verified.returncode == 1 and json.loads(verified.stdout)["bad_files"] == [victim.name]
+    converted = cli("convert", folder, tmp_path / "out.safetensors", "--to", "safetensors")
+    assert converted.returncode == 2 and "Traceback" not in converted.stderr
+    assert victim.name in converted.stderr and not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_torch_folder_that_loads_passes_verify(tmp_path: Path) -> None:
+    folder = tmp_path / "dcp"
+    save(folder, {"a": torch.randn(64, 32), "b": torch.arange(10)}, "torch")
+    found = layouts.detect(folder).verify()
+    assert found.problems == [] and "every tensor loads" in found.checked
+
+
+def test_an_interruption_or_a_failed_read_inside_dcp_load_is_not_damage(tmp_path: Path) -> None:
+    """dcp.load wraps whatever its reader raised, KeyboardInterrupt too, in its
+    CheckpointException: each is given back as it was, not as a damaged checkpoint."""
+    folder = tmp_path / "dcp"
+    save(folder, {"a": torch.randn(8)}, "torch")
+    with layouts.open_layout(folder) as source:
+        (folder / "__0_0.distcp").rename(tmp_path / "moved")  # gone after the checks at open
+        with pytest.raises(FileNotFoundError) as caught:
+            source.read()
+        assert not isinstance(caught.value, tensorferry.CorruptCheckpointError)
+    (tmp_path / "moved").rename(folder / "__0_0.distcp")
+    with layouts.open_layout(folder) as source:
+        def interrupted(*args: object, **kwargs: object) -> None:  # Ctrl-C cannot be timed into a read: raised here
+            raise KeyboardInterrupt
+
+        source._reader.read_data = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            source.read()
+
+
+def test_a_dcpwriter_folder_without_its_manifest_says_so(ours: Path) -> None:
+    """Without tensorferry.json the folder looked like torch's: verify said OK, and convert
+    and DCPReader died in torch's reader, whose advice named the commands that failed."""
+    (ours / "tensorferry.json").unlink()
+    with pytest.raises(tensorferry.CorruptCheckpointError, match=r"its tensorferry.json is missing: the folder was "
+                                                                 r"written by tensorferry's DCPWriter.*DCPReader"):
+        tensorferry.load_checkpoint(ours)
+    with pytest.raises(BaseException, match="tensorferry.json is missing"):  # through torch: its CheckpointException
+        _load(fresh(STATE), storage_reader=DCPReader(ours))
+    verified = cli("verify", ours, "--json")
+    assert verified.returncode == 1 and json.loads(verified.stdout)["bad_files"] == ["tensorferry.json"]
+    converted = cli("convert", ours, ours.parent / "out.safetensors", "--to", "safetensors")
+    assert converted.returncode == 2 and "tensorferry.json is missing" in converted.stderr
+    assert "Traceback" not in converted.stderr and "Unknown extension" not in converted.stderr
+    assert cli("inspect", ours).returncode == 1

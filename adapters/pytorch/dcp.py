@@ -46,7 +46,8 @@ from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_proces
 from ...config import parse_size
 from ...engine import Engine, absolute_local_path
 from ...errors import CorruptCheckpointError
-from ...layouts.dcp import DCP_METADATA, ITEMS_KEY, read_dcp_metadata, unpickle_dcp_metadata, written_by_torch
+from ...layouts.dcp import (DCP_METADATA, ITEMS_KEY, RAW_BYTES_TRANSFORM, read_dcp_metadata, refuse_lost_manifest,
+                            unpickle_dcp_metadata, written_by_torch)
 from ...pools import ThreadPool
 from ...shard import (DEFAULT_BUFFER_SIZE, BoxRead, ShardInfo, ShardReader, SharedChunks, default_read_ahead,
                      gc_paused, write_order)
@@ -57,7 +58,7 @@ from .tensors import FROM_SAFETENSORS, refuse_wrapper_subclass, safetensors_dtyp
 # The stream transform named by every tensor's storage entry (no "/": torch splits a
 # version off there). torch's readers know no such transform and raise
 # "Unknown extension name='<this text>'".
-NOT_TORCH_SAVE = ("tensorferry-raw-bytes (this is a tensorferry checkpoint: its tensors are raw bytes in "
+NOT_TORCH_SAVE = (f"{RAW_BYTES_TRANSFORM} (this is a tensorferry checkpoint: its tensors are raw bytes in "
                   "safetensors files, not torch.save streams; read it with dcp.load(state_dict, "
                   "storage_reader=tensorferry.adapters.pytorch.DCPReader(path)), or convert it with "
                   "'tensorferry convert PATH model.safetensors --to safetensors')")
@@ -419,6 +420,7 @@ class DCPReader(StorageReader):
         if self._torchs is None and written_by_torch(self.path):
             from torch.distributed.checkpoint import FileSystemReader
             metadata = read_dcp_metadata(self.path)
+            refuse_lost_manifest(self.path, metadata)  # DCPWriter's: torch's reader would fail on every item
             reader = FileSystemReader(self.path)
             reader.read_metadata = lambda *args, **kwargs: metadata  # not torch's own unpickling
             self._torchs = reader

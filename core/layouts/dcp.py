@@ -36,6 +36,23 @@ ITEMS_KEY = "dcp_items"
 TORCH_TENSORS = {"format": "pt"}
 # Tensors of at most this many bytes in all are loaded by one dcp.load call.
 TORCH_BATCH_BYTES = 64 << 20
+# The stream transform DCPWriter's .metadata names for every tensor (the start of the
+# adapter's NOT_TORCH_SAVE): torch's own reader does not know it.
+RAW_BYTES_TRANSFORM = "tensorferry-raw-bytes"
+# What verify checks of a folder of torch's own writer, whose files carry no checksums.
+LOADED_BY_TORCH = "that every file is there and long enough, and that every tensor loads (DCP keeps no checksums)"
+
+
+class ManifestLostError(CorruptCheckpointError):
+    """A folder of DCPWriter without its ``tensorferry.json``."""
+
+
+class UnreadableItemsError(CorruptCheckpointError):
+    """Tensors that torch's ``dcp.load`` cannot read from ``files`` (names in the folder)."""
+
+    def __init__(self, message: str, files: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.files = files
 
 
 def safetensors_name(torch_dtype: Any) -> str:
@@ -119,6 +136,21 @@ def read_dcp_metadata(directory: str) -> Any:
     return unpickle_dcp_metadata(data, path)
 
 
+def refuse_lost_manifest(directory: str, metadata: Any) -> None:
+    """Refuses a folder of DCPWriter whose manifest is gone (copied without it, say), as
+    its ``.metadata`` shows: torch's reader, which would read it then, knows none of its
+    items and fails on each with advice to use DCPReader, which needs the manifest."""
+    for stored in metadata.storage_data.values():
+        transforms = getattr(stored, "transform_descriptors", None) or ()
+        if hasattr(stored, "key") or any(str(t).startswith(RAW_BYTES_TRANSFORM) for t in transforms):
+            raise ManifestLostError(
+                f"{directory}: its {MANIFEST} is missing: the folder was written by tensorferry's DCPWriter (its "
+                f"{DCP_METADATA} says so), whose {MANIFEST} lists its files, their checksums and where each item "
+                f"lies (a copy that left it out?): copy {MANIFEST} back beside {DCP_METADATA} and the shards, then "
+                "load it with dcp.load(state_dict, storage_reader=tensorferry.adapters.pytorch.DCPReader(path)) "
+                "or convert it with tensorferry convert")
+
+
 def _where(stored: Any) -> str:
     """The file of a storage_data value: torch's _StorageInfo, or an older DCPWriter's StoredItem."""
     return stored.relative_path if hasattr(stored, "relative_path") else stored.file
@@ -146,13 +178,15 @@ class DCPFolder(Layout):
         if self.ours:
             manifest = read_manifest(self.path)
             files = [file_row(self.path, n, e["size"]) for n, e in manifest["files"].items()]
-            problems = size_problems(files, by="the manifest")
+            others = [file_row(self.path, n, e["size"]) for n, e in manifest.get("other_files", {}).items()]
+            problems = size_problems(files + others, by="the manifest")
             items = manifest["metadata"].get(ITEMS_KEY)
             if items is not None:
                 return _entries_from_manifest(items), files, problems, None
             metadata = read_dcp_metadata(self.path)
             return _entries_from_torch(metadata), files, problems, metadata
         metadata = read_dcp_metadata(self.path)
+        refuse_lost_manifest(self.path, metadata)
         extents: dict[str, int] = {}
         for stored in metadata.storage_data.values():
             member_path(self.path, stored.relative_path)  # torch's reader would open it: never outside
@@ -169,16 +203,32 @@ class DCPFolder(Layout):
 
     def verify(self, progress: Callable[[int], None] | None = None) -> Verification:
         if self.ours and os.path.exists(os.path.join(self.path, DCP_METADATA)):
-            manifest = read_manifest(self.path)
-            total = sum(entry["size"] for entry in manifest["files"].values())
-            return Verification(list(manifest["files"]), total, verify_checkpoint(self.path, progress=progress),
+            try:
+                manifest = read_manifest(self.path)
+            except CorruptCheckpointError as exc:
+                return Verification([MANIFEST], None, [f"{MANIFEST}: {exc}"], "")
+            listed = {**manifest["files"], **manifest.get("other_files", {})}
+            total = sum(entry["size"] for entry in listed.values())
+            return Verification(list(listed), total, verify_checkpoint(self.path, progress=progress),
                                 CHECKSUMS_AGAINST_MANIFEST)
         try:
-            _, files, problems, _ = self._items()
+            entries, files, problems, metadata = self._items()
+        except ManifestLostError as exc:
+            return Verification([MANIFEST], None, [f"{MANIFEST}: {exc}"], "")
         except CorruptCheckpointError as exc:
             return Verification([DCP_METADATA], None, [f"{DCP_METADATA}: {exc}"], "")
-        return Verification([f["name"] for f in files], None, problems,
-                            "that every file is there and long enough (DCP keeps no checksums)")
+        names = [f["name"] for f in files]
+        if problems or metadata is None:
+            return Verification(names, None, problems, "that every file is there and long enough (DCP keeps no "
+                                "checksums)")
+        # Without checksums only a load proves the pickled tensors readable: a flipped bit
+        # in one passed for sound, and the conversion or load after failed.
+        total = sum(f["size"] for f in files)
+        tensors = {e.name: e for e in entries if e.is_tensor}
+        problems = _load_problems(_TorchSource(self.path, tensors, metadata, 0), self.path, progress)
+        if progress is not None:
+            progress(max(0, total - sum(e.nbytes for e in tensors.values())))  # the files' other bytes
+        return Verification(names, total, problems, LOADED_BY_TORCH)
 
     def open(self, *, verify: bool = True, engine: Any = None) -> TensorSource:
         entries, _, problems, metadata = self._items()
@@ -197,6 +247,34 @@ class DCPFolder(Layout):
                 return ShardSource(whole, open_reader, TORCH_TENSORS, skipped=skipped, where=self.path)
             return ChunkSource(tensors, open_reader, TORCH_TENSORS, skipped=skipped, where=self.path)
         return _TorchSource(self.path, tensors, metadata, skipped)
+
+
+def _load_problems(source: "_TorchSource", where: str, progress: Callable[[int], None] | None) -> list[str]:
+    """Loads every tensor of ``source`` (a batch at a time, dropped once read), each batch
+    of tensors stored in the same files, so that a failure names those files alone; a
+    problem per file that a failed batch reads."""
+    by_files: dict[tuple[str, ...], list[str]] = {}
+    for name, entry in source.tensors.items():
+        by_files.setdefault(tuple(entry.more["files"]), []).append(name)
+    problems: dict[str, str] = {}
+    for files, names in by_files.items():
+        batch: list[str] = []
+        batch_bytes = 0
+        for index, name in enumerate(names):
+            batch.append(name)
+            batch_bytes += source.tensors[name].nbytes
+            if batch_bytes < TORCH_BATCH_BYTES and index + 1 < len(names):
+                continue
+            try:
+                source.read(batch)
+            except UnreadableItemsError as exc:
+                reason = str(exc).removeprefix(f"{where}: ")
+                for file in exc.files or ("",):
+                    problems.setdefault(file, f"{file}: {reason}" if file else str(exc))
+            if progress is not None:
+                progress(batch_bytes)
+            batch, batch_bytes = [], 0
+    return list(problems.values())
 
 
 def _stored_whole(entry: TensorEntry) -> bool:
@@ -251,6 +329,7 @@ class _TorchSource(TensorSource):
     def _read(self, names: list[str], out: dict[str, Any]) -> dict[str, np.ndarray]:
         import torch
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         results: dict[str, np.ndarray] = {}
         batch: dict[str, torch.Tensor] = {}
@@ -259,7 +338,14 @@ class _TorchSource(TensorSource):
         def load() -> None:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(batch, storage_reader=self._reader, no_dist=True)
+                try:
+                    dcp.load(batch, storage_reader=self._reader, no_dist=True)
+                except CheckpointException as exc:
+                    failure = _failure_in(exc)
+                    if not isinstance(failure, Exception) or isinstance(failure, (OSError, MemoryError)):
+                        raise failure from None  # an interruption, the drive, the memory: not damage
+                    files = tuple(sorted({f for name in batch for f in self.tensors[name].more.get("files", ())}))
+                    raise _unreadable(failure, self._where, files) from failure
             for name, tensor in batch.items():
                 entry = self.tensors[name]
                 raw = tensor.reshape(-1).view(torch.uint8).numpy()
@@ -282,8 +368,32 @@ class _TorchSource(TensorSource):
         return {n: results[n] for n in names}
 
 
+def _failure_in(exc: BaseException) -> BaseException:
+    """What failed inside torch's ``CheckpointException`` (a BaseException, which ``except
+    Exception`` misses): the first rank's exception it wraps (one rank, without a process group)."""
+    for failure in getattr(exc, "failures", {}).values():
+        failure = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(failure, BaseException):
+            return failure
+    return exc
+
+
+def _unreadable(failure: Exception, where: str, files: tuple[str, ...]) -> UnreadableItemsError:
+    """The error for tensors that torch's ``dcp.load`` failed to read from ``files`` (a
+    damaged pickle, a truncated stream)."""
+    text = str(failure)
+    # torch's refusal of a pickle's global opens with advice to unpickle with weights_only=False: not for damage
+    weights_only = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
+    detail = (weights_only.group(1) if weights_only else text).strip().split("\n")[0].split(". ")[0][:300]
+    shown = ", ".join(files) or "its files"
+    return UnreadableItemsError(f"{where}: torch's dcp.load cannot read the tensors stored in {shown} "
+                                f"({type(failure).__name__}: {detail}): damaged, or not as {DCP_METADATA} describes",
+                                files)
+
+
 def _torch_name(dtype: str) -> str:
     return next(name for name, st in TORCH_DTYPE_NAMES.items() if st == dtype)
 
 
-__all__ = ["DCPFolder", "DCP_METADATA", "ITEMS_KEY", "read_dcp_metadata", "safetensors_name", "written_by_torch"]
+__all__ = ["DCPFolder", "DCP_METADATA", "ITEMS_KEY", "ManifestLostError", "RAW_BYTES_TRANSFORM", "UnreadableItemsError",
+           "read_dcp_metadata", "refuse_lost_manifest", "safetensors_name", "written_by_torch"]

@@ -34,7 +34,9 @@ class TensorferryCheckpoint(Layout):
         manifest = read_manifest(self.path)
         files = [{**file_row(self.path, name, entry["size"]), "checksum": entry["checksum"]}
                  for name, entry in manifest["files"].items()]
-        problems = size_problems(files, by="the manifest")
+        # A DCPWriter folder's .metadata, say, which a copy without hidden files leaves behind
+        others = [file_row(self.path, name, entry["size"]) for name, entry in manifest.get("other_files", {}).items()]
+        problems = size_problems(files + others, by="the manifest")
         committed = manifest.get("committed_at")
         return self.description(
             self._entries(manifest), files, problems, manifest.get("metadata", {}),
@@ -49,9 +51,10 @@ class TensorferryCheckpoint(Layout):
             manifest = read_manifest(self.path)
         except CorruptCheckpointError as exc:
             return Verification([MANIFEST], None, [f"{MANIFEST}: {exc}"], "")
-        total = sum(entry["size"] for entry in manifest["files"].values())
+        listed = {**manifest["files"], **manifest.get("other_files", {})}
+        total = sum(entry["size"] for entry in listed.values())
         problems = verify_checkpoint(self.path, progress=progress)
-        return Verification(list(manifest["files"]), total, problems, CHECKSUMS_AGAINST_MANIFEST)
+        return Verification(list(listed), total, problems, CHECKSUMS_AGAINST_MANIFEST)
 
     def open(self, *, verify: bool = True, engine: Any = None) -> TensorSource:
         manifest = read_manifest(self.path)
