@@ -836,7 +836,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"tensorferry {args.command}: warning: {message}", file=sys.stderr)
         try:
             status = args.func(args)
-            sys.stdout.flush()  # a reader gone (| head) is found here, not in the flush at exit
+            if sys.stdout is not None:  # None where the command started with stdout closed (>&-): print wrote nothing
+                sys.stdout.flush()  # a reader gone (| head) is found here, not in the flush at exit
             return status
         except BrokenPipeError:
             return _reader_gone()

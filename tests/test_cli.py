@@ -695,3 +695,11 @@ def test_a_dcpwriter_folder_copied_without_hidden_files_blames_its_metadata(tmp_
     assert run_json("verify", copy, expect=1)["bad_files"] == [".metadata"]
     flip(folder / ".metadata", (folder / ".metadata").stat().st_size // 3, 0x04)
     assert run_json("verify", folder, expect=1)["bad_files"] == [".metadata"]
+
+
+def test_a_command_run_with_stdout_closed_does_its_work(checkpoint: Path) -> None:
+    """Started with stdout closed (a cron job's >&-), Python has no sys.stdout: the flush
+    after the command failed, "internal error", status 2."""
+    result = subprocess.run(["bash", "-c", '"$0" -m tensorferry.cli verify "$1" >&-', sys.executable, str(checkpoint)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == ""
