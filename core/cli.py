@@ -35,8 +35,9 @@ from . import __version__, bench, layouts
 from .checkpoint import (DEFAULT_SHARD_BYTES, MANIFEST, PendingCheckpoint, occupied, recoverable_checkpoints,
                          remove_leftovers, split_by_size)
 from .config import count_arg, parse_size, size_arg
-from .errors import TensorferryError
+from .errors import CorruptCheckpointError, TensorferryError
 from .layouts.safetensors import to_file_metadata
+from .schema import STRUCTURE_KEY, check_structure, parse_json
 from .shard import ShardWriter, write_order
 from .temporaries import is_temporary_name, stale_temporaries
 
@@ -516,11 +517,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 f" ({plural(source.skipped, 'item')} that tensorferry does not read as a tensor: {SKIPPED_KINDS})"
                 if source.skipped else ""))
         nbytes = sum(source.tensors[n].nbytes for n in names.values())
+        metadata = _carried_metadata(args, source.metadata, names)
         with progress_bar(args, nbytes) as bar:
             if args.to == "safetensors":
-                _to_safetensors(source, names, dst, bar)
+                _to_safetensors(source, names, metadata, dst, bar)
             else:
-                _to_tensorferry(source, names, dst, bar, args.shard_size, args.overwrite)
+                _to_tensorferry(source, names, metadata, dst, bar, args.shard_size, args.overwrite)
     if source.skipped:
         note(args, f"left out {plural(source.skipped, 'item')} that tensorferry does not read as a tensor "
                    f"({SKIPPED_KINDS})")
@@ -544,6 +546,33 @@ def _selected(source: layouts.TensorSource, prefix: str | None, src: str) -> dic
         raise CLIError(f"no tensor of {src} has a name that starts with {prefix!r} (they start with "
                        f"{', '.join(tops[:8])}{', ...' if len(tops) > 8 else ''})")
     return names
+
+
+def _carried_metadata(args: argparse.Namespace, metadata: Mapping[str, Any], names: Mapping[str, str]) -> dict:
+    """The source's metadata for the destination (:func:`to_file_metadata` puts it as a
+    file keeps it), the pytorch adapter's structure (how its load nests the tensors and
+    the values saved beside them) only where it names the very tensors written: with
+    --select, or where it names tensors the source does not hold, it is left out (said on
+    stderr), and the adapter loads the result as a flat dict of tensors."""
+    metadata = dict(metadata)
+    structure = metadata.pop(STRUCTURE_KEY, None)
+    if structure is None:
+        return metadata
+    why = ""
+    if any(new != old for new, old in names.items()):
+        why = "--select renames the tensors it names"
+    else:
+        try:
+            if isinstance(structure, str):  # as an earlier convert put a file's into a manifest
+                structure = parse_json(structure, STRUCTURE_KEY, args.src)
+            check_structure(structure, args.src, names)
+        except CorruptCheckpointError as exc:
+            why = str(exc)
+    if why:
+        note(args, f"left out {STRUCTURE_KEY} (how tensorferry.adapters.pytorch nests the tensors and keeps other "
+                   f"values): {why}; the adapter's load gives the tensors as a flat dict")
+        return metadata
+    return {**metadata, STRUCTURE_KEY: structure}
 
 
 def _read_ahead(source: layouts.TensorSource, names: Sequence[str], bar: Any) -> dict[str, Callable[[], Any]]:
@@ -572,19 +601,20 @@ def _read_ahead(source: layouts.TensorSource, names: Sequence[str], bar: Any) ->
     return {name: functools.partial(fetch, name) for name in names}
 
 
-def _to_safetensors(source: layouts.TensorSource, names: Mapping[str, str], dst: str, bar: Any) -> None:
+def _to_safetensors(source: layouts.TensorSource, names: Mapping[str, str], metadata: Mapping[str, Any], dst: str,
+                    bar: Any) -> None:
     """Streams the tensors (``names``: new name -> the source's) into one safetensors
     file, written under a temporary name and renamed into place once durable; the
-    source's metadata keys stay where they were."""
+    metadata keys stay where they were."""
     lazy = _read_ahead(source, list(names.values()), bar)
-    with ShardWriter(dst, metadata=to_file_metadata(source.metadata), atomic=True) as writer:
+    with ShardWriter(dst, metadata=to_file_metadata(dict(metadata)), atomic=True) as writer:
         for name, old in names.items():
             t = source.tensors[old]
             writer.add(name, t.dtype, t.shape, data=lazy[old])
 
 
-def _to_tensorferry(source: layouts.TensorSource, names: Mapping[str, str], dst: str, bar: Any, shard_size: int,
-                    overwrite: bool) -> None:
+def _to_tensorferry(source: layouts.TensorSource, names: Mapping[str, str], metadata: Mapping[str, Any], dst: str,
+                    bar: Any, shard_size: int, overwrite: bool) -> None:
     """Streams the tensors (``names``: new name -> the source's) into a checkpoint
     directory, one shard file at a time, split like :func:`tensorferry.save_checkpoint`
     splits, committed atomically."""
@@ -599,7 +629,7 @@ def _to_tensorferry(source: layouts.TensorSource, names: Mapping[str, str], dst:
                     t = source.tensors[names[name]]
                     writer.add(name, t.dtype, t.shape, data=lazy[names[name]])
             shards.append(writer.info)
-        pending.commit(shards, source.metadata, overwrite=overwrite)
+        pending.commit(shards, dict(metadata), overwrite=overwrite)
     except BaseException:
         pending.abort()
         raise
@@ -781,7 +811,9 @@ def build_parser() -> argparse.ArgumentParser:
             f"Reads\n{known},\n"
             "and writes one safetensors file (--to safetensors) or a tensorferry checkpoint (--to tensorferry).\n"
             "Items that are not tensors (DCP's pickled objects, Orbax scalars) are left out. Metadata keys of\n"
-            "string values stay where they were; others travel as JSON under 'tensorferry.metadata'.\n"
+            "string values stay where they were; others travel as JSON under 'tensorferry.metadata'. The\n"
+            "structure of tensorferry.adapters.pytorch goes where that adapter's load reads it (left out, and\n"
+            "said, with --select).\n"
             "Streams tensors in batches of a few MiB (memory stays near that), checks the source's\n"
             "checksums as it reads, and replaces DST only once the new one is complete.")
     p.add_argument("src", metavar="SRC", help="source checkpoint directory or file")

@@ -703,3 +703,33 @@ def test_a_command_run_with_stdout_closed_does_its_work(checkpoint: Path) -> Non
     result = subprocess.run(["bash", "-c", '"$0" -m tensorferry.cli verify "$1" >&-', sys.executable, str(checkpoint)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stderr == ""
+
+
+def test_convert_carries_the_pytorch_adapters_structure_both_ways(tmp_path: Path) -> None:
+    """adapters.pytorch keeps its structure (the nesting, and the values saved beside the
+    tensors) as JSON text in a file and as an object in a manifest: convert passed it on
+    as it was, so that a converted file loaded as a flat dict without ``step`` and a
+    converted checkpoint failed to load ("unreadable structure node")."""
+    torch = pytest.importorskip("torch")
+    from tensorferry.adapters.pytorch import load, load_checkpoint, save, save_checkpoint
+
+    state = {"model": {"w": torch.randn(3, 4), "b": torch.zeros(4)}, "step": 7}
+    save(state, tmp_path / "s.safetensors")
+    save_checkpoint(tmp_path / "ck", state)
+    for src, dst, to in ((tmp_path / "s.safetensors", tmp_path / "s_ck", "tensorferry"),
+                         (tmp_path / "ck", tmp_path / "ck.safetensors", "safetensors"),
+                         (tmp_path / "s_ck", tmp_path / "again.safetensors", "safetensors")):
+        result = run("convert", src, dst, "--to", to)
+        assert result.returncode == 0 and result.stderr == "", result.stderr
+    for loaded in (load_checkpoint(tmp_path / "s_ck"), load(tmp_path / "ck.safetensors"),
+                   load(tmp_path / "again.safetensors")):
+        assert set(loaded) == {"model", "step"} and loaded["step"] == 7
+        assert set(loaded["model"]) == {"w", "b"}
+        assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+    # --select writes other names than the structure's: it is left out, and said
+    for src, dst, to in ((tmp_path / "ck", tmp_path / "w.safetensors", "safetensors"),
+                         (tmp_path / "s.safetensors", tmp_path / "w_ck", "tensorferry")):
+        result = run("convert", src, dst, "--to", to, "--select", "model.")
+        assert result.returncode == 0 and "left out tensorferry.structure" in result.stderr
+        loaded = load(dst) if to == "safetensors" else load_checkpoint(dst)
+        assert set(loaded) == {"w", "b"} and torch.equal(loaded["w"], state["model"]["w"])

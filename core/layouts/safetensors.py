@@ -3,12 +3,14 @@ manifest or index ties together (a tensorferry save that never committed, say)."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any, Callable
 
 from ..checkpoint import MANIFEST
 from ..errors import CorruptCheckpointError
+from ..schema import STRUCTURE_KEY, parse_json
 from ..shard import ShardReader
 from . import (Layout, ShardSource, TensorEntry, TensorSource, UnknownLayoutError, Verification, file_row,
                verify_files)
@@ -31,8 +33,13 @@ def entries_of(reader: ShardReader, file: str | None = None) -> list[TensorEntry
 
 def file_metadata(metadata: dict[str, str], where: str) -> dict[str, Any]:
     """A file's string metadata as a checkpoint's metadata: its own keys where they are,
-    plus what :data:`METADATA_KEY` carries (JSON) unpacked beside them."""
+    plus what :data:`METADATA_KEY` carries (JSON) unpacked beside them, and the pytorch
+    adapter's structure, which a file keeps as JSON text, as the object a manifest keeps.
+    A structure that is no JSON stays text, for the reader to refuse as any damaged one."""
     metadata = dict(metadata)
+    if isinstance(metadata.get(STRUCTURE_KEY), str):
+        with contextlib.suppress(CorruptCheckpointError):
+            metadata[STRUCTURE_KEY] = parse_json(metadata[STRUCTURE_KEY], STRUCTURE_KEY, where)
     carried = metadata.pop(METADATA_KEY, None)
     if carried is None:
         return metadata
@@ -47,8 +54,12 @@ def file_metadata(metadata: dict[str, str], where: str) -> dict[str, Any]:
 
 def to_file_metadata(metadata: dict[str, Any]) -> dict[str, str]:
     """The inverse of :func:`file_metadata`: string values stay keys of their own (a
-    file's ``format``, say), anything else travels as JSON under :data:`METADATA_KEY`."""
+    file's ``format``, say), and so does the pytorch adapter's structure, as JSON text
+    (where ``adapters.pytorch.load`` looks for it); anything else travels as JSON under
+    :data:`METADATA_KEY`."""
     plain = {k: v for k, v in metadata.items() if isinstance(v, str) and k != METADATA_KEY}
+    if STRUCTURE_KEY in metadata and STRUCTURE_KEY not in plain:
+        plain[STRUCTURE_KEY] = json.dumps(metadata[STRUCTURE_KEY], separators=(",", ":"))
     rest = {k: v for k, v in metadata.items() if k not in plain}
     return {**plain, METADATA_KEY: json.dumps(rest)} if rest else plain
 
