@@ -530,7 +530,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     count = len(names)
     data = {"source": src, "destination": dst, "to": args.to, "tensors": count, "bytes": nbytes,
             "seconds": round(seconds, 3), "gbps": round(nbytes / seconds / 1e9, 3)}
-    emit(args, data, f"wrote {dst}: {count} tensors, {human_bytes(nbytes)} in {seconds:.1f} s "
+    emit(args, data, f"wrote {dst}: {plural(count, 'tensor')}, {human_bytes(nbytes)} in {seconds:.1f} s "
                      f"({nbytes / seconds / 1e9:.2f} GB/s)")
     return EXIT_OK
 

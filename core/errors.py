@@ -59,6 +59,9 @@ class CheckpointNotFoundError(TensorferryError, FileNotFoundError):
     def __init__(self, message: str, path: str | os.PathLike | None = None) -> None:
         super().__init__(_errno.ENOENT, message, None if path is None else os.fspath(path))
 
+    def __str__(self) -> str:  # the message names the path: OSError's "[Errno 2] msg: 'path'" named it twice
+        return self.strerror
+
     def __reduce__(self):  # OSError's own passes (errno, strerror, filename), which __init__ does not take
         return (type(self), (self.strerror, self.filename), self.__dict__)
 

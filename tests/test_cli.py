@@ -211,12 +211,16 @@ def test_verify_catches_a_missing_file(damaged: Path) -> None:
 
 def test_verify_of_a_damaged_single_file_names_it_once(tmp_path: Path) -> None:
     """A single file whose header cannot be read: its problem line read
-    "g.safetensors: /path/g.safetensors: header length ...", the name twice."""
+    "g.safetensors: /path/g.safetensors: header length ...", the name twice; then
+    "/path/g.safetensors: header length ...", which no bad file's name starts, so that
+    bad_files was empty and stderr said "verify: /path/g.safetensors: /path/g.safetensors: ..."."""
     bad = tmp_path / "g.safetensors"
     bad.write_bytes((200 << 20).to_bytes(8, "little") + b"{}")
-    result = run("verify", bad)
-    problems = [line.strip() for line in result.stdout.splitlines() if "header length" in line]
-    assert result.returncode == 1 and problems == [f"{bad}: header length 209715200 exceeds the 104857600-byte cap"]
+    result = run("verify", bad, "--json")
+    assert result.returncode == 1 and json.loads(result.stdout)["problems"] == [
+        "g.safetensors: header length 209715200 exceeds the 104857600-byte cap"]
+    assert json.loads(result.stdout)["bad_files"] == ["g.safetensors"]
+    assert result.stderr.strip() == f"tensorferry verify: {bad}: bad file(s): g.safetensors"
 
 
 def _bf16_equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -733,3 +737,24 @@ def test_convert_carries_the_pytorch_adapters_structure_both_ways(tmp_path: Path
         assert result.returncode == 0 and "left out tensorferry.structure" in result.stderr
         loaded = load(dst) if to == "safetensors" else load_checkpoint(dst)
         assert set(loaded) == {"w", "b"} and torch.equal(loaded["w"], state["model"]["w"])
+
+
+def test_messages_name_each_thing_once(tmp_path: Path) -> None:
+    """"[Errno 2] /x: no such file or directory: '/x'", a missing shard of a Hugging Face
+    folder listed twice (once as missing, once as the engine's failed open), "1 tensors"."""
+    import safetensors.numpy
+
+    result = run("verify", tmp_path / "nothing")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"tensorferry verify: error: {tmp_path / 'nothing'}: no such file or directory"
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for i, name in enumerate(files):
+        safetensors.numpy.save_file({f"t{i}": np.ones(3, np.float32)}, str(hf / name), metadata={"format": "pt"})
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"t0": files[0], "t1": files[1]}}))
+    (hf / files[1]).unlink()
+    found = run_json("verify", hf, expect=1)
+    assert found["bad_files"] == [files[1]] and found["problems"] == [f"{files[1]}: missing"]
+    result = run("convert", hf / files[0], tmp_path / "one", "--to", "tensorferry")
+    assert result.returncode == 0 and ": 1 tensor," in result.stdout

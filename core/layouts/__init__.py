@@ -312,6 +312,15 @@ def size_problems(files: Iterable[Mapping[str, Any]], by: str = "the index", at_
     return problems
 
 
+def file_problem(name: str, path: str, error: BaseException) -> str:
+    """A problem of file ``name`` (at ``path``), as :class:`Verification` lists them: its
+    name first, and once, where the error's message starts with the path already."""
+    message = str(error)
+    for prefix in {path, os.path.normpath(path)}:
+        message = message.removeprefix(f"{prefix}: ")
+    return f"{name}: {message}"
+
+
 def verify_files(directory: str, files: Iterable[str], progress: Callable[[int], None] | None,
                  open_reader: Callable[[str], ShardReader]) -> Verification:
     """Reads every tensor of safetensors files, checking the checksums they carry (those
@@ -321,6 +330,9 @@ def verify_files(directory: str, files: Iterable[str], progress: Callable[[int],
     names, total, problems, unchecked = list(files), 0, [], 0
     for name in names:
         path = os.path.join(directory, name)
+        if not os.path.isfile(path):  # the engine's open names it too: said once, as the layouts say it
+            problems.append(f"{name}: missing")
+            continue
         try:
             with open_reader(name) as reader:
                 total += reader.size
@@ -328,12 +340,8 @@ def verify_files(directory: str, files: Iterable[str], progress: Callable[[int],
                     verify_shard(reader, progress)
                 else:
                     unchecked += 1
-        except FileNotFoundError:
-            problems.append(f"{name}: missing")
         except (CorruptCheckpointError, OSError) as exc:
-            problems.append(f"{name}: {exc}")
-        if not os.path.isfile(path) and not any(p.startswith(f"{name}:") for p in problems):
-            problems.append(f"{name}: missing")
+            problems.append(file_problem(name, path, exc))
     checked = "the checksums the files carry" if not unchecked else \
         "the checksums the files carry, and the headers of those without" if unchecked < len(names) else \
         "that headers and sizes are consistent (the files carry no checksums)"

@@ -12,8 +12,8 @@ from ..checkpoint import MANIFEST
 from ..errors import CorruptCheckpointError
 from ..schema import STRUCTURE_KEY, parse_json
 from ..shard import ShardReader
-from . import (Layout, ShardSource, TensorEntry, TensorSource, UnknownLayoutError, Verification, file_row,
-               verify_files)
+from . import (Layout, ShardSource, TensorEntry, TensorSource, UnknownLayoutError, Verification, file_problem,
+               file_row, verify_files)
 
 # A tensorferry checkpoint's user metadata (any JSON) rides in this key of a single
 # safetensors file's string-to-string metadata, so that it survives a conversion.
@@ -93,8 +93,7 @@ class SafetensorsFile(Layout):
         try:
             self._reader().close()
         except CorruptCheckpointError as exc:
-            problem = str(exc)  # names the file already where it says where in it
-            return Verification([name], None, [problem if problem.startswith(self.path) else f"{name}: {problem}"], "")
+            return Verification([name], None, [file_problem(name, self.path, exc)], "")
         return verify_files(os.path.dirname(self.path) or ".", [name], progress, lambda file: self._reader(verify=True))
 
     def open(self, *, verify: bool = True, engine: Any = None) -> TensorSource:
