@@ -74,11 +74,17 @@ class Ring {
     entries_ = p.sq_entries;
   }
 
-  ~Ring() {
+  ~Ring() { release(); }
+
+  // Unmaps the rings and closes the instance; only once nothing uses them (a second call does nothing).
+  void release() {
     if (sqes_) munmap(sqes_, sqes_len_);
     if (cq_ptr_ && cq_ptr_ != sq_ptr_) munmap(cq_ptr_, cq_len_);
     if (sq_ptr_) munmap(sq_ptr_, sq_len_);
     if (fd_ >= 0) ::close(fd_);
+    sqes_ = nullptr;
+    sq_ptr_ = cq_ptr_ = nullptr;
+    fd_ = -1;
   }
 
   unsigned entries() const { return entries_; }
@@ -199,36 +205,38 @@ class UringBackend final : public Backend {
     loop_ = std::thread([this] { run(); });
   }
 
-  ~UringBackend() override {
-    const bool child = forked();
-    shutdown();
-    // A forked child's copy of the ring has no thread behind it; the parent's
-    // thread (in the parent) still uses the memory, so the child leaves it alone.
-    if (child) return;
-    ::close(wake_fd_);
-  }
+  ~UringBackend() override { shutdown(); }
 
   void submit(std::vector<Task> &&tasks) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) throw IOError{EBADF, "", "I/O submitted to a closed engine"};
-      for (auto &t : tasks) pending_.push_back(std::move(t));
-    }
+    // The wake-up is written under the lock: shutdown closes the eventfd under it, and a
+    // write after the close could land in whatever file took its number.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) throw IOError{EBADF, "", "I/O submitted to a closed engine"};
+    for (auto &t : tasks) pending_.push_back(std::move(t));
     wake();
   }
 
+  // Stops the loop once every accepted task is done, then gives back the ring, the eventfd
+  // and the staging memory at once, not when the engine is garbage collected.
   void shutdown() override {
     if (forked()) {
+      // A forked child's copy of the ring has no thread behind it, and the parent's thread
+      // (in the parent) still uses the ring: the child leaves it all alone.
       new std::thread(std::move(loop_));  // see ThreadBackend::shutdown
       return;
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;
+      wake();
     }
-    wake();
     // The loop may have stopped on its own (a broken ring sets stopping_): join anyway.
     if (loop_.joinable()) loop_.join();
+    std::lock_guard<std::mutex> lock(mu_);
+    ring_.release();
+    if (wake_fd_ >= 0) ::close(wake_fd_);
+    wake_fd_ = -1;
+    staging_ = AlignedBuffer();  // no task is left to copy through it
   }
 
   const char *name() const override { return "io_uring"; }
@@ -242,7 +250,9 @@ class UringBackend final : public Backend {
     int staging = -1;  // the staging block of a bounced task
   };
 
+  // Called with mu_ held.
   void wake() {
+    if (wake_fd_ < 0) return;  // shut down: no loop to wake
     const uint64_t one = 1;
     // EAGAIN means the counter is already non-zero: the loop is being woken anyway.
     while (::write(wake_fd_, &one, sizeof one) < 0 && errno == EINTR) {
