@@ -92,6 +92,19 @@ class _Verification:
 _STORE_PREFIX = "tensorferry-offload-"
 
 
+# The forks of this process's line, counted in each child: a store made before the last
+# fork is the parent's. Read at every call of a store, where getpid() is a system call.
+_forks_seen = 0
+
+
+def _count_fork() -> None:
+    global _forks_seen
+    _forks_seen += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
 def _remove_store(path: str, lock: int, owner: int) -> None:
     """The store's clean-up, at close, garbage collection or exit. A forked child inherits
     the store and runs this at its own exit: there it only closes its copy of the lock's
@@ -160,7 +173,11 @@ class OffloadStore:
     into the descriptor limit; an open costs microseconds against the transfer.
 
     Buffers given to :meth:`swap_out` must not change until its future is done.
-    Calls on different keys may come from different threads at once.
+    Calls on different keys may come from different threads at once. The store
+    belongs to the process that made it: in a forked child (a DataLoader worker,
+    say) every call but :meth:`close` raises :class:`EngineClosedError`, as the
+    engine's I/O threads and the files are the parent's, and the child's close and
+    exit leave them be.
 
     Example::
 
@@ -186,7 +203,9 @@ class OffloadStore:
             raise type(exc)(exc.errno, f"cannot create the offload store's files in {directory}: "
                                        f"{exc.strerror}", directory) from exc
         lock = hold(self.path)  # while held, no other process takes this store for a dead one's
-        self._cleanup = weakref.finalize(self, _remove_store, self.path, lock, os.getpid())
+        self._owner = os.getpid()
+        self._forks_seen = _forks_seen
+        self._cleanup = weakref.finalize(self, _remove_store, self.path, lock, self._owner)
         self.max_pool_bytes = max_pool_bytes
         self.verify = verify
         self._engine = engine if engine is not None else Engine()
@@ -209,7 +228,8 @@ class OffloadStore:
         Waits first for I/O still running on ``key``, so writes of one key land in
         call order. A failure (ENOSPC, EIO) raises from the future's ``result()``, or
         at once when the file cannot be allocated; either way ``key`` is no longer in
-        the store.
+        the store. A call refused before the key's file is changed (a closed engine,
+        a file that cannot be opened) raises at once and leaves the key as it was.
         """
         view = byte_view(buffer, writable=False)
         # Hashed here, while the caller's data is likely still in the CPU caches, and outside
@@ -226,27 +246,31 @@ class OffloadStore:
                 future.wait()
 
     def _start_write(self, key: str, slot: _Slot | None, view: np.ndarray, checksum: str | None) -> IOFuture:
+        if self._engine.closed:  # refused here, before "w" truncates the key's file
+            raise EngineClosedError(f"the engine of the OffloadStore in {self.path} is closed")
         if slot is not None:
             self._unstage(slot)
             if slot.write_error() is not None:
                 self._drop_failed(key)
                 slot = None
         if slot is None:
-            slot = _Slot(os.path.join(self.path, f"{next(self._names)}.swap"), view.nbytes)
-            self._slots[key] = slot
-            mode = "w"
-        elif slot.nbytes != view.nbytes:
-            # Truncating gives back the old blocks; the engine allocates the new size.
-            slot.nbytes = view.nbytes
-            mode = "w"
+            path, mode = os.path.join(self.path, f"{next(self._names)}.swap"), "w"
         else:
-            mode = "r+"
+            # "w" truncates: a new size gives back the old blocks, and the engine allocates the new.
+            path, mode = slot.path, "r+" if slot.nbytes == view.nbytes else "w"
+        file = open_file(path, mode, direct=True)  # a failed open leaves the file as it was
         try:
-            future = self._engine.pwrite(view, open_file(slot.path, mode, direct=True), 0, view.nbytes)
+            future = self._engine.pwrite(view, file, 0, view.nbytes)
         except BaseException:
-            # The file is truncated or half-allocated: whatever it held is gone.
-            self._drop_failed(key)
+            if slot is None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            elif mode == "w":  # truncated: whatever the key held is gone
+                self._drop_failed(key)
             raise
+        if slot is None:
+            slot = self._slots[key] = _Slot(path, view.nbytes)
+        slot.nbytes = view.nbytes
         slot.write = future
         slot.checksum = checksum
         self._stats["bytes_out"] += view.nbytes
@@ -424,6 +448,11 @@ class OffloadStore:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("use of a closed OffloadStore")
+        if _forks_seen != self._forks_seen:
+            # Even a look would settle keys whose write was in flight at the fork (failed
+            # here, ECANCELED) and remove their files, which are the parent's.
+            raise EngineClosedError(f"this OffloadStore belongs to process {self._owner}, which forked this one: "
+                                    "its files and I/O are the parent's (make a new store in the child)")
 
     def _settle(self, key: str) -> TensorferryIOError | None:
         """Drops ``key`` if its last write failed, and returns that write's error."""

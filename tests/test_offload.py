@@ -3,6 +3,7 @@
 import errno
 import gc
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -109,6 +110,11 @@ def test_a_write_after_swap_in_does_not_tear_the_read(store):
     read.result()
     np.testing.assert_array_equal(out, old)
     np.testing.assert_array_equal(swapped_back(store, "k"), new)
+
+
+def slow_engine(backend):
+    """An engine that reads or writes a few MiB over some milliseconds: 64 KiB at a time, one at once."""
+    return tensorferry.Engine(backend=backend, block_size=64 << 10, queue_depth=1, threads=1)
 
 
 def test_concurrent_swaps_from_threads(store):
@@ -381,6 +387,62 @@ def test_a_forked_child_exiting_leaves_the_parents_store(tmp_path):
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_a_forked_child_is_refused_the_store_and_leaves_the_parents_files(tmp_path, backend):
+    """A write in flight at a fork fails in the child (ECANCELED): a child that only asked
+    `key in store` took it for a failed write and removed the key's file, the parent's.
+    A child's swap_out truncated or removed the parent's file before it was refused. Now
+    every call in the child but close() is refused, naming the store's process."""
+    rng = np.random.default_rng(13)
+    kept, pending_data = random_bytes(rng, MiB + 5), random_bytes(rng, 16 * MiB)
+    with slow_engine(backend) as engine, OffloadStore(tmp_path, engine) as store:
+        store.swap_out("kept", kept).result()
+        pending = store.swap_out("pending", pending_data)  # most likely in flight at the fork
+        calls = [lambda: "kept" in store, store.keys, store.stats, lambda: store.nbytes("pending"),
+                 lambda: store.prefetch(["kept"]), lambda: store.swap_in("kept", np.empty(2 * MiB, np.uint8)),
+                 lambda: store.swap_out("kept", b"other size"), lambda: store.swap_out("kept", kept),
+                 lambda: store.delete("kept")]
+        pid = os.fork()
+        if pid == 0:  # the child reports through its exit status only
+            code = 1
+            try:
+                signal.alarm(30)  # a hang ends the child, not the test run
+                for number, call in enumerate(calls):
+                    try:
+                        call()
+                        code = 10 + number  # not refused
+                        break
+                    except tensorferry.EngineClosedError as exc:
+                        if f"process {os.getppid()}" not in str(exc):
+                            code = 40 + number
+                            break
+                else:
+                    store.close()
+                    code = 0
+            finally:
+                os._exit(code)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        pending.result()
+        assert sorted(store.keys()) == ["kept", "pending"]
+        np.testing.assert_array_equal(swapped_back(store, "kept"), kept)
+        np.testing.assert_array_equal(swapped_back(store, "pending"), pending_data)
+
+
+def test_a_swap_out_refused_before_any_io_keeps_what_the_key_held(tmp_path, backend):
+    """With the store's engine closed, swap_out raised and the key's earlier data was gone:
+    its file was truncated (a new size) or removed (both sizes) before the refusal."""
+    data = random_bytes(np.random.default_rng(14), MiB + 5)
+    engine = tensorferry.Engine(backend=backend)
+    with OffloadStore(tmp_path, engine) as store:
+        store.swap_out("k", data).result()
+        engine.close()  # a shared engine that another part of the program closed, say
+        for other in (data, data[:100]):
+            with pytest.raises(tensorferry.EngineClosedError):
+                store.swap_out("k", other)
+        assert store.keys() == ["k"] and store.nbytes("k") == data.nbytes
+        (name,) = os.listdir(store.path)
+        np.testing.assert_array_equal(np.fromfile(os.path.join(store.path, name), np.uint8), data)
 
 
 def test_works_on_dev_shm(engine):
