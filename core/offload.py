@@ -292,40 +292,51 @@ class OffloadStore:
         """
         view = byte_view(into, writable=True)
         while True:
-            with self._lock:
-                self._check_open()
-                slot = self._live_slot(key)
-                if view.nbytes < slot.nbytes:
-                    raise ValueError(f"buffer too small for {key!r}: {view.nbytes} bytes, "
-                                     f"the key holds {slot.nbytes}")
-                pending_write = slot.write_in_flight()
-                if pending_write is None:
-                    staged, slot.staged = slot.staged, None
-                    nbytes, path, checksum = slot.nbytes, slot.path, slot.checksum
-                    if staged is None:
-                        future = self._engine.pread(view, open_file(path, "r", direct=True), 0, nbytes)
-                        slot.reads.append(future)  # not the checked future, which holds `into` until checked
-                        self._stats["bytes_in"] += nbytes
-                        self._stats["swaps_in"] += 1
-                        return self._checked(future, view[:nbytes], checksum, key, path)
-            if pending_write is not None:
-                pending_write.wait()
-                continue
-            staged.future.wait()
-            hit = staged.future.exception() is None
-            if hit:
-                np.copyto(view[:nbytes], staged.buffer)
-                copied = self._checked(IOFuture.completed(nbytes), view[:nbytes], checksum, key, path)
-                copied.exception()  # checks now, as the copy has just brought the bytes into the caches
-            with self._lock:
-                if not self._closed:
-                    self._release(staged.buffer, staged.charge)
-                if hit:
-                    self._stats["bytes_in"] += nbytes
-                    self._stats["swaps_in"] += 1
-                    self._stats["prefetch_hits"] += 1
-                    return copied
-            # The prefetch read failed: read again from the drive, whose future reports why.
+            staged = hit = None
+            try:
+                with self._lock:
+                    self._check_open()
+                    slot = self._live_slot(key)
+                    if view.nbytes < slot.nbytes:
+                        raise ValueError(f"buffer too small for {key!r}: {view.nbytes} bytes, "
+                                         f"the key holds {slot.nbytes}")
+                    pending = slot.write_in_flight()
+                    if pending is None and slot.staged is not None and not slot.staged.future.done():
+                        # Left on the slot until it is over: a swap_out of the key, which waits
+                        # for the slot's I/O, must not write the file under it.
+                        pending = slot.staged.future
+                    if pending is None and slot.staged is None:
+                        return self._start_read(key, slot, view)
+                    if pending is None:
+                        staged, slot.staged = slot.staged, None
+                        nbytes, path, checksum = slot.nbytes, slot.path, slot.checksum
+                if pending is not None:
+                    pending.wait()
+                    continue
+                if staged.future.exception() is None:
+                    np.copyto(view[:nbytes], staged.buffer)
+                    copied = self._checked(IOFuture.completed(nbytes), view[:nbytes], checksum, key, path)
+                    copied.exception()  # checks now, as the copy has just brought the bytes into the caches
+                    hit = copied
+            finally:
+                if staged is not None:  # the buffer goes back to the pool, whatever happened
+                    with self._lock:
+                        if not self._closed:
+                            self._release(staged.buffer, staged.charge)
+                        if hit is not None:
+                            self._stats["bytes_in"] += nbytes
+                            self._stats["swaps_in"] += 1
+                            self._stats["prefetch_hits"] += 1
+            if hit is not None:
+                return hit
+            # Waited, or the prefetch read failed (read again from the drive, whose future says why).
+
+    def _start_read(self, key: str, slot: _Slot, view: np.ndarray) -> IOFuture:
+        future = self._engine.pread(view, open_file(slot.path, "r", direct=True), 0, slot.nbytes)
+        slot.reads.append(future)  # not the checked future, which holds `into` until checked
+        self._stats["bytes_in"] += slot.nbytes
+        self._stats["swaps_in"] += 1
+        return self._checked(future, view[:slot.nbytes], slot.checksum, key, slot.path)
 
     def prefetch(self, keys: Iterable[str]) -> int:
         """Starts reading ``keys``, in order, into pooled pinned buffers for later :meth:`swap_in`.
@@ -410,10 +421,11 @@ class OffloadStore:
         """Waits for the I/O in flight, then frees the buffers and removes the store's files.
 
         Errors of that I/O are left to the futures that report them. Later calls
-        raise :class:`EngineClosedError`.
+        raise :class:`EngineClosedError`. Interrupted (Ctrl-C while it waits), the
+        store stays closed to use and a later close() finishes the job.
         """
         with self._lock:
-            if self._closed:
+            if not self._cleanup.alive:
                 return
             self._closed = True
             busy = [future for slot in self._slots.values() for future in slot.in_flight()]

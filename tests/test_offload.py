@@ -117,6 +117,40 @@ def slow_engine(backend):
     return tensorferry.Engine(backend=backend, block_size=64 << 10, queue_depth=1, threads=1)
 
 
+def test_a_write_waits_for_a_prefetch_read_that_a_swap_in_waits_on(tmp_path, backend):
+    """swap_in of a key being prefetched took the read off the key, then waited for it:
+    a swap_out of the key from another thread saw no I/O on it and wrote the file under
+    the read, which returned old and new bytes mixed (or a false checksum failure)."""
+    old, new = np.full(16 * MiB, 1, np.uint8), np.full(16 * MiB, 2, np.uint8)
+    waiting = tensorferry.IOFuture.wait.__code__
+    # 4 KiB at a time: a read of some tenths of a second, for the reader to be seen waiting on.
+    with tensorferry.Engine(backend=backend, block_size=4096, queue_depth=1, threads=1) as engine, \
+            OffloadStore(tmp_path, engine, max_pool_bytes=16 * MiB) as store:
+        for _ in range(10):
+            store.swap_out("k", old).result()
+            assert store.prefetch(["k"]) == 1
+            read = store._slots["k"].staged.future
+            out = np.zeros_like(old)
+            outcome = []
+            reader = threading.Thread(target=lambda: outcome.append(store.swap_in("k", out).exception()))
+            reader.start()
+            while not read.done() and sys._current_frames()[reader.ident].f_code is not waiting:
+                pass  # until the reader waits for the prefetch read
+            if read.done():  # it ended first (a busy machine): nothing to see this time
+                reader.join()
+                continue
+            written = store.swap_out("k", new)
+            assert read.done(), "swap_out started a write while the prefetch read of the key ran"
+            reader.join()
+            written.result()
+            assert outcome == [None]
+            assert np.unique(out).tolist() in ([1], [2])  # the old bytes, or the new ones, never a mix
+            np.testing.assert_array_equal(swapped_back(store, "k"), new)
+            break
+        else:
+            pytest.fail("the prefetch read ended before the reader waited for it, every time")
+
+
 def test_concurrent_swaps_from_threads(store):
     errors = []
 
@@ -443,6 +477,86 @@ def test_a_swap_out_refused_before_any_io_keeps_what_the_key_held(tmp_path, back
         assert store.keys() == ["k"] and store.nbytes("k") == data.nbytes
         (name,) = os.listdir(store.path)
         np.testing.assert_array_equal(np.fromfile(os.path.join(store.path, name), np.uint8), data)
+
+
+CTRL_C_DURING_A_PREFETCHED_SWAP_IN = """
+import os, signal, sys, threading
+import numpy as np, tensorferry
+from tensorferry.offload import OffloadStore
+
+MiB = 1 << 20
+with tensorferry.Engine(backend=sys.argv[2], block_size=64 << 10, queue_depth=1, threads=1) as engine, \
+        OffloadStore(sys.argv[1], engine, max_pool_bytes=64 * MiB) as store:
+    data = np.random.default_rng(0).integers(0, 256, 48 * MiB, dtype=np.uint8)
+    store.swap_out("k", data).result()
+    store.swap_out("j", data).result()
+    assert store.prefetch(["k"]) == 1
+    read = store._slots["k"].staged.future
+    main, waiting = threading.get_ident(), tensorferry.IOFuture.wait.__code__
+    def interrupt():  # once swap_in waits for the prefetch read
+        while not read.done() and sys._current_frames()[main].f_code is not waiting:
+            pass
+        os.kill(os.getpid(), signal.SIGINT)
+    sender = threading.Thread(target=interrupt)
+    out = np.empty_like(data)
+    try:
+        sender.start()
+        store.swap_in("k", out).result()
+        print("no KeyboardInterrupt")
+    except KeyboardInterrupt:
+        print("interrupted while", "done" if read.done() else "pending")
+    sender.join()
+    read.wait()
+    store.swap_in("k", out).result()  # from the prefetch, which is kept
+    print(bool((out == data).all()), store.stats()["prefetch_hits"], store.prefetch(["j"]))
+"""
+
+
+def test_ctrl_c_during_a_prefetched_swap_in_keeps_the_prefetch(tmp_path, backend):
+    """Ctrl-C while swap_in waited for a prefetch read lost its pinned buffer for good: the
+    store's prefetch memory stayed charged, and later prefetches started nothing."""
+    run = subprocess.run([sys.executable, "-c", CTRL_C_DURING_A_PREFETCHED_SWAP_IN, str(tmp_path), backend],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    interrupted, after = run.stdout.split("\n")[:2]
+    assert interrupted.startswith("interrupted while") and after == "True 1 1", run.stdout
+
+
+CTRL_C_DURING_CLOSE = """
+import os, signal, sys, threading
+import numpy as np, tensorferry
+from tensorferry.offload import OffloadStore
+
+with tensorferry.config_override(backend=sys.argv[2], block_size=64 << 10, queue_depth=1, threads=1):
+    store = OffloadStore(sys.argv[1])  # with an engine of its own, slow
+future = store.swap_out("k", np.ones(64 << 20, np.uint8))
+main, waiting = threading.get_ident(), tensorferry.IOFuture.wait.__code__
+def interrupt():  # once close() waits for the write
+    while not future.done() and sys._current_frames()[main].f_code is not waiting:
+        pass
+    os.kill(os.getpid(), signal.SIGINT)
+sender = threading.Thread(target=interrupt)
+try:
+    sender.start()
+    store.close()
+    print("no KeyboardInterrupt")
+except KeyboardInterrupt:
+    print("interrupted while", "done" if future.done() else "pending")
+sender.join()
+store.close()
+print(store.closed, future.done(), os.path.exists(store.path), store._engine.closed)
+"""
+
+
+def test_ctrl_c_during_close_leaves_the_rest_to_a_later_close(tmp_path, backend):
+    """Ctrl-C while close() waited for the I/O left the store marked closed, and a second
+    close() returned at once: the store's folder, engine threads and pool stayed."""
+    run = subprocess.run([sys.executable, "-c", CTRL_C_DURING_CLOSE, str(tmp_path), backend],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    interrupted, after = run.stdout.split("\n")[:2]
+    assert interrupted.startswith("interrupted while") and after == "True True False True", run.stdout
+    assert os.listdir(tmp_path) == []
 
 
 def test_works_on_dev_shm(engine):
