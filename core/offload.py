@@ -8,6 +8,7 @@ import dataclasses
 import errno
 import itertools
 import os
+import resource
 import shutil
 import tempfile
 import threading
@@ -105,6 +106,17 @@ def _count_fork() -> None:
 os.register_at_fork(after_in_child=_count_fork)
 
 
+def _max_requests_in_flight() -> int:
+    """How many requests a store keeps in flight at most. Each holds its file open until it
+    ends, with two descriptors (buffered and O_DIRECT): an eighth of the soft RLIMIT_NOFILE
+    keeps a store to a quarter of the descriptors, and 1024 is more than an engine has in
+    flight (those beyond wait in its queue, gaining nothing)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(1, min(1024, soft // 8))
+
+
 def _remove_store(path: str, lock: int, owner: int) -> None:
     """The store's clean-up, at close, garbage collection or exit. A forked child inherits
     the store and runs this at its own exit: there it only closes its copy of the lock's
@@ -169,8 +181,12 @@ class OffloadStore:
     filesystem at once (so an ENOSPC can be cured by deleting keys), the
     filesystem's allocator deals with keys of many sizes, and rewriting a key of
     the same size overwrites its allocated blocks in place. Files are opened per
-    request rather than held open, so a store of many thousand keys does not run
-    into the descriptor limit; an open costs microseconds against the transfer.
+    request rather than held open, and a request holds its file (two descriptors)
+    only while it runs: the store keeps at most an eighth of the soft RLIMIT_NOFILE
+    (read when it is made; at most 1024) requests in flight, and a swap_out or
+    swap_in past that waits for the oldest to end. So a store of many thousand
+    keys, swapped all at once, does not run into the descriptor limit; an open
+    costs microseconds against the transfer.
 
     Buffers given to :meth:`swap_out` must not change until its future is done.
     Calls on different keys may come from different threads at once. The store
@@ -217,6 +233,9 @@ class OffloadStore:
         self._idle: collections.Counter[int] = collections.Counter()
         self._held = 0  # pinned bytes in staged prefetch buffers
         self._slots: dict[str, _Slot] = {}
+        # Every request started, oldest first, until seen done: each holds its file open.
+        self._requests: collections.deque[IOFuture] = collections.deque()
+        self._max_requests = _max_requests_in_flight()
         self._names = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
@@ -241,7 +260,10 @@ class OffloadStore:
                 slot = self._slots.get(key)
                 busy = slot.in_flight() if slot is not None else []
                 if not busy:
-                    return self._start_write(key, slot, view, checksum)
+                    oldest = self._request_to_wait_for()
+                    if oldest is None:
+                        return self._start_write(key, slot, view, checksum)
+                    busy = [oldest]
             for future in busy:
                 future.wait()
 
@@ -273,6 +295,7 @@ class OffloadStore:
         slot.nbytes = view.nbytes
         slot.write = future
         slot.checksum = checksum
+        self._requests.append(future)
         self._stats["bytes_out"] += view.nbytes
         self._stats["swaps_out"] += 1
         return future
@@ -306,7 +329,9 @@ class OffloadStore:
                         # for the slot's I/O, must not write the file under it.
                         pending = slot.staged.future
                     if pending is None and slot.staged is None:
-                        return self._start_read(key, slot, view)
+                        pending = self._request_to_wait_for()
+                        if pending is None:
+                            return self._start_read(key, slot, view)
                     if pending is None:
                         staged, slot.staged = slot.staged, None
                         nbytes, path, checksum = slot.nbytes, slot.path, slot.checksum
@@ -334,6 +359,7 @@ class OffloadStore:
     def _start_read(self, key: str, slot: _Slot, view: np.ndarray) -> IOFuture:
         future = self._engine.pread(view, open_file(slot.path, "r", direct=True), 0, slot.nbytes)
         slot.reads.append(future)  # not the checked future, which holds `into` until checked
+        self._requests.append(future)
         self._stats["bytes_in"] += slot.nbytes
         self._stats["swaps_in"] += 1
         return self._checked(future, view[:slot.nbytes], slot.checksum, key, slot.path)
@@ -342,7 +368,8 @@ class OffloadStore:
         """Starts reading ``keys``, in order, into pooled pinned buffers for later :meth:`swap_in`.
 
         Stops at the first key whose buffer would take the prefetch memory past
-        ``max_pool_bytes``: it never waits for room and never allocates beyond the
+        ``max_pool_bytes``, or whose read would take the store's requests in flight
+        past their bound: it never waits for room and never allocates beyond the
         bound. Keys already staged, and keys with a write in flight, are passed
         over. Returns how many reads it started.
 
@@ -358,6 +385,8 @@ class OffloadStore:
             for slot in slots:
                 if slot.staged is not None or slot.write_in_flight() is not None:
                     continue
+                if self._request_to_wait_for() is not None:
+                    break
                 taken = self._take_buffer(slot.nbytes)
                 if taken is None:
                     break
@@ -368,6 +397,7 @@ class OffloadStore:
                     self._release(buffer, charge)
                     raise
                 slot.staged = _Staged(buffer, future, charge)
+                self._requests.append(future)
                 started += 1
             return started
 
@@ -433,6 +463,7 @@ class OffloadStore:
             future.wait()
         with self._lock:
             self._slots.clear()
+            self._requests.clear()
             self._held = 0
             self._pool.clear()
             self._idle.clear()
@@ -465,6 +496,17 @@ class OffloadStore:
             # here, ECANCELED) and remove their files, which are the parent's.
             raise EngineClosedError(f"this OffloadStore belongs to process {self._owner}, which forked this one: "
                                     "its files and I/O are the parent's (make a new store in the child)")
+
+    def _request_to_wait_for(self) -> IOFuture | None:
+        """None while one more request may start; at the bound on requests in flight (and
+        so on open files), the oldest one still running, for the caller to wait for."""
+        requests = self._requests
+        while requests and requests[0].done():
+            requests.popleft()
+        if len(requests) < self._max_requests:
+            return None
+        self._requests = requests = collections.deque(r for r in requests if not r.done())
+        return requests[0] if len(requests) >= self._max_requests else None
 
     def _settle(self, key: str) -> TensorferryIOError | None:
         """Drops ``key`` if its last write failed, and returns that write's error."""

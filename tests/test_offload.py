@@ -559,6 +559,37 @@ def test_ctrl_c_during_close_leaves_the_rest_to_a_later_close(tmp_path, backend)
     assert os.listdir(tmp_path) == []
 
 
+MANY_REQUESTS_AT_A_LOW_DESCRIPTOR_LIMIT = """
+import resource, sys
+import numpy as np, tensorferry
+from tensorferry.offload import OffloadStore
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+with tensorferry.Engine(backend=sys.argv[2], block_size=64 << 10, queue_depth=1, threads=1) as engine, \
+        OffloadStore(sys.argv[1], engine, max_pool_bytes=64 << 20) as store:
+    written = [np.full(256 << 10, i, np.uint8) for i in range(100)]
+    futures = [store.swap_out(f"k{i}", data) for i, data in enumerate(written)]  # none waited for yet
+    assert sum(f.result() for f in futures) == 100 * (256 << 10)
+    started = store.prefetch([f"k{i}" for i in range(100)])
+    back = [np.empty(256 << 10, np.uint8) for _ in written]
+    reads = [store.swap_in(f"k{i}", out) for i, out in enumerate(back)]
+    for read in reads:
+        read.result()
+    assert all((a == b).all() for a, b in zip(back, written))
+    print(0 < started < 100, store.stats()["prefetch_hits"] == started)
+"""
+
+
+def test_many_requests_in_flight_stay_under_the_descriptor_limit(tmp_path, backend):
+    """Each request in flight holds its file open (two descriptors), and the store started
+    as many as it was asked: 100 swap_outs not yet waited for, at a limit of 64
+    descriptors, failed with EMFILE (at 1024, a model of some thousand tensors did)."""
+    run = subprocess.run([sys.executable, "-c", MANY_REQUESTS_AT_A_LOW_DESCRIPTOR_LIMIT, str(tmp_path), backend],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[0] == "True True", run.stdout
+
+
 def test_works_on_dev_shm(engine):
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")

@@ -6,6 +6,8 @@ import copy
 import ctypes
 import errno
 import os
+import subprocess
+import sys
 from typing import Callable
 
 import pytest
@@ -379,6 +381,40 @@ def test_full_directory():
         assert info.value.errno == errno.ENOSPC
         assert torch.equal(big.weight, weight)
         assert os.listdir(small) == []
+
+
+MANY_PARAMETERS_AT_A_LOW_DESCRIPTOR_LIMIT = """
+import copy, resource, sys
+import torch, tensorferry
+from tensorferry.adapters.pytorch import OffloadedOptimizer
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+torch.manual_seed(0)
+plain = torch.nn.Sequential(*[torch.nn.LayerNorm(256) for _ in range(200)])  # 400 small parameters
+offloaded = copy.deepcopy(plain)
+reference = torch.optim.AdamW(plain.parameters())
+with tensorferry.Engine(backend=sys.argv[2], block_size=4096, queue_depth=1, threads=1) as engine:
+    wrapped = OffloadedOptimizer(torch.optim.AdamW(offloaded.parameters()), sys.argv[1], engine=engine)
+    x = torch.randn(4, 256)
+    for step in range(2):
+        for model, optimizer in ((plain, reference), (offloaded, wrapped)):
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    print(all(torch.equal(a, b) for a, b in zip(plain.parameters(), offloaded.parameters())),
+          wrapped.store.stats()["files"])
+    wrapped.close()
+"""
+
+
+def test_many_small_parameters_at_a_low_descriptor_limit(tmp_path, backend):
+    """A chunk's state is written (and read) all at once, and each write in flight held its
+    file open: a model of many small parameters failed its step with EMFILE at the usual
+    limit of 1024 descriptors (here, 400 parameters at 128)."""
+    run = subprocess.run([sys.executable, "-c", MANY_PARAMETERS_AT_A_LOW_DESCRIPTOR_LIMIT, str(tmp_path), backend],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["True", "400"], run.stdout
 
 
 def damage_every_file(folder: str) -> None:
