@@ -2298,6 +2298,35 @@ def test_a_listing_failing_on_rank_0_raises_its_errno_on_every_rank(tmp_path) ->
     run(2, str(tmp_path), "listing_failing_on_rank_0", timeout=300, group_timeout=60)
 
 
+def scenario_dcp_failed_steps_leave_nothing_behind(rank: int, world: int, root: str) -> None:
+    """A loop of plain dcp.save, each step to a path of its own: rank 1's part of a step fills
+    the disk after rank 0, the coordinator, wrote its own. Rank 0's files stayed in
+    "step_<n>.tmp-dcp", which only a save to that path again removed: each failed step took
+    more of the full disk, until no step fit. The next step's save removes them, whether the
+    failure's error is kept (holding the coordinator's writer) or dropped."""
+    kept: list[BaseException] = []  # as a training loop's log of errors keeps them
+    for step, keep in ((1, True), (3, False)):
+        try:  # 4 MiB on rank 1, more than the disk holds; 1 MiB on rank 0
+            dcp.save({f"w{rank}": torch.zeros((1 << 20) if rank == 1 else (256 << 10))},
+                     storage_writer=DCPWriter(os.path.join(root, f"step_{step}")))
+        except CheckpointException as exc:
+            if keep:
+                kept.append(exc)
+        else:
+            pytest.fail("the save that fills the disk succeeded")
+        gc.collect()
+        dcp.save({f"w{rank}": torch.zeros(1024)}, storage_writer=DCPWriter(os.path.join(root, f"step_{step + 1}")))
+        dist.barrier()
+        if rank == 0:
+            assert sorted(os.listdir(root)) == [f"step_{s}" for s in range(2, step + 2, 2)]
+        dist.barrier()
+
+
+@pytest.mark.slow
+def test_dcp_failed_steps_leave_nothing_behind_on_2_ranks(small_tmpfs) -> None:
+    run(2, small_tmpfs, "dcp_failed_steps_leave_nothing_behind", timeout=300)
+
+
 @pytest.mark.slow
 def test_state_failing_on_one_rank_fails_every_ranks_save_and_load_on_2_ranks(tmp_path) -> None:
     # A short group timeout: without the fix, rank 0 fails in DCP's collective rather than waiting 30 min.

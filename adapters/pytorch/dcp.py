@@ -51,7 +51,7 @@ from ...layouts.dcp import (DCP_METADATA, ITEMS_KEY, RAW_BYTES_TRANSFORM, read_d
 from ...pools import ThreadPool
 from ...shard import (DEFAULT_BUFFER_SIZE, BoxRead, ShardInfo, ShardReader, SharedChunks, default_read_ahead,
                      gc_paused, write_order)
-from ...temporaries import DCP_TOKEN
+from ...temporaries import DCP_TOKEN, remove_if_stale
 from .staging import DeviceToHost, leased, stage_state_dict, staging_pool
 from .tensors import FROM_SAFETENSORS, refuse_wrapper_subclass, safetensors_dtype, writable_bytes
 
@@ -75,7 +75,8 @@ SAVE_TOKEN = DCP_TOKEN
 # save, and the save (a writer reused for another path has moved on to another save).
 # torch calls no method of the coordinator's writer after another rank's write failed, and
 # that writer, kept alive by the error (a training loop's log of errors, a notebook's
-# sys.last_value), holds its lock on "<path>.tmp-dcp" until a later save frees it.
+# sys.last_value), holds its lock on "<path>.tmp-dcp" until a later save frees it; one
+# collected has released it, and its temporary is left for a later save to remove.
 _coordinating: dict[str, tuple[weakref.ref, threading.Thread, weakref.ref]] = {}
 _coordinating_lock = threading.Lock()
 
@@ -168,20 +169,30 @@ class DCPWriter(StorageWriter):
             pending.abort()
             _forget_coordinating(pending)
 
-    def _abandon_ended_earlier_save(self) -> None:
-        """Frees the temporary of an earlier save to this path by another writer of this
-        process that has ended (failed on another rank): one planned on this thread, which
-        runs one save at a time, or on a thread that has ended (``dcp.async_save``'s, one
-        per save). One whose thread runs on may still be saving (an async save waiting for
-        ranks still writing) and keeps its temporary."""
+    @staticmethod
+    def _abandon_ended_saves() -> None:
+        """Frees the temporaries of the saves this process coordinated that have ended
+        without finish(), whatever their path: those that failed on another rank (torch
+        tells the coordinator's writer nothing; it raises CheckpointException to the
+        caller), each left "<path>.tmp-dcp" with the coordinator's files in it, and a
+        training loop saving each step to a new path, without a retry of that path to free
+        it, filled the disk. Ended: planned on this thread, which runs one save at a time,
+        or on a thread that has ended (``dcp.async_save``'s, one per save). One whose
+        thread runs on may still be saving (an async save waiting for ranks still writing)
+        and keeps its temporary. A save whose writer is gone has released its lock: its
+        temporary goes unless another save holds it by now."""
         with _coordinating_lock:
-            entry = _coordinating.get(self.path)
-        if entry is None:
-            return
-        earlier, thread, pending = entry[0](), entry[1], entry[2]()
-        if (earlier is not None and earlier is not self and pending is not None and earlier._pending is pending
-                and (thread is threading.current_thread() or not thread.is_alive())):
-            earlier._abandon_failed_save()
+            entries = list(_coordinating.items())
+        for directory, entry in entries:
+            writer, thread, pending = entry[0](), entry[1], entry[2]()
+            if pending is None:
+                with _coordinating_lock:
+                    if _coordinating.get(directory) is entry:
+                        del _coordinating[directory]
+                remove_if_stale(PendingCheckpoint(directory, SAVE_TOKEN).tmp_path)
+            elif (writer is not None and writer._pending is pending
+                  and (thread is threading.current_thread() or not thread.is_alive())):
+                writer._abandon_failed_save()
 
     # torch's AsyncStager protocol: ``dcp.async_save`` snapshots the state through this
     # writer rather than its default stager, which copies into pageable memory.
@@ -224,7 +235,7 @@ class DCPWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._abandon_failed_save()
-        self._abandon_ended_earlier_save()
+        self._abandon_ended_saves()
         try:
             self._pending = PendingCheckpoint.begin(self.path, SAVE_TOKEN)
         except FileExistsError:
