@@ -2327,6 +2327,50 @@ def test_dcp_failed_steps_leave_nothing_behind_on_2_ranks(small_tmpfs) -> None:
     run(2, small_tmpfs, "dcp_failed_steps_leave_nothing_behind", timeout=300)
 
 
+class _Rank1WritesAfterRank0(DCPWriter):
+    """Rank 1 starts writing only once rank 0's write has ended, as a rank slower to open its
+    files does (a larger part, a copy off a GPU): told by a barrier of ``after``, a group of its own."""
+
+    def __init__(self, path: str, after: Any, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.after = after
+
+    def write_data(self, plan, planner):
+        if dist.get_rank() == 1:
+            dist.barrier(group=self.after)
+            return super().write_data(plan, planner)
+        try:
+            return super().write_data(plan, planner)
+        finally:
+            dist.barrier(group=self.after)
+
+
+def scenario_checkpointer_raises_rank_0s_full_disk_on_a_slower_rank(rank: int, world: int, root: str) -> None:
+    """Rank 0's part fills the disk. Its failed write removed the save's whole temporary, while
+    the other ranks were still to write theirs into it: rank 1 failed to open its file
+    (ENOENT), and raised that as its own error, never the full disk. Rank 0 removes only its own
+    files; every rank raises rank 0's ENOSPC, and the temporary goes once the save has failed."""
+    after = dist.new_group(backend="gloo")
+
+    class Checkpointer(FSDPCheckpointer):
+        def _writer(self, step: int) -> DCPWriter:
+            return _Rank1WritesAfterRank0(self.step_path(step), after, overwrite=True)
+
+    blob = {"x": torch.zeros((1 << 20) if rank == 0 else 4)}  # 4 MiB on rank 0: more than the disk holds
+    ckpt = Checkpointer(root, torch.nn.Linear(4, 4), extra={f"blob{rank}": blob})
+    with pytest.raises(tensorferry.TensorferryIOError) as failed:
+        ckpt.save(1)
+    assert failed.value.errno == errno.ENOSPC, repr(failed.value)
+    assert os.path.basename(failed.value.filename).startswith("rank00000-"), failed.value.filename
+    dist.barrier()
+    assert os.listdir(root) == []
+
+
+@pytest.mark.slow
+def test_checkpointer_raises_rank_0s_full_disk_on_a_slower_rank_on_2_ranks(small_tmpfs) -> None:
+    run(2, small_tmpfs, "checkpointer_raises_rank_0s_full_disk_on_a_slower_rank", timeout=300)
+
+
 @pytest.mark.slow
 def test_state_failing_on_one_rank_fails_every_ranks_save_and_load_on_2_ranks(tmp_path) -> None:
     # A short group timeout: without the fix, rank 0 fails in DCP's collective rather than waiting 30 min.

@@ -147,6 +147,7 @@ class DCPWriter(StorageWriter):
         self.overwrite = overwrite
         self.buffer_size = buffer_size
         self._pending: PendingCheckpoint | None = None
+        self._alone = False  # the coordinator of a save of one rank
         self._written: dict[str, ShardInfo] = {}  # the files this process wrote, by name
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -245,6 +246,7 @@ class DCPWriter(StorageWriter):
         with _coordinating_lock:
             _coordinating[self._pending.directory] = (weakref.ref(self), threading.current_thread(),
                                                       weakref.ref(self._pending))
+        self._alone = len(plans) == 1
         return [dataclasses.replace(plan, storage_data=_RankFiles(f"rank{rank:05d}"))
                 for rank, plan in enumerate(plans)]
 
@@ -279,12 +281,15 @@ class DCPWriter(StorageWriter):
             with ThreadPool(max_workers=len(groups)) as pool:
                 per_file = list(pool.map(write_file, range(len(groups))))
         except BaseException:
-            for number in range(len(groups)):  # this rank's finished files: the save will not commit
+            # This rank's files only, the coordinator's too where other ranks write: they may still
+            # be writing theirs into the temporary, and removed under them, each failed with ENOENT,
+            # as if that were its own error. The temporary goes once the failure is known: at the
+            # coordinator's next save (_abandon_ended_saves), or as FSDPCheckpointer abandons it.
+            for number in range(len(groups)):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(pending.tmp_path, f"{where.prefix}-{number:03d}.safetensors"))
-            # On the coordinator, the temporary goes now: torch calls no method of the
-            # writer after a failed write_data, and a retry must find the path free.
-            self._abandon_failed_save()
+            if self._pending is not None and self._alone:
+                self._abandon_failed_save()
             raise
         return _done([r for results in per_file for r in results])
 
