@@ -2371,6 +2371,27 @@ def test_checkpointer_raises_rank_0s_full_disk_on_a_slower_rank_on_2_ranks(small
     run(2, small_tmpfs, "checkpointer_raises_rank_0s_full_disk_on_a_slower_rank", timeout=300)
 
 
+def scenario_checkpointer_folder_rank_0_cannot_make(rank: int, world: int, root: str) -> None:
+    """FSDPCheckpointer made its folder on rank 0 alone, and raised there alone: the other
+    ranks went on, to fail in the first save's collectives ("Connection closed by peer"), or,
+    where rank 0 caught its error, to wait there for the group's timeout. Every rank raises,
+    naming the folder: rank 0 its own error, the others one naming rank 0's."""
+    taken = os.path.join(root, "a_file")
+    if rank == 0:
+        Path(taken).write_text("not a folder")
+    dist.barrier()
+    with pytest.raises(OSError) as failed:
+        FSDPCheckpointer(taken, torch.nn.Linear(4, 4))
+    assert (failed.value.errno, failed.value.filename) == (errno.EEXIST, taken), repr(failed.value)
+    if rank == 1:
+        assert isinstance(failed.value, tensorferry.TensorferryError) and "rank 0 could not make" in str(failed.value)
+
+
+@pytest.mark.slow
+def test_checkpointer_folder_rank_0_cannot_make_fails_on_every_rank_on_2_ranks(tmp_path) -> None:
+    run(2, str(tmp_path), "checkpointer_folder_rank_0_cannot_make", timeout=300, group_timeout=60)
+
+
 @pytest.mark.slow
 def test_state_failing_on_one_rank_fails_every_ranks_save_and_load_on_2_ranks(tmp_path) -> None:
     # A short group timeout: without the fix, rank 0 fails in DCP's collective rather than waiting 30 min.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import functools
 import os
 import re
 import warnings
@@ -103,7 +104,8 @@ class FSDPCheckpointer:
     ``TensorferryError`` or ``OSError`` (a full disk: :class:`TensorferryIOError`, with file,
     offset and errno) stays itself; an error of another kind is told in a ``TensorferryError``
     naming each rank's. One that comes before DCP begins (an ``extra``'s ``state_dict()``
-    raising on one rank) raises there, and a ``TensorferryError`` naming that rank on the others.
+    raising on one rank) raises there, and a ``TensorferryError`` naming that rank on the others;
+    so does the constructor, which every rank calls, where rank 0 cannot make ``checkpoint_dir``.
 
     Example::
 
@@ -138,8 +140,10 @@ class FSDPCheckpointer:
         self.save_planner, self.load_planner = save_planner, load_planner
         self._pending: Future | None = None
         self._save_group: Any = None
-        if self._rank() == 0:
-            os.makedirs(self.checkpoint_dir, exist_ok=True)
+        # Every rank raises if rank 0 cannot make it: else the others went on to fail in the first
+        # save's collectives ("Connection closed by peer"), or to wait there for the group's timeout.
+        self._decided_on_rank_0(functools.partial(os.makedirs, self.checkpoint_dir, exist_ok=True),
+                                f"could not make {self.checkpoint_dir}")
 
     def step_path(self, step: int) -> str:
         """Where the sharded checkpoint of ``step`` lives."""
@@ -148,10 +152,11 @@ class FSDPCheckpointer:
     def _rank(self) -> int:
         return dist.get_rank(self.process_group) if dist.is_available() and dist.is_initialized() else 0
 
-    def _decided_on_rank_0(self, decide: Callable[[], Any]) -> Any:
+    def _decided_on_rank_0(self, decide: Callable[[], Any], failed: str | None = None) -> Any:
         """``decide()`` as rank 0 finds it, on every rank: one listing decides, not each
         rank's view of a shared filesystem (whose attribute caches may lag, and which rank
-        0's retention changes). If it raises on rank 0, every rank raises."""
+        0's retention changes). If it raises on rank 0, every rank raises; the others say
+        ``failed`` (by default, that rank 0 could not list the checkpoint directory)."""
         if not (dist.is_available() and dist.is_initialized()):
             return decide()
         box: list[Any] = [None]
@@ -166,7 +171,8 @@ class FSDPCheckpointer:
             raise error
         decided, failure = box[0]
         if failure is not None:
-            raise _error_of_another_rank(0, failure, f"could not list {self.checkpoint_dir}", self.checkpoint_dir)
+            raise _error_of_another_rank(0, failure, failed or f"could not list {self.checkpoint_dir}",
+                                         self.checkpoint_dir)
         return decided
 
     def _barrier(self) -> None:
