@@ -2392,6 +2392,43 @@ def test_checkpointer_folder_rank_0_cannot_make_fails_on_every_rank_on_2_ranks(t
     run(2, str(tmp_path), "checkpointer_folder_rank_0_cannot_make", timeout=300, group_timeout=60)
 
 
+def scenario_damaged_dcpwriter_steps(rank: int, world: int, root: str) -> None:
+    """Steps that lost their manifest, lost their .metadata, or whose .metadata was damaged.
+    The first was taken for a folder of torch's own writer, whose reader failed on it ("Unknown
+    extension name='tensorferry-raw-bytes (... read it with ... DCPReader ...'", advising the
+    reader in use); the second was said to be no DCPWriter folder ("use
+    tensorferry.load_checkpoint"). FSDPCheckpointer.load raised a plain TensorferryError for
+    all three ("rank 0: AssertionError: metadata is None", torch's, which keeps only the text
+    of the reader's error). Each names what is missing or damaged; FSDPCheckpointer.load raises
+    the reader's CorruptCheckpointError itself."""
+    ckpt = FSDPCheckpointer(root, torch.nn.Linear(4, 4))
+    for step in (1, 2, 3):
+        ckpt.save(step)
+    if rank == 0:
+        os.unlink(os.path.join(root, "step_1", "tensorferry.json"))
+        os.unlink(os.path.join(root, "step_2", ".metadata"))
+        with open(os.path.join(root, "step_3", ".metadata"), "r+b") as f:
+            f.seek(os.path.getsize(f.name) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+    dist.barrier()
+    said = {1: r"step_1: its tensorferry\.json is missing: the folder was written by tensorferry's DCPWriter",
+            2: r"step_2: its \.metadata, which the manifest lists, is missing",
+            3: r"step_3/\.metadata does not match the size and checksum the manifest gives it"}
+    for step, message in said.items():
+        with pytest.raises(tensorferry.CorruptCheckpointError, match=message) as failed:
+            ckpt.load(step)
+        assert isinstance(failed.value.__cause__, CheckpointException)
+        with pytest.raises(CheckpointException, match=message):  # torch's, with the reader's error in its text
+            dcp.load({"model": torch.nn.Linear(4, 4).state_dict()}, storage_reader=DCPReader(ckpt.step_path(step)))
+
+
+@pytest.mark.slow
+def test_damaged_dcpwriter_steps_are_named_for_what_they_lack_on_2_ranks(tmp_path) -> None:
+    run(2, str(tmp_path), "damaged_dcpwriter_steps", timeout=300)
+
+
 @pytest.mark.slow
 def test_state_failing_on_one_rank_fails_every_ranks_save_and_load_on_2_ranks(tmp_path) -> None:
     # A short group timeout: without the fix, rank 0 fails in DCP's collective rather than waiting 30 min.

@@ -356,10 +356,12 @@ class FSDPCheckpointer:
             return state
 
         state = self._on_every_rank(gather, "load", path)
+        reader = DCPReader(path, engine=self.engine)
         try:
-            dcp.load(state, storage_reader=DCPReader(path, engine=self.engine),
-                     planner=self.load_planner, process_group=self.process_group)
+            dcp.load(state, storage_reader=reader, planner=self.load_planner, process_group=self.process_group)
         except BaseException as exc:
+            if reader._metadata_error is not None:  # of which torch kept only the text (an AssertionError)
+                raise reader._metadata_error from exc
             raise _original_error(exc, self._rank(), path)
         for name, value in self.extra.items():  # as dcp.load restores a Stateful it was handed
             if isinstance(value, Stateful):

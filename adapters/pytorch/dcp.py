@@ -42,7 +42,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ...checkpoint import (MANIFEST, PendingCheckpoint, default_files_per_process, open_shard, read_manifest,
-                           read_other_file, refuse_existing, resolve_checkpoint, split_by_size, write_durably)
+                           read_other_file, refuse_dcp_folder_without_metadata, refuse_existing, resolve_checkpoint,
+                           split_by_size, write_durably)
 from ...config import parse_size
 from ...engine import Engine, absolute_local_path
 from ...errors import CorruptCheckpointError
@@ -414,6 +415,7 @@ class DCPReader(StorageReader):
         self.verify = verify
         self.read_ahead = default_read_ahead() if read_ahead is None else parse_size(read_ahead, "read_ahead")
         self._torchs: StorageReader | None = None
+        self._metadata_error: Exception | None = None  # why the last read_metadata failed
         # Shard files opened (and read ahead) before read_data; closed by it, by the next
         # load's set-up, or with the reader: torch calls nothing on a load whose planning failed.
         self._opened: dict[str, ShardReader] = {}
@@ -432,7 +434,7 @@ class DCPReader(StorageReader):
 
     def _torch_folder(self) -> StorageReader | None:
         """torch's reader, for a folder of torch's FileSystemWriter (a ``.metadata``, no
-        manifest); None for one of DCPWriter's."""
+        manifest); None for one of DCPWriter's. One of DCPWriter's that lost its manifest is refused."""
         if self._torchs is None and written_by_torch(self.path):
             from torch.distributed.checkpoint import FileSystemReader
             metadata = read_dcp_metadata(self.path)
@@ -445,11 +447,22 @@ class DCPReader(StorageReader):
     @gc_paused()
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self._close_opened()  # a new load: what an earlier one read ahead may be stale
+        self._metadata_error = None
+        try:
+            return self._read_metadata()
+        except Exception as exc:
+            # torch (2.13) keeps only this error's text, in an AssertionError ("metadata is None; global
+            # metadata read failed: ..."): FSDPCheckpointer.load raises the error itself.
+            self._metadata_error = exc
+            raise
+
+    def _read_metadata(self) -> Metadata:
         if self._torch_folder() is not None:
             return self._torchs.read_metadata()
         # Where an interrupted overwrite left the checkpoint aside, it is read there, as load_checkpoint reads it.
         self._folder = resolve_checkpoint(self.path)
         self._manifest = read_manifest(self._folder)
+        refuse_dcp_folder_without_metadata(self._folder, self._manifest)  # DCPWriter's, its .metadata lost
         dcp_metadata = os.path.join(self._folder, DCP_METADATA)
         if not os.path.exists(dcp_metadata):
             raise CorruptCheckpointError(f"{self.path} is a tensorferry checkpoint without DCP metadata "
