@@ -1595,6 +1595,25 @@ def test_a_dcpwriter_folder_copied_without_its_metadata_is_refused(tmp_path) -> 
     assert load_checkpoint(copy)["w"].shape == (2, 3)
 
 
+def test_a_checkpoint_folder_that_lost_its_manifest_is_refused_not_read_as_a_hugging_face_folder(tmp_path) -> None:
+    """save_checkpoint's folder holds model.safetensors.index.json, for transformers: without
+    its manifest it loaded as a Hugging Face folder, with no word of the loss, its state
+    flattened (model.weight, optimizer.state.0.exp_avg), what was not a tensor gone."""
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 7}
+    save_checkpoint(tmp_path / "step_1", state)
+    (tmp_path / "step_1" / "tensorferry.json").unlink()
+    missing = r"step_1(/model\.safetensors\.index\.json)?: its tensorferry\.json is missing: shard-00000\.safetensors"
+    for load_it in (load_checkpoint, tensorferry.load_checkpoint, load):
+        for path in (tmp_path / "step_1", tmp_path / "step_1" / "model.safetensors.index.json"):
+            with pytest.raises(tensorferry.CorruptCheckpointError, match=missing):
+                load_it(path)
+    assert tensorferry.latest_checkpoint(tmp_path) is None
+
+
 def test_checkpointer_extra_state_with_async_saves(tmp_path) -> None:
     """A GradScaler and a scheduler beside the model, through save_async: restored with it."""
     model = small_model()

@@ -11,7 +11,7 @@ import re
 import warnings
 from typing import Any, Callable, Iterable, Mapping
 
-from ..checkpoint import read_directory_file
+from ..checkpoint import MANIFEST, read_directory_file
 from ..errors import CorruptCheckpointError
 from ..schema import PART_FILE, member_path, parse_json
 from ..shard import ShardInfo, ShardReader
@@ -116,6 +116,7 @@ class HuggingFaceFolder(Layout):
         problems = size_problems(files)
         held: dict[str, dict[str, TensorEntry]] = {}  # file: its tensors by name
         file_metadata: dict[str, str] = {}
+        ours: list[str] = []  # files of one of our layouts, as their names and checksums say
         for f in files:
             if f["size"] is None:
                 continue
@@ -123,8 +124,15 @@ class HuggingFaceFolder(Layout):
                 with self._reader(f["name"]) as reader:
                     held[f["name"]] = {e.name: e for e in entries_of(reader, f["name"])}
                     file_metadata.update(reader.metadata)
+                    if PART_FILE.fullmatch(f["name"]) and any(t.checksum for t in reader.tensors.values()):
+                        ours.append(f["name"])
             except CorruptCheckpointError as exc:
                 problems.append(f"{f['name']}: {exc}")
+        if ours and not os.path.exists(os.path.join(self.directory, MANIFEST)):
+            # save_checkpoint's folder (its index is for transformers) that lost its manifest: read as
+            # a Hugging Face folder, its state came back flattened, what was not a tensor gone, unsaid.
+            problems.insert(0, f"its {MANIFEST} is missing: {ours[0]} is a shard of a tensorferry checkpoint, whose "
+                               f"manifest holds its structure and checks its files; restore {MANIFEST} from a copy")
         found = []
         for name, file in weight_map.items():
             entry = held.get(file, {}).get(name)
