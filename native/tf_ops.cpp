@@ -8,7 +8,9 @@
 // and the tstring layout are the ABI that TensorFlow keeps for plugins and custom
 // ops. The symbols resolve at load time against libtensorflow_framework.so.2.
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -16,7 +18,6 @@
 #include <deque>
 #include <memory>
 #include <mutex>
-#include <random>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/resource.h>
 
 #include "crc32c.hpp"
@@ -88,7 +90,7 @@ namespace {
 
 constexpr TF_DataType kUint8 = 4, kString = 7, kInt64 = 9;
 constexpr TF_Code kInvalidArgument = 3, kNotFound = 5, kPermissionDenied = 7, kResourceExhausted = 8,
-                  kInternal = 13, kDataLoss = 15, kUnknown = 2;
+                  kFailedPrecondition = 9, kInternal = 13, kDataLoss = 15, kUnknown = 2;
 constexpr uint64_t kTfrecordFooter = 4;  // masked crc32c of the record's data
 // A range's length that stands for the rest of its file as it is when read: whole files
 // are read as tf.io.read_file reads them, new bytes and all, not cut to an old size.
@@ -135,7 +137,8 @@ TF_Code code_for_errno(int err) {
   switch (err) {
     case ENOENT: case ENOTDIR: return kNotFound;
     case EACCES: case EPERM: return kPermissionDenied;
-    case ENOMEM: return kResourceExhausted;
+    case ENOMEM: case EMFILE: case ENFILE: return kResourceExhausted;
+    case EISDIR: return kFailedPrecondition;  // as tf.io.read_file reports a directory
     case ENODATA: case EIO: return kDataLoss;
     default: return kUnknown;
   }
@@ -256,10 +259,11 @@ class DescriptorBudget {
  public:
   // Half the soft limit, the rest left to the process (TensorFlow's own, sockets, ...);
   // at most 4096: more reads in flight gain nothing, the engine runs queue_depth at once.
-  static int64_t budget() {
+  // Less once the process's other descriptors left less room than that (see relieve).
+  int64_t budget() const {
     struct rlimit limit {};
     const uint64_t soft = getrlimit(RLIMIT_NOFILE, &limit) == 0 ? limit.rlim_cur : 1024;
-    return static_cast<int64_t>(std::clamp<uint64_t>(soft / 2, 16, 4096));
+    return std::min(static_cast<int64_t>(std::clamp<uint64_t>(soft / 2, 16, 4096)), cap_.load());
   }
 
   // Waits until n more descriptors fit, or until none are held: a call needs its files.
@@ -290,6 +294,24 @@ class DescriptorBudget {
     changed_.notify_all();
   }
 
+  // An open of a call that reserved n descriptors failed with EMFILE or ENFILE: the
+  // process's other descriptors (a thousand sockets, another library's files) leave less
+  // room than the budget. The call gives its n back, and the budget drops to half of what
+  // reads held then, so that calls wait for older reads to close their files, down to one
+  // call at a time. For good: raised again, reads would fill the descriptors anew, and the
+  // process's other opens (TensorFlow's, the program's) would fail. False where waiting
+  // cannot help: a call of one file, the only one holding any.
+  bool relieve(int64_t n, bool one_file) {
+    std::lock_guard<std::mutex> lock(mu_);
+    forget_finished();
+    const int64_t held = held_;
+    held_ -= n;
+    changed_.notify_all();
+    if (one_file && held_ == 0) return false;
+    cap_ = std::max<int64_t>(1, std::min(budget(), held) / 2);
+    return true;
+  }
+
  private:
   struct Call {
     int64_t descriptors;
@@ -315,8 +337,12 @@ class DescriptorBudget {
   std::mutex mu_;
   std::condition_variable changed_;
   int64_t held_ = 0;
+  std::atomic<int64_t> cap_{INT64_MAX};
   std::deque<Call> calls_;
 };
+
+// An open of a call's part ran out of descriptors: the part is tried again, with fewer files.
+struct OutOfDescriptors {};
 
 DescriptorBudget &descriptor_budget() {
   static auto *budget = new DescriptorBudget;  // never destroyed: reads may end after exit begins
@@ -376,6 +402,28 @@ constexpr uint64_t kOwnSmallFrom = 64u << 10, kOwnSmallTo = 512u << 10;
 // of 1 MiB records, more than all the rest of their reading.
 constexpr uint64_t kSlotRecordBytes = 256u << 10;
 
+// An engine with the dataset's settings. An io_uring engine needs descriptors (a ring and
+// an eventfd per thread) that a process at its limit lacks; the threads backend, which needs
+// none, reads then, as tf.io.read_file would.
+std::shared_ptr<tf::Engine> engine_for(tf::Config config) {
+  try {
+    return std::make_shared<tf::Engine>(config);
+  } catch (const tf::IOError &e) {
+    if (config.backend != "io_uring" || (e.err != EMFILE && e.err != ENFILE)) throw;
+    config.backend = "threads";
+    return std::make_shared<tf::Engine>(config);
+  }
+}
+
+// Random bits from getrandom, which needs no descriptor: std::random_device opens
+// /dev/urandom, and threw (killing the process) where none was left.
+uint32_t random_bits() {
+  uint32_t bits = 0;
+  if (getrandom(&bits, sizeof bits, 0) != sizeof bits)
+    bits = static_cast<uint32_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  return bits;
+}
+
 // Reads ahead for the take ops. TensorFlow's C API cannot finish an op after its
 // call returns (the asynchronous kernel's done callback dies with the call), so a
 // read that blocks holds one of the inter-op pool's few threads. Instead the start
@@ -385,7 +433,7 @@ constexpr uint64_t kSlotRecordBytes = 256u << 10;
 class Prefetcher {
  public:
   Prefetcher(const tf::Config &config, bool direct, int64_t record_bytes, int64_t batch_size, int64_t read_ahead)
-      : engine_(config), direct_(direct), record_bytes_(static_cast<uint64_t>(record_bytes)),
+      : engine_(engine_for(config)), direct_(direct), record_bytes_(static_cast<uint64_t>(record_bytes)),
         kept_calls_(static_cast<size_t>(2 * (read_ahead > 0 ? read_ahead : kUnknownReadAhead) + kCallsInTransit)),
         slots_(record_bytes >= static_cast<int64_t>(kSlotRecordBytes)
                    ? std::make_shared<RecordSlots>((static_cast<uint64_t>(record_bytes) + 4095) / 4096 * 4096)
@@ -446,42 +494,70 @@ class Prefetcher {
 
   // The items of ranges [offsets[i], + lengths[i]) of paths[i], their reads started. Items of more
   // files than a quarter of the descriptor budget are started in parts, each part's files open
-  // only until its reads end.
+  // only until its reads end. A part whose files cannot all be opened (EMFILE, ENFILE) is
+  // tried again with fewer, once older reads have closed theirs; a file that cannot be opened
+  // even alone, with nothing else of ours open, is opened once more without O_DIRECT (one
+  // descriptor, as tf.io.read_file takes) before its items fail.
   std::vector<Pending> read(const std::vector<std::string_view> &paths, const int64_t *offsets,
                             const int64_t *lengths) {
     std::vector<Pending> items;
-    if (paths.empty()) return items;
-    const int64_t per_file = direct_ ? 2 : 1;
-    const size_t most_files = static_cast<size_t>(std::max<int64_t>(1, DescriptorBudget::budget() / 4 / per_file));
-    std::unordered_set<std::string_view> files;
-    size_t begin = 0;
-    for (size_t i = 0; i <= paths.size(); ++i) {
-      if (i < paths.size() && (files.count(paths[i]) || files.size() < most_files)) {
-        files.insert(paths[i]);
-        continue;
-      }
-      const std::vector<std::string_view> part(paths.begin() + begin, paths.begin() + i);
+    bool last_try = false;
+    for (size_t begin = 0, end = 0; begin < paths.size(); begin = end) {
+      const int64_t per_file = direct_ && !last_try ? 2 : 1;
+      const size_t most_files =
+          last_try ? 1 : static_cast<size_t>(std::max<int64_t>(1, descriptor_budget().budget() / 4 / per_file));
+      std::unordered_set<std::string_view> files;
+      for (end = begin; end < paths.size() && (files.count(paths[end]) || files.size() < most_files); ++end)
+        files.insert(paths[end]);
+      const std::vector<std::string_view> part(paths.begin() + begin, paths.begin() + end);
       const int64_t descriptors = static_cast<int64_t>(files.size()) * per_file;
       descriptor_budget().reserve(descriptors);
       std::vector<std::shared_ptr<tf::Request>> requests;
       try {
-        requests = start_part(part, offsets + begin, lengths + begin, items);
+        requests = start_part(part, offsets + begin, lengths + begin, items, last_try);
+      } catch (const OutOfDescriptors &) {
+        last_try = !descriptor_budget().relieve(descriptors, files.size() == 1) && !switch_to_threads();
+        end = begin;
+        continue;
       } catch (...) {
         descriptor_budget().hold(descriptors, {});
         throw;
       }
       descriptor_budget().hold(descriptors, std::move(requests));
-      if (i == paths.size()) break;
-      files = {paths[i]};
-      begin = i;
+      last_try = false;
     }
     return items;
+  }
+
+  // Trades an io_uring engine for one of threads, whose reads need no descriptors of its own:
+  // its rings and eventfds may be those that a file lacks. False where it reads with threads.
+  // The old engine goes once the calls that took it have submitted, and waits for their reads.
+  bool switch_to_threads() {
+    std::shared_ptr<tf::Engine> old;  // let go unlocked
+    std::lock_guard<std::mutex> lock(engine_mu_);
+    if (std::string_view(engine_->backend_name()) != "io_uring") return false;
+    tf::Config config = engine_->config();
+    config.backend = "threads";
+    old = std::exchange(engine_, std::make_shared<tf::Engine>(config));
+    return true;
+  }
+
+  // A file of a part, open for reading. Out of descriptors, it throws OutOfDescriptors for
+  // the part to be tried again, but on the last try (one descriptor: no O_DIRECT), where the
+  // IOError becomes its items' error.
+  std::shared_ptr<tf::File> open(const std::string &path, bool last_try) const {
+    try {
+      return std::make_shared<tf::File>(path, "r", direct_ && !last_try);
+    } catch (const tf::IOError &e) {
+      if (!last_try && (e.err == EMFILE || e.err == ENFILE)) throw OutOfDescriptors{};
+      throw;
+    }
   }
 
   // read() for items whose files may all be open at once: appends them to `all`; returns the reads started.
   std::vector<std::shared_ptr<tf::Request>> start_part(const std::vector<std::string_view> &paths,
                                                        const int64_t *offsets, const int64_t *lengths,
-                                                       std::vector<Pending> &all) {
+                                                       std::vector<Pending> &all, bool last_try) {
     const size_t n = paths.size();
     std::vector<Pending> items(n);
     std::unordered_map<std::string_view, std::shared_ptr<tf::File>> files;
@@ -494,7 +570,7 @@ class Prefetcher {
     };
     std::vector<Span> spans;
     std::vector<Queued> queued;  // reads to start, all together once laid out
-    if (start_batch(paths, offsets, lengths, items, queued)) return submit_and_add(items, queued, all);
+    if (start_batch(paths, offsets, lengths, items, queued, last_try)) return submit_and_add(items, queued, all);
     for (size_t i = 0; i < n; ++i) {
       Pending &item = items[i];
       item.path = std::string(paths[i]);
@@ -502,7 +578,7 @@ class Prefetcher {
       item.asked = lengths[i];
       try {
         auto &file = files[paths[i]];
-        if (!file) file = std::make_shared<tf::File>(item.path, "r", direct_);
+        if (!file) file = open(item.path, last_try);
         file_of[i] = file;
         const uint64_t size = item.asked == kWholeFile ? file->size() : 0;
         item.length = item.asked == kWholeFile ? size - std::min(size, item.offset) : static_cast<uint64_t>(item.asked);
@@ -629,7 +705,7 @@ class Prefetcher {
   // Lays out a call's records in order in one batch slot (neighbours in a file read
   // as one segment, a request per file); false where this call is not such a batch.
   bool start_batch(const std::vector<std::string_view> &paths, const int64_t *offsets, const int64_t *lengths,
-                   std::vector<Pending> &items, std::vector<Queued> &queued) {
+                   std::vector<Pending> &items, std::vector<Queued> &queued, bool last_try) {
     const size_t n = paths.size();
     if (!batch_slots_ || n < 2 || n * record_bytes_ > batch_slots_->slot_bytes()) return false;
     for (size_t i = 0; i < n; ++i)
@@ -653,7 +729,7 @@ class Prefetcher {
       auto found = read_of.find(paths[i]);
       if (found == read_of.end()) {
         try {
-          queued.push_back({landing, std::make_shared<tf::File>(item.path, "r", direct_), {}, {}});
+          queued.push_back({landing, open(item.path, last_try), {}, {}});
         } catch (const tf::IOError &e) {
           item.code = code_for_errno(e.err);
           item.error = describe(e.path, e.what, e.err, e.offset, e.length);
@@ -687,7 +763,12 @@ class Prefetcher {
       segments.push_back(q.segments);
     }
     try {
-      auto requests = engine_.submit_reads(files, segments);
+      std::shared_ptr<tf::Engine> engine;
+      {
+        std::lock_guard<std::mutex> lock(engine_mu_);
+        engine = engine_;
+      }
+      auto requests = engine->submit_reads(files, segments);
       for (size_t k = 0; k < queued.size(); ++k) {
         queued[k].landing->requests.push_back(requests[k]);
         for (size_t i : queued[k].items) items[i].request = requests[k];
@@ -707,7 +788,8 @@ class Prefetcher {
 
   // Destroyed in reverse: pending reads wait (into memory from the pool) before the
   // pool goes, and the engine outlives both.
-  tf::Engine engine_;
+  std::mutex engine_mu_;
+  std::shared_ptr<tf::Engine> engine_;  // replaced by one of threads where descriptors run out
   bool direct_;
   uint64_t record_bytes_;
   size_t kept_calls_;  // the newest start calls whose reads are held until taken (see keep)
@@ -720,7 +802,7 @@ class Prefetcher {
   // Tickets outlive the process in an iterator's checkpoint: numbered from a random
   // start, a restored one is not mistaken for one of this process's (and take checks
   // the range too).
-  int64_t next_ticket_ = static_cast<int64_t>(std::random_device{}() & 0x3fffffffu) << 31;
+  int64_t next_ticket_ = static_cast<int64_t>(random_bits() & 0x3fffffffu) << 31;
 };
 
 // The prefetchers of the datasets whose kernels live, by key.

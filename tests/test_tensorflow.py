@@ -800,6 +800,53 @@ def test_thousands_of_small_files_within_the_descriptor_limit(tmp_path) -> None:
     assert "READ 4000" in out
 
 
+_CROWDED = r"""
+import glob, os, resource, sys
+import tensorflow as tf
+from tensorferry.adapters.tensorflow import make_dataset
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+paths = sorted(glob.glob(sys.argv[1]))
+expected = [open(p, "rb").read() for p in paths]
+held = [open(os.devnull) for _ in range(256 - int(sys.argv[2]) - len(os.listdir("/proc/self/fd")))]
+assert [x.numpy() for x in tf.data.Dataset.from_tensor_slices(paths).map(tf.io.read_file)] == expected
+assert [x.numpy() for x in make_dataset(paths)] == expected
+assert [x for b in make_dataset(paths, batch_size=64) for x in b.numpy().tolist()] == expected
+side_by_side = tf.data.Dataset.zip((make_dataset(paths), make_dataset(paths, shuffle=True, seed=1)))
+pairs = [(a.numpy(), b.numpy()) for a, b in side_by_side]
+assert [a for a, _ in pairs] == expected and sorted(b for _, b in pairs) == sorted(expected)
+print("READ", len(paths))
+"""
+
+
+def test_reads_when_the_process_holds_nearly_every_descriptor(tmp_path) -> None:
+    """With all but 8 of 256 descriptors held elsewhere in the process, reads failed with
+    EMFILE (an UnknownError) where tf.io.read_file's did not: the budget of open files was
+    half the limit, whatever else was open, and the ops' io_uring engine took 8. A call
+    that runs out now waits for older reads to close their files and tries again with
+    fewer, down to one file without O_DIRECT, the engine reading with threads."""
+    from conftest import run_processes
+
+    rng = np.random.default_rng(18)
+    for i in range(300):
+        (tmp_path / f"f{i:03d}.bin").write_bytes(rng.integers(0, 256, int(rng.integers(50, 9000)), np.uint8).tobytes())
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    [out] = run_processes(_CROWDED, [([str(tmp_path / "*.bin"), "8"], env)], timeout=300)
+    assert "READ 300" in out
+
+
+def test_a_whole_file_replaced_by_a_directory_fails_as_read_file_does(tmp_path) -> None:
+    """Its read's EISDIR was an UnknownError; tf.io.read_file reports FailedPrecondition."""
+    path = tmp_path / "was_a_file"
+    path.write_bytes(b"x" * 100)
+    ds = make_dataset(str(path))
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(tf.errors.FailedPreconditionError):
+        tf.io.read_file(str(path))
+    with pytest.raises(tf.errors.FailedPreconditionError, match=rf"{path}: .*errno 21"):
+        list(ds)
+
+
 def test_tf_data_service_distributed_epoch_hands_out_every_item_once(whole_files, tmp_path) -> None:
     """processing_mode="distributed_epoch": the dispatcher splits the dataset's calls
     among two workers, and every item comes once, as from FixedLengthRecordDataset. In

@@ -26,7 +26,8 @@ import tensorflow as tf
 
 from ... import _native
 from ...data import readable_size
-from ...engine import Engine, default_engine, local_path
+from ...config import IOConfig, default_config
+from ...engine import Engine, _resolve_backend, local_path
 from ...pools import ThreadPool
 
 # Items under this size are taken a batch per op call: a call costs more than the copy
@@ -146,7 +147,10 @@ def make_dataset(files: str | bytes | os.PathLike | Sequence[str | bytes | os.Pa
                          "(or .batch(n, drop_remainder=True) on the dataset)")
     paths = _expand(files)
     sizes = [readable_size(p, "give a glob pattern of its files (such as DIR/*) or a list of files") for p in paths]
-    engine = engine or default_engine()
+    # Settings only: the ops run engines of their own. The shared engine's rings and threads
+    # would sit idle, and its descriptors were the last a process at its limit had.
+    config = engine.config if engine else default_config()
+    backend = engine.backend if engine else _resolve_backend(config.backend)
     if shuffle and seed is None:
         seed = _seed_of_unseeded_shuffle(sharded=shard is not None)
     if tfrecord:
@@ -192,7 +196,7 @@ def make_dataset(files: str | bytes | os.PathLike | Sequence[str | bytes | os.Pa
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         dataset = dataset.with_options(options)
-    start, take = _read_ops(engine, paths, record_bytes, tfrecord, batch_size, num_parallel_reads)
+    start, take = _read_ops(backend, config, paths, record_bytes, tfrecord, batch_size, num_parallel_reads)
     # Starting reads returns at once, so the start map runs num_parallel_reads batches
     # ahead of the take map, which waits for the reads. Small items are taken a batch
     # per call (an op call costs more than splitting the batch copies); larger ones one
@@ -302,16 +306,15 @@ def _claimed_full(calls: tf.data.Dataset, size: int) -> tf.data.Dataset:
     return calls.map(claim)
 
 
-def _read_ops(engine: Engine, files: list[str], record_bytes: int | None, tfrecord: bool, batch_size: int | None,
-              read_ahead: int):
+def _read_ops(backend: str, config: IOConfig, files: list[str], record_bytes: int | None, tfrecord: bool,
+              batch_size: int | None, read_ahead: int):
     """The native start and take ops of one dataset, as map functions: start takes a
     batch of (file numbers in ``files``, offsets, lengths) and returns a ticket for
     each with its range, take turns tickets (one, or a batch) into their items. Both
-    name the same prefetcher (``key``), which runs reads with the engine's settings
+    name the same prefetcher (``key``), which runs reads with those settings
     and holds those of about twice ``read_ahead`` start calls (the start map's
     parallelism) until taken, letting go of older ones that no take claimed."""
-    config = engine.config
-    attrs = dict(key=next(_dataset_keys), backend=engine.backend, block_size=config.block_size,
+    attrs = dict(key=next(_dataset_keys), backend=backend, block_size=config.block_size,
                  queue_depth=config.queue_depth, threads=config.threads, direct=config.direct,
                  tfrecord=tfrecord, record_bytes=record_bytes or 0, batch_size=batch_size or 0, read_ahead=read_ahead)
     ops = _native_ops()
