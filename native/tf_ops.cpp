@@ -165,9 +165,53 @@ class Status {
   TF_Status *s_;
 };
 
+// The length of the valid UTF-8 sequence at text[i], 0 if there is none (overlong forms,
+// surrogates and code points past U+10FFFF are not valid).
+size_t utf8_sequence_length(std::string_view text, size_t i) {
+  const auto byte = [&](size_t k) { return static_cast<unsigned char>(text[k]); };
+  const unsigned char first = byte(i);
+  if (first < 0x80) return 1;
+  size_t n = 0;
+  unsigned char low = 0x80, high = 0xbf;  // the second byte's range
+  if (first >= 0xc2 && first <= 0xdf) {
+    n = 2;
+  } else if (first >= 0xe0 && first <= 0xef) {
+    n = 3;
+    if (first == 0xe0) low = 0xa0;   // overlong
+    if (first == 0xed) high = 0x9f;  // surrogates
+  } else if (first >= 0xf0 && first <= 0xf4) {
+    n = 4;
+    if (first == 0xf0) low = 0x90;   // overlong
+    if (first == 0xf4) high = 0x8f;  // past U+10FFFF
+  }
+  if (n == 0 || i + n > text.size() || byte(i + 1) < low || byte(i + 1) > high) return 0;
+  for (size_t k = i + 2; k < i + n; ++k)
+    if (byte(k) < 0x80 || byte(k) > 0xbf) return 0;
+  return n;
+}
+
+// The message with each byte that is not part of valid UTF-8 written \xNN, as Python's
+// "backslashreplace" writes it. TensorFlow decodes messages as strict UTF-8: a file name
+// that is not made the error a UnicodeDecodeError, which no except tf.errors.OpError caught.
+std::string printable(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size();) {
+    if (const size_t n = utf8_sequence_length(text, i)) {
+      out.append(text.substr(i, n));
+      i += n;
+      continue;
+    }
+    constexpr char kHex[] = "0123456789abcdef";
+    const unsigned char b = static_cast<unsigned char>(text[i++]);
+    out += {'\\', 'x', kHex[b >> 4], kHex[b & 15]};
+  }
+  return out;
+}
+
 void fail(TF_OpKernelContext *ctx, TF_Code code, const std::string &message) {
   Status status;
-  TF_SetStatus(status.get(), code, message.c_str());
+  TF_SetStatus(status.get(), code, printable(message).c_str());
   TF_OpKernelContext_Failure(ctx, status.get());
 }
 
@@ -878,7 +922,7 @@ void *create_kernel(TF_OpKernelConstruction *ctx) {
     try {
       kernel->prefetcher = prefetcher_for(key, config, direct, kernel->record_bytes, batch_size, read_ahead);
     } catch (const tf::IOError &e) {
-      TF_SetStatus(status.get(), kInternal, describe(e.path, e.what, e.err, e.offset, e.length).c_str());
+      TF_SetStatus(status.get(), kInternal, printable(describe(e.path, e.what, e.err, e.offset, e.length)).c_str());
     }
   }
   if (!status.ok()) {

@@ -943,3 +943,32 @@ def test_a_tfrecord_file_whose_name_is_not_utf8(tmp_path) -> None:
     with pytest.raises(ValueError, match="length CRC") as info:
         make_dataset([bad], tfrecord=True)
     assert bad in str(info.value)
+
+
+def test_errors_of_a_file_whose_name_is_not_utf8_are_tensorflow_errors(tmp_path) -> None:
+    """TensorFlow decodes an op's message as strict UTF-8: one naming a file whose name is
+    not valid UTF-8 was a UnicodeDecodeError, which ``except tf.errors.DataLossError`` does
+    not catch. Such bytes are written \\xNN, as Python's backslashreplace writes them; a
+    valid UTF-8 name stays as it is."""
+    records = tmp_path / "records"
+    with tf.io.TFRecordWriter(str(records)) as w:
+        w.write(b"hello" * 10)
+    raw = bytearray(records.read_bytes())
+    raw[14] ^= 1  # a data byte of the first record
+    bad = os.path.join(os.fsencode(tmp_path), b"bad\xff\xe2\x82.tfrecord")
+    with open(bad, "wb") as f:
+        f.write(raw)
+    shown = bad.decode("utf-8", "backslashreplace")
+    assert shown.endswith("bad\\xff\\xe2\\x82.tfrecord")
+    with pytest.raises(tf.errors.DataLossError, match="bad data CRC") as info:
+        list(make_dataset(bad, tfrecord=True))
+    assert shown in info.value.message
+    for name in (b"gone\xff.bin", "gon\u00e9.bin".encode()):
+        path = os.path.join(os.fsencode(tmp_path), name)
+        with open(path, "wb") as f:
+            f.write(b"x" * 100)
+        ds = make_dataset(path)
+        os.unlink(path)
+        with pytest.raises(tf.errors.NotFoundError) as info:
+            list(ds)
+        assert path.decode("utf-8", "backslashreplace") + ": open" in info.value.message
