@@ -233,24 +233,18 @@ NB_MODULE(_native, m) {
 
   m.def("tfrecord_ranges", [](const nb::bytes &path) {
     tf::TfrecordRanges ranges;
-    std::string framing_error;
     {
       nb::gil_scoped_release unlocked;
-      try {
-        ranges = tf::scan_tfrecord(fs_path(path));
-      } catch (const std::invalid_argument &e) {
-        framing_error = e.what();
-      }
+      ranges = tf::scan_tfrecord(fs_path(path));
     }
     // The message names the file, which need not be UTF-8: decoded as os.fsdecode would.
-    if (!framing_error.empty()) {
-      PyErr_SetObject(PyExc_ValueError, fs_str(framing_error).ptr());
-      throw nb::python_error();
-    }
-    return std::make_tuple(ranges.offsets, ranges.lengths);
+    nb::object damage = nb::none();
+    if (!ranges.damage.empty()) damage = nb::make_tuple(ranges.damage_offset, fs_str(ranges.damage));
+    return nb::make_tuple(ranges.offsets, ranges.lengths, damage);
   }, "path"_a,
-        "(offsets, lengths) of the records of a TFRecord file: each record's data and its CRC "
-        "footer. Raises ValueError for a truncated or corrupt framing, OSError if unreadable.");
+        "(offsets, lengths, damage) of the records of a TFRecord file: each record's data and its CRC "
+        "footer, up to the first damaged record (cut short, or a bad length CRC), and None or the "
+        "(offset, why) of that one. Raises OSError if unreadable.");
 
   m.def("alloc_pinned", [](uint64_t nbytes, bool lock) {
     const tf::PinnedAllocation a = tf::pinned_alloc(nbytes, lock);

@@ -32,6 +32,7 @@
 
 #include "crc32c.hpp"
 #include "engine.hpp"
+#include "tfrecord.hpp"
 
 extern "C" {
 struct TF_Status;
@@ -95,6 +96,10 @@ constexpr uint64_t kTfrecordFooter = 4;  // masked crc32c of the record's data
 // A range's length that stands for the rest of its file as it is when read: whole files
 // are read as tf.io.read_file reads them, new bytes and all, not cut to an old size.
 constexpr int64_t kWholeFile = -1;
+// A TFRecord range's length that stands for the damaged record at its offset (cut short, or
+// a bad length CRC), where the framing scan stopped: its item fails with DataLossError, as
+// and where TFRecordDataset raises it. make_dataset's DAMAGED.
+constexpr int64_t kDamagedRecord = -2;
 
 // tensorflow::tstring's C layout (tsl/platform/ctstring_internal.h), little-endian:
 // 24 bytes; the low two bits of the first byte give the representation.
@@ -620,6 +625,16 @@ class Prefetcher {
       item.path = std::string(paths[i]);
       item.offset = static_cast<uint64_t>(offsets[i]);
       item.asked = lengths[i];
+      if (item.asked == kDamagedRecord) {
+        try {
+          item.code = kDataLoss;
+          item.error = tf::tfrecord_damage(item.path, item.offset);
+        } catch (const tf::IOError &e) {
+          item.code = code_for_errno(e.err);
+          item.error = describe(e.path, e.what, e.err, e.offset, e.length);
+        }
+        continue;
+      }
       try {
         auto &file = files[paths[i]];
         if (!file) file = open(item.path, last_try);
@@ -954,7 +969,8 @@ TensorHolder output(TF_OpKernelContext *ctx, TF_DataType dtype, const std::vecto
 
 // False, with the op's error set, for a range no item can have.
 bool range_is_valid(const Kernel &k, TF_OpKernelContext *ctx, std::string_view path, int64_t offset, int64_t length) {
-  if (offset < 0 || length < kWholeFile) {
+  const bool damaged = k.tfrecord && length == kDamagedRecord;
+  if (offset < 0 || (length < kWholeFile && !damaged)) {
     fail(ctx, kInvalidArgument, std::string(path) + ": negative offset or length");
     return false;
   }
@@ -962,7 +978,7 @@ bool range_is_valid(const Kernel &k, TF_OpKernelContext *ctx, std::string_view p
     fail(ctx, kInvalidArgument, std::string(path) + ": a whole file is read as a string, not as records");
     return false;
   }
-  if (k.tfrecord && static_cast<uint64_t>(length) < kTfrecordFooter) {
+  if (k.tfrecord && !damaged && static_cast<uint64_t>(length) < kTfrecordFooter) {
     fail(ctx, kDataLoss, std::string(path) + ": TFRecord range shorter than its CRC");
     return false;
   }

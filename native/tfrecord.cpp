@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <stdexcept>
 
 #include <unistd.h>
 
@@ -33,6 +32,22 @@ std::string compression_hint(const unsigned char *start, uint64_t offset) {
          "compression_type='" + kind + "') reads compressed ones)";
 }
 
+// Why the record whose header (kHeader bytes) is at `offset` of a file of `size` bytes
+// cannot be read; empty if it can.
+std::string header_damage(const std::string &path, const unsigned char *header, uint64_t offset, uint64_t size) {
+  uint64_t length;
+  uint32_t length_crc;
+  std::memcpy(&length, header, 8);
+  std::memcpy(&length_crc, header + 8, 4);
+  if (masked_crc32c(header, 8) != length_crc)
+    return path + ": bad length CRC at offset " + std::to_string(offset) + ": not a TFRecord file, or corrupt" +
+           compression_hint(header, offset);
+  if (length > size || offset + kHeader + length + kFooter > size)
+    return path + ": truncated record at offset " + std::to_string(offset) + ": its " + std::to_string(length) +
+           " bytes run past the end of the file (" + std::to_string(size) + " bytes)";
+  return "";
+}
+
 }  // namespace
 
 TfrecordRanges scan_tfrecord(const std::string &path) {
@@ -41,9 +56,7 @@ TfrecordRanges scan_tfrecord(const std::string &path) {
   std::vector<unsigned char> window(kWindow);
   uint64_t window_start = 0, window_len = 0, next_window = kWindow;
   TfrecordRanges ranges;
-  for (uint64_t offset = 0; offset < size;) {
-    if (offset + kHeader > size)
-      throw std::invalid_argument(path + ": " + "truncated record header at offset " + std::to_string(offset));
+  for (uint64_t offset = 0; offset + kHeader <= size;) {  // a partial header at the end is no record
     if (offset < window_start || offset + kHeader > window_start + window_len) {
       window_start = offset;
       window_len = 0;
@@ -58,22 +71,34 @@ TfrecordRanges scan_tfrecord(const std::string &path) {
       }
     }
     const unsigned char *header = window.data() + (offset - window_start);
+    ranges.damage = header_damage(path, header, offset, size);
+    if (!ranges.damage.empty()) {
+      ranges.damage_offset = offset;
+      break;
+    }
     uint64_t length;
-    uint32_t length_crc;
     std::memcpy(&length, header, 8);
-    std::memcpy(&length_crc, header + 8, 4);
-    if (masked_crc32c(header, 8) != length_crc)
-      throw std::invalid_argument(path + ": " + "bad length CRC at offset " + std::to_string(offset) +
-                                  ": not a TFRecord file, or corrupt" + compression_hint(header, offset));
-    if (length > size || offset + kHeader + length + kFooter > size)
-      throw std::invalid_argument(path + ": " + "record at offset " + std::to_string(offset) + " (" +
-                                  std::to_string(length) + " bytes) runs past the end of the file");
     ranges.offsets.push_back(offset + kHeader);
     ranges.lengths.push_back(length + kFooter);
     offset += kHeader + length + kFooter;
     next_window = length >= kWindow ? kPage : kWindow;
   }
   return ranges;
+}
+
+std::string tfrecord_damage(const std::string &path, uint64_t offset) {
+  const File file(path, "r", /*want_direct=*/false);
+  const uint64_t size = file.size();
+  unsigned char header[kHeader];
+  ssize_t n;
+  do n = pread(file.buffered_fd(), header, kHeader, static_cast<off_t>(offset));
+  while (n < 0 && errno == EINTR);
+  if (n < 0) throw IOError{errno, path, "pread", offset, kHeader};
+  std::string damage = static_cast<uint64_t>(n) == kHeader ? header_damage(path, header, offset, size) : "";
+  if (damage.empty())  // the file changed since it was scanned
+    damage = path + ": the record at offset " + std::to_string(offset) +
+             " was cut short or had a bad length CRC when the dataset was made";
+  return damage;
 }
 
 }  // namespace tf

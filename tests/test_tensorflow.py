@@ -86,11 +86,63 @@ def test_tfrecord_corruption_is_caught(tfrecords, tmp_path) -> None:
     with pytest.raises(tf.errors.OpError, match="bad data CRC"):
         list(make_dataset([str(bad)], tfrecord=True))
     (tmp_path / "short.tfrecord").write_bytes(open(paths[0], "rb").read()[:-3])
-    with pytest.raises(ValueError, match="past the end"):
-        make_dataset([str(tmp_path / "short.tfrecord")], tfrecord=True)
+    with pytest.raises(ValueError, match="truncated record at offset .* past the end"):
+        tfrecord_records(str(tmp_path / "short.tfrecord"))
+    with pytest.raises(tf.errors.DataLossError, match="truncated record at offset .* past the end"):
+        list(make_dataset([str(tmp_path / "short.tfrecord")], tfrecord=True))
     (tmp_path / "not.tfrecord").write_bytes(b"x" * 40)
     with pytest.raises(ValueError, match="length CRC"):
-        make_dataset([str(tmp_path / "not.tfrecord")], tfrecord=True)
+        tfrecord_records(str(tmp_path / "not.tfrecord"))
+    with pytest.raises(tf.errors.DataLossError, match="length CRC at offset 0"):
+        list(make_dataset([str(tmp_path / "not.tfrecord")], tfrecord=True))
+
+
+def test_a_damaged_tfrecord_file_reads_as_tensorflows_reader_reads_it(tfrecords, tmp_path) -> None:
+    """A file whose writer was killed mid-record, or with a length whose CRC is wrong, made
+    make_dataset raise ValueError when called: no dataset, and ignore_errors() could not
+    help. Now its records before the damage come, then DataLossError naming the file and
+    offset, where TFRecordDataset raises it; ignore_errors() skips it and (as for
+    TFRecordDataset) the rest of that file. A partial header at the end of a file ends it,
+    with no error, as it does for TFRecordDataset."""
+    paths, _ = tfrecords
+    headers = [offset - 12 for _, offset, _ in tfrecord_records(paths[0])]
+    cut = tmp_path / "cut.tfrecord"
+    cut.write_bytes(open(paths[0], "rb").read()[:-7])
+    raw = bytearray(open(paths[1], "rb").read())
+    fifth = [offset - 12 for _, offset, _ in tfrecord_records(paths[1])][4]
+    raw[fifth + 9] ^= 0x01
+    bad_length = tmp_path / "bad-length.tfrecord"
+    bad_length.write_bytes(bytes(raw))
+    partial = tmp_path / "partial-header.tfrecord"
+    partial.write_bytes(open(paths[2], "rb").read() + bytes(5))
+    files = [paths[2], str(cut), str(partial), str(bad_length), paths[0]]
+
+    def until_error(ds: tf.data.Dataset) -> tuple[list, type | None, str]:
+        got = []
+        try:
+            for x in ds:
+                got.append(x.numpy())
+        except tf.errors.OpError as e:
+            return got, type(e), e.message
+        return got, None, ""
+
+    stock = tf.data.TFRecordDataset(files)
+    stock_before, error, _ = until_error(stock)
+    stock_all = [x.numpy() for x in stock.ignore_errors()]
+    assert error is tf.errors.DataLossError and len(stock_all) == 13 + 13 + 13 + 4 + 14
+    for ds in (make_dataset(files, tfrecord=True), make_dataset(files, tfrecord=True, reads_per_call=3)):
+        before, error, message = until_error(ds)
+        assert (before, error) == (stock_before, tf.errors.DataLossError)
+        assert f"{cut}: truncated record at offset {headers[-1]}" in message
+        assert [x.numpy() for x in ds.ignore_errors()] == stock_all
+    shuffled = make_dataset(files, tfrecord=True, shuffle=True, seed=2)
+    assert sorted(x.numpy() for x in shuffled.ignore_errors()) == sorted(stock_all)
+    with pytest.raises(tf.errors.DataLossError, match=f"{bad_length}: bad length CRC at offset {fifth}"):
+        list(make_dataset(files[3:], tfrecord=True))
+    with pytest.raises(tf.errors.DataLossError, match=f"{cut}: truncated record"):  # the batch that holds it
+        list(make_dataset(files, tfrecord=True, batch_size=4))
+    alone = [x.numpy() for x in make_dataset([str(partial)], tfrecord=True)]
+    assert alone == [x.numpy() for x in tf.data.TFRecordDataset([str(partial)])] and len(alone) == 13
 
 
 def test_tfrecord_crc_checked_while_copied_across_chunks(tmp_path) -> None:
@@ -344,8 +396,9 @@ def test_errors(tmp_path) -> None:
         path = str(tmp_path / f"compressed.{compression}")
         with tf.io.TFRecordWriter(path, options=compression) as writer:
             writer.write(b"x" * 1000)
-        with pytest.raises(ValueError, match=f"starts as a {compression} stream.*compression_type='{compression}'"):
-            make_dataset(path, tfrecord=True)
+        with pytest.raises(tf.errors.DataLossError,
+                           match=f"starts as a {compression} stream.*compression_type='{compression}'"):
+            list(make_dataset(path, tfrecord=True))
 
 
 def test_a_path_that_is_not_a_readable_file_gets_its_own_error(tmp_path) -> None:
@@ -941,8 +994,11 @@ def test_a_tfrecord_file_whose_name_is_not_utf8(tmp_path) -> None:
     with open(bad, "wb") as f:
         f.write(b"x" * 40)
     with pytest.raises(ValueError, match="length CRC") as info:
-        make_dataset([bad], tfrecord=True)
+        tfrecord_records(bad)
     assert bad in str(info.value)
+    with pytest.raises(tf.errors.DataLossError, match="length CRC") as info:
+        list(make_dataset([bad], tfrecord=True))
+    assert os.fsencode(bad).decode("utf-8", "backslashreplace") in info.value.message
 
 
 def test_errors_of_a_file_whose_name_is_not_utf8_are_tensorflow_errors(tmp_path) -> None:

@@ -35,6 +35,9 @@ from ...pools import ThreadPool
 SMALL_ITEM_BYTES = 256 << 10
 MAX_SCANS = 32  # TFRecord files whose framing is scanned at once
 WHOLE_FILE = -1  # an item's length for the native ops: the rest of its file, as long as it is when read
+# A TFRecord item's length for the native ops: the damaged record at its offset, whose read
+# fails with DataLossError naming the file and offset, where TFRecordDataset raises it.
+DAMAGED = -2
 _dataset_keys = itertools.count()  # one prefetcher per dataset, shared by its two ops
 
 
@@ -55,14 +58,19 @@ def tfrecord_records(path: str) -> list[tuple[str, int, int]]:
     """The ``(path, offset, length)`` of every record of a TFRecord file, framing checked
     by the core (in C++: a Python loop over headers took 10 s for 100,000 small records).
 
-    Each range covers the record's data and its CRC footer. A truncated file or a
-    length whose CRC is wrong raises ValueError naming the file and offset.
+    Each range covers the record's data and its CRC footer. A record cut short or a
+    length whose CRC is wrong raises ValueError naming the file and offset; a partial
+    header at the end of the file ends it, as ``TFRecordDataset`` reads it.
     """
-    offsets, lengths = _tfrecord_ranges(path)
+    offsets, lengths, damage = _tfrecord_ranges(path)
+    if damage is not None:
+        raise ValueError(damage[1])
     return [(path, offset, length) for offset, length in zip(offsets, lengths)]
 
 
-def _tfrecord_ranges(path: str) -> tuple[list[int], list[int]]:
+def _tfrecord_ranges(path: str) -> tuple[list[int], list[int], tuple[int, str] | None]:
+    """The offsets and lengths of a TFRecord file's records up to the first damaged one,
+    and that one's (offset, why), or None."""
     # As bytes: a name need not be UTF-8 (os.listdir gives such a name surrogate-escaped).
     return _native.tfrecord_ranges(os.fsencode(path))
 
@@ -80,7 +88,19 @@ def make_dataset(files: str | bytes | os.PathLike | Sequence[str | bytes | os.Pa
     A whole file is read as it is at each read, as ``tf.io.read_file`` reads it: one that
     grew or shrank since the dataset was made gives its new bytes. Records and TFRecord
     records are those the files held when it was made (a file cut short since then fails
-    with ``DataLossError`` naming it).
+    with ``DataLossError`` naming it). A path that is missing, a directory or not a regular
+    file raises ``FileNotFoundError``, ``IsADirectoryError`` or ``ValueError`` naming it
+    when the dataset is made (``TFRecordDataset`` raises once it reaches the file).
+
+    A TFRecord file that is damaged (a record cut short, as when its writer was killed
+    mid-record, or a length whose CRC is wrong) gives its records before the damage, then
+    an item that fails with ``DataLossError`` naming the file and offset, where
+    ``TFRecordDataset`` raises it: ``ignore_errors()`` skips it and, as for
+    ``TFRecordDataset``, the rest of that file; ``len(dataset)`` counts it. Shuffled, it
+    fails where the shuffle puts it; with ``batch_size``, the batch that holds it fails;
+    sharded, one shard holds it. A partial header at the end of a file ends the file, with
+    no error, as for ``TFRecordDataset``. A record whose data CRC is wrong fails when read,
+    and with it the records read in the same call (``reads_per_call``).
 
     Args:
         files: a list of paths or a glob pattern (matched and sorted now); a path that
@@ -158,7 +178,11 @@ def make_dataset(files: str | bytes | os.PathLike | Sequence[str | bytes | os.Pa
         # one per record when the cache is cold: files are scanned at once (the scan
         # releases the GIL). 8 files of 256 records, cold: 0.20-0.27 s one by one.
         with ThreadPool(max_workers=max(1, min(MAX_SCANS, len(paths)))) as pool:
-            ranges = list(pool.map(_tfrecord_ranges, paths))
+            scans = list(pool.map(_tfrecord_ranges, paths))
+        # A damaged record is an item too, which fails when read: the records before it
+        # come first, as from TFRecordDataset, which skips the rest of the file after it.
+        ranges = [(offsets, lengths) if damage is None else (offsets + [damage[0]], lengths + [DAMAGED])
+                  for offsets, lengths, damage in scans]
     elif record_bytes is not None:
         ranges = []
         for p, size in zip(paths, sizes):
@@ -180,7 +204,8 @@ def make_dataset(files: str | bytes | os.PathLike | Sequence[str | bytes | os.Pa
         if not 0 <= index < count:
             raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {shard}")
         file_numbers, offsets, lengths = file_numbers[index::count], offsets[index::count], lengths[index::count]
-    average = int(lengths.sum()) // max(1, len(lengths))
+    average = int(np.maximum(lengths, 0).sum()) // max(1, len(lengths))
+    damaged = bool((lengths == DAMAGED).any())
     if batch_size is not None:
         reads_per_call = batch_size
     elif reads_per_call is None:
@@ -204,7 +229,9 @@ def make_dataset(files: str | bytes | os.PathLike | Sequence[str | bytes | os.Pa
     started = dataset.map(start, num_parallel_calls=num_parallel_reads, deterministic=True)
     if batch_size is not None:  # a batch per call: tf.data counts them as it counts the calls
         return started.map(take, num_parallel_calls=2, deterministic=True)
-    if average < SMALL_ITEM_BYTES:
+    # A damaged record's item fails alone: taken in a batch, it failed the items beside it,
+    # and ignore_errors() dropped them.
+    if average < SMALL_ITEM_BYTES and not damaged:
         items = _claimed_full(started.map(take, num_parallel_calls=2, deterministic=True), reads_per_call).unbatch()
     else:
         items = _claimed_full(started, reads_per_call).unbatch().map(take, num_parallel_calls=2, deterministic=True)
