@@ -1028,3 +1028,19 @@ def test_errors_of_a_file_whose_name_is_not_utf8_are_tensorflow_errors(tmp_path)
         with pytest.raises(tf.errors.NotFoundError) as info:
             list(ds)
         assert path.decode("utf-8", "backslashreplace") + ": open" in info.value.message
+
+
+def test_arguments_of_the_wrong_kind_are_refused_by_name(tmp_path) -> None:
+    """record_bytes=2.5 failed inside numpy ("expected a sequence of integers ..., got
+    '8.0'"), and the usual TFRecordDataset idiom, interleave(lambda f: make_dataset(f)),
+    with an unrelated OperatorNotAllowedInGraphError: make_dataset plans its reads when it
+    is made, so it needs the names then, and says so."""
+    path = str(tmp_path / "r.bin")
+    open(path, "wb").write(bytes(64))
+    for name in ("record_bytes", "batch_size", "reads_per_call", "num_parallel_reads"):
+        with pytest.raises(TypeError, match=rf"^{name} must be an integer, got 2\.5 \(float\)$"):
+            make_dataset(path, **{"record_bytes": 4, name: 2.5})
+    assert len(make_dataset(path, record_bytes=np.int64(4), batch_size=np.int32(2))) == 8
+    files = tf.data.Dataset.from_tensor_slices([path])
+    with pytest.raises(TypeError, match=r"not a symbolic tensor .* Pass the list of files, make_dataset\(files"):
+        files.interleave(lambda f: make_dataset(f, record_bytes=4))

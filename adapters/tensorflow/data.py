@@ -16,6 +16,7 @@ import functools
 import glob
 import itertools
 import json
+import operator
 import os
 import secrets
 import warnings
@@ -42,6 +43,13 @@ _dataset_keys = itertools.count()  # one prefetcher per dataset, shared by its t
 
 
 def _expand(files: str | bytes | os.PathLike | Iterable[str | bytes | os.PathLike]) -> list[str]:
+    if tf.is_symbolic_tensor(files):
+        raise TypeError(
+            "make_dataset needs the file names when it is made, not a symbolic tensor (as "
+            "Dataset.interleave(lambda f: make_dataset(f, ...)) gives it): it plans every read then, from "
+            "the files' sizes and framing. Pass the list of files, make_dataset(files, ...): it reads them "
+            "as one dataset, num_parallel_reads batches of reads ahead, in the files' order or shuffled "
+            "across all of them (shuffle=True)")
     # A bytes path is one path, as TFRecordDataset takes it (not a sequence of byte values).
     if isinstance(files, (str, bytes, os.PathLike)):
         pattern = local_path(os.fsdecode(files))
@@ -150,6 +158,11 @@ def make_dataset(files: str | bytes | os.PathLike | Sequence[str | bytes | os.Pa
         engine: whose settings (backend, block size, queue depth, threads, O_DIRECT)
             the reads use; the ops run their own engine with them.
     """
+    record_bytes, batch_size, reads_per_call = (
+        None if value is None else _whole_number(name, value)
+        for name, value in (("record_bytes", record_bytes), ("batch_size", batch_size),
+                            ("reads_per_call", reads_per_call)))
+    num_parallel_reads = _whole_number("num_parallel_reads", num_parallel_reads)
     if tfrecord and record_bytes is not None:
         raise ValueError("give record_bytes or tfrecord=True, not both")
     if record_bytes is not None and record_bytes <= 0:
@@ -331,6 +344,14 @@ def _claimed_full(calls: tf.data.Dataset, size: int) -> tf.data.Dataset:
         return columns if len(columns) > 1 else columns[0]
 
     return calls.map(claim)
+
+
+def _whole_number(name: str, value: object) -> int:
+    """``value`` as an int (a NumPy or eager TensorFlow integer too), or TypeError naming the argument."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
 
 
 def _read_ops(backend: str, config: IOConfig, files: list[str], record_bytes: int | None, tfrecord: bool,
