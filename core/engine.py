@@ -305,7 +305,9 @@ def _first_error(checks: Iterable[Callable[[], TensorferryError | None]]) -> Ten
     return next((error for error in (check() for check in checks) if error is not None), None)
 
 
-def _resolve_backend(name: str) -> str:
+def resolve_backend(name: str) -> str:
+    """The backend an engine configured with ``name`` runs: ``"auto"`` settled by what this
+    kernel and sandbox allow; ``"io_uring"`` refused (ConfigError) where it cannot run."""
     if name != "auto":
         if name == "io_uring":
             usable, why = io_uring_probe()
@@ -369,7 +371,7 @@ class Engine:
 
     def __init__(self, config: IOConfig | None = None, **overrides: Any) -> None:
         self.config = (config or default_config()).replace(**overrides)
-        self.backend = _resolve_backend(self.config.backend)
+        self.backend = resolve_backend(self.config.backend)
         self._native = _native.Engine(self.backend, self.config.block_size,
                                       self.config.queue_depth, self.config.threads)
         self._inflight: collections.deque[IOFuture] = collections.deque()

@@ -26,9 +26,9 @@ import numpy as np
 import tensorflow as tf
 
 from ... import _native
-from ...data import readable_size
 from ...config import IOConfig, default_config
-from ...engine import Engine, _resolve_backend, local_path
+from ...data import readable_size
+from ...engine import Engine, local_path, resolve_backend
 from ...pools import ThreadPool
 
 # Items under this size are taken a batch per op call: a call costs more than the copy
@@ -183,7 +183,7 @@ def make_dataset(files: str | bytes | os.PathLike | Sequence[str | bytes | os.Pa
     # Settings only: the ops run engines of their own. The shared engine's rings and threads
     # would sit idle, and its descriptors were the last a process at its limit had.
     config = engine.config if engine else default_config()
-    backend = engine.backend if engine else _resolve_backend(config.backend)
+    backend = engine.backend if engine else resolve_backend(config.backend)
     if shuffle and seed is None:
         seed = _seed_of_unseeded_shuffle(sharded=shard is not None)
     if tfrecord:
