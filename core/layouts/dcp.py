@@ -20,12 +20,13 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..buffers import byte_view
-from ..checkpoint import MANIFEST, open_shard, read_directory_file, read_manifest, verify_checkpoint
+from ..checkpoint import MANIFEST, open_shard, read_directory_file, read_manifest
 from ..dtypes import TORCH_DTYPE_NAMES, to_numpy_dtype
 from ..errors import CorruptCheckpointError, TensorferryError
 from ..schema import member_path
-from . import (CHECKSUMS_AGAINST_MANIFEST, OBJECT, Chunk, ChunkSource, Layout, ShardSource, TensorEntry,
-               TensorSource, Verification, file_row, size_problems, tensor_entry)
+from . import (OBJECT, Chunk, ChunkSource, Layout, ShardSource, TensorEntry, TensorSource, Verification, file_row,
+               size_problems, tensor_entry)
+from .tensorferry import verify_against_manifest
 
 DCP_METADATA = ".metadata"
 # The key of a DCPWriter manifest's metadata that lists the DCP items: {"tensors": {fqn:
@@ -203,14 +204,7 @@ class DCPFolder(Layout):
 
     def verify(self, progress: Callable[[int], None] | None = None) -> Verification:
         if self.ours and os.path.exists(os.path.join(self.path, DCP_METADATA)):
-            try:
-                manifest = read_manifest(self.path)
-            except CorruptCheckpointError as exc:
-                return Verification([MANIFEST], None, [f"{MANIFEST}: {exc}"], "")
-            listed = {**manifest["files"], **manifest.get("other_files", {})}
-            total = sum(entry["size"] for entry in listed.values())
-            return Verification(list(listed), total, verify_checkpoint(self.path, progress=progress),
-                                CHECKSUMS_AGAINST_MANIFEST)
+            return verify_against_manifest(self.path, progress)
         try:
             entries, files, problems, metadata = self._items()
         except ManifestLostError as exc:

@@ -47,14 +47,7 @@ class TensorferryCheckpoint(Layout):
             other_files=sorted(set(os.listdir(self.path)) - set(manifest["files"]) - {MANIFEST}))
 
     def verify(self, progress: Callable[[int], None] | None = None) -> Verification:
-        try:
-            manifest = read_manifest(self.path)
-        except CorruptCheckpointError as exc:
-            return Verification([MANIFEST], None, [f"{MANIFEST}: {exc}"], "")
-        listed = {**manifest["files"], **manifest.get("other_files", {})}
-        total = sum(entry["size"] for entry in listed.values())
-        problems = verify_checkpoint(self.path, progress=progress)
-        return Verification(list(listed), total, problems, CHECKSUMS_AGAINST_MANIFEST)
+        return verify_against_manifest(self.path, progress)
 
     def open(self, *, verify: bool = True, engine: Any = None) -> TensorSource:
         manifest = read_manifest(self.path)
@@ -62,3 +55,16 @@ class TensorferryCheckpoint(Layout):
         return ShardSource({e.name: e for e in self._entries(manifest)},
                            lambda file: open_shard(self.path, manifest, file, engine=engine, verify=verify),
                            manifest.get("metadata", {}), where=self.path)
+
+
+def verify_against_manifest(path: str, progress: Callable[[int], None] | None = None) -> Verification:
+    """:func:`verify_checkpoint` of a folder with a manifest (ours, or a DCPWriter's), as a
+    :class:`Verification` that counts every file the manifest lists, a damaged manifest
+    the one bad file."""
+    try:
+        manifest = read_manifest(path)
+    except CorruptCheckpointError as exc:
+        return Verification([MANIFEST], None, [f"{MANIFEST}: {exc}"], "")
+    listed = {**manifest["files"], **manifest.get("other_files", {})}
+    total = sum(entry["size"] for entry in listed.values())
+    return Verification(list(listed), total, verify_checkpoint(path, progress=progress), CHECKSUMS_AGAINST_MANIFEST)
