@@ -7,6 +7,7 @@ import contextlib
 import multiprocessing.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -185,3 +186,38 @@ def discards_held_up() -> Iterator[Callable[[], None]]:
     finally:
         gate.set()
         temporaries.wait_for_discards()
+
+
+def ctrl_c() -> None:
+    """SIGINT to the main thread, as a user's Ctrl-C: a KeyboardInterrupt wherever it is."""
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def once_blocked_in(function: Callable, then: Callable[[], None]) -> Iterator[None]:
+    """Calls ``then()`` (from another thread) once the main thread, in the body, is blocked
+    waiting (in ``threading``'s ``Condition.wait``) somewhere inside ``function``; not at all
+    if it never is. A program's Ctrl-C (``then=ctrl_c``) lands there surely, not by timing."""
+    main, code, finished = threading.main_thread(), function.__code__, threading.Event()
+
+    def blocked() -> bool:
+        frame = sys._current_frames().get(main.ident)
+        if frame is None or frame.f_code is not threading.Condition.wait.__code__:
+            return False
+        while frame is not None and frame.f_code is not code:
+            frame = frame.f_back
+        return frame is not None
+
+    def watch() -> None:
+        while not finished.wait(0.001):
+            if blocked():
+                then()
+                return
+
+    watcher = threading.Thread(target=watch, name="once_blocked_in")
+    watcher.start()
+    try:
+        yield
+    finally:
+        finished.set()
+        watcher.join()

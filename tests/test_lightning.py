@@ -19,6 +19,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
+from conftest import ctrl_c, once_blocked_in  # noqa: E402
 from tensorferry.adapters.pytorch import TensorferryCheckpointIO  # noqa: E402
 
 
@@ -255,6 +256,29 @@ def writes_held(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
     monkeypatch.setattr(plugin_module, "save", held_save)
     return gate
+
+
+def test_a_ctrl_c_while_waiting_for_background_writes_leaves_them_waited_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C in wait() while a queued write runs: the plugin had forgotten its queued jobs
+    before waiting, and load_checkpoint, which waits for them first, read the older
+    checkpoint that the write queued before it was still replacing."""
+    gate = writes_held(monkeypatch)
+    gate.set()
+    io = TensorferryCheckpointIO(asynchronous=True)
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"version": 1, "w": torch.zeros(4)}, path)
+    io.wait()
+    gate.clear()
+    io.save_checkpoint({"version": 2, "w": torch.ones(4)}, path)
+    try:
+        with pytest.raises(KeyboardInterrupt), once_blocked_in(TensorferryCheckpointIO.wait, ctrl_c):
+            io.wait()
+        with once_blocked_in(TensorferryCheckpointIO.wait, gate.set):
+            assert io.load_checkpoint(path)["version"] == 2
+    finally:
+        gate.set()
+        io.teardown()
 
 
 def test_after_a_failed_background_write_nothing_queued_behind_it_runs(

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402 (a BaseException)
 
 import tensorferry  # noqa: E402
-from conftest import requires_cuda  # noqa: E402
+from conftest import ctrl_c, once_blocked_in, requires_cuda  # noqa: E402
 from tensorferry import CheckpointNotFoundError  # noqa: E402
 from tensorferry.adapters.pytorch import (DCPReader, DCPWriter, FSDPCheckpointer, load,  # noqa: E402
                                           load_checkpoint, save, save_checkpoint)
@@ -1730,6 +1730,59 @@ def test_a_failed_async_save_handled_through_its_future_is_not_raised_again(smal
     assert ckpt.latest_step() == 7
 
 
+class HeldSavePlanner(dcp.DefaultSavePlanner):
+    """Holds each save it plans before its writes begin, until ``go_on`` is set: a
+    background save surely still runs while the test does what it must meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding, self.go_on = threading.Event(), threading.Event()
+
+    def finish_plan(self, plan):
+        self.holding.set()
+        assert self.go_on.wait(120), "the test never let the save go on"
+        return super().finish_plan(plan)
+
+
+def test_a_ctrl_c_while_waiting_for_a_background_save_leaves_it_tracked(small_tmpfs) -> None:
+    """Ctrl-C in wait(), or in a save_async waiting for the save before it: the checkpointer
+    had forgotten the running save before waiting. The next wait() returned at once and the
+    save's error (a full disk) was never raised; the next save_async ran beside it (on several
+    ranks, both hung). The save stays tracked until it has ended."""
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(1 << 20))  # 4 MiB: more than the disk holds
+    planner = HeldSavePlanner()
+    ckpt = FSDPCheckpointer(small_tmpfs, model, save_planner=planner)
+    failing = ckpt.save_async(1)
+    assert planner.holding.wait(120)
+    try:
+        with pytest.raises(KeyboardInterrupt), once_blocked_in(FSDPCheckpointer.wait, ctrl_c):
+            ckpt.wait()
+        with pytest.raises(KeyboardInterrupt), once_blocked_in(FSDPCheckpointer._end_background_save, ctrl_c):
+            ckpt.save_async(2)
+        assert not failing.done()
+    finally:
+        planner.go_on.set()
+    with pytest.raises(tensorferry.TensorferryIOError, match="No space left on device"):
+        ckpt.wait()
+    assert ckpt.latest_step() is None
+
+
+def test_a_warning_made_an_error_in_retention_fails_no_committed_background_save(tmp_path) -> None:
+    """Under ``python -W error``, a warning of keep_last's retention after a background save
+    had committed (a damaged checkpoint beside it passed over) was raised as that save's error:
+    the future failed and wait() raised, though the checkpoint was in place."""
+    ckpt = FSDPCheckpointer(tmp_path, torch.nn.Linear(4, 4), keep_last=1)
+    ckpt.save(1)
+    (tmp_path / "step_1" / "tensorferry.json").write_text("{")  # damaged: passed over with a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tensorferry.CheckpointSkippedWarning)
+        assert ckpt.save_async(2).result(120).endswith("step_2")
+        ckpt.wait()
+    with pytest.warns(tensorferry.CheckpointSkippedWarning, match="step_1"):
+        assert ckpt.latest_step() == 2
+
+
 def save_failures(ckpt: FSDPCheckpointer, step: int) -> list[Exception]:
     """What ``save(step)`` raised, then ``save_async(step)`` and ``wait()``: an Exception each
     (torch's CheckpointException, a BaseException, fails the test as it passes through)."""
@@ -2233,6 +2286,38 @@ def scenario_failed_async_save_seen_on_one_rank(rank: int, world: int, root: str
 @pytest.mark.slow
 def test_a_failed_async_save_seen_on_one_rank_holds_up_no_rank(small_tmpfs) -> None:
     run(2, small_tmpfs, "failed_async_save_seen_on_one_rank", timeout=300)
+
+
+def scenario_ctrl_c_while_a_background_save_runs(rank: int, world: int, root: str) -> None:
+    """Ctrl-C in wait() for a background save, then the emergency save of a Ctrl-C handler:
+    the checkpointer had forgotten the running save, and the emergency save_async ran its
+    collectives beside it, on the same group, from another thread: both hung until the
+    group's timeout. The emergency save waits for the running one first."""
+    model = fsdp_model(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    planner = HeldSavePlanner()
+    ckpt = FSDPCheckpointer(root, model, opt, save_planner=planner)
+    train_step(model, opt, 1, rank)
+    saved = full_params(model)
+    first = ckpt.save_async(1)
+    assert planner.holding.wait(120)
+    try:
+        with pytest.raises(KeyboardInterrupt), once_blocked_in(FSDPCheckpointer.wait, ctrl_c):
+            ckpt.wait()
+        train_step(model, opt, 2, rank)
+        with once_blocked_in(FSDPCheckpointer._end_background_save, planner.go_on.set):
+            emergency = ckpt.save_async(2)
+        assert first.done()
+    finally:
+        planner.go_on.set()
+    assert first.result().endswith("step_1") and emergency.result(120).endswith("step_2")
+    assert ckpt.load(1) == 1
+    assert all(torch.equal(v, saved[k]) for k, v in full_params(model).items())
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_while_a_background_save_runs_hangs_no_later_save_on_2_ranks(tmp_path) -> None:
+    run(2, str(tmp_path), "ctrl_c_while_a_background_save_runs", timeout=300, group_timeout=120)
 
 
 def scenario_checkpointer_raises_one_ranks_error_on_every_rank(rank: int, world: int, root: str) -> None:

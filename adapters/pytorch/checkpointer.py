@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import functools
 import os
@@ -252,23 +253,37 @@ class FSDPCheckpointer:
         path, rank = self.step_path(step), self._rank()  # the rank now: the group may be gone when it ends
         state = self._on_every_rank(self._state, "save", path)
         writer = self._writer(step)
-        inner = dcp.async_save(state, storage_writer=writer, planner=self.save_planner,
-                               process_group=self._async_group())
         outer = SaveFuture(path)
 
         def done(f: Future) -> None:
-            # keep_last applies as each save completes, also one a script ended without waiting for.
+            error = None
             try:
                 f.result()
-                self._retain()
             except BaseException as exc:
                 writer._abandon_failed_save()  # before a next save, which waits for this future
-                outer.set_exception(_original_error(exc, rank, path))
-            else:
-                outer.set_result(path)
+                error = _original_error(exc, rank, path)
+            # keep_last applies as each save completes, also one a script ended without waiting for. What
+            # retention raises (a warning made an error: python -W error) is not the committed save's.
+            try:
+                if error is None:
+                    self._retain()
+            finally:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):  # done() twice (below): settled once
+                    if error is None:
+                        outer.set_result(path)
+                    else:
+                        outer.set_exception(error)
 
-        inner.add_done_callback(done)
+        inner = dcp.async_save(state, storage_writer=writer, planner=self.save_planner,
+                               process_group=self._async_group())
+        # Tracked at once (nothing between these lines runs Python code, where a Ctrl-C lands): a save
+        # left running untracked ran its collectives beside the next one's, and both hung.
         self._pending = outer
+        try:
+            inner.add_done_callback(done)
+        except BaseException:  # a Ctrl-C landing as it was attached: attached again, or outer never completed
+            inner.add_done_callback(done)
+            raise
         return outer
 
     def _async_group(self) -> Any:
@@ -291,9 +306,15 @@ class FSDPCheckpointer:
     def wait(self) -> None:
         """Waits for a background save, raising its error if it failed, unless the
         caller has had it already from the save's future (``result()``, ``exception()``)."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
+        if pending is None:
+            return
+        # Forgotten only once it has ended: a Ctrl-C during the wait left a running save
+        # untracked, and the next save ran its collectives beside it (both hung) or its error was lost.
+        concurrent.futures.wait([pending])
+        self._pending = None
         # A delivered error is a handled one: raised again here it would be raised twice.
-        if pending is not None and not pending.error_delivered:
+        if not pending.error_delivered:
             pending.result()
 
     def _end_background_save(self) -> None:
@@ -301,9 +322,10 @@ class FSDPCheckpointer:
         where no caller has had it. Not raised: whether a caller looked at the future is
         each rank's own, and a rank raising here while the others go on would leave them
         in the next save's collectives alone, until the group's timeout."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is not None:
-            concurrent.futures.wait([pending])
+            concurrent.futures.wait([pending])  # interrupted (Ctrl-C), the save stays tracked, as in wait()
+            self._pending = None
             pending.report_if_undelivered()
 
     def _retain(self) -> None:

@@ -104,8 +104,10 @@ class TensorferryCheckpointIO(CheckpointIO):
 
     def wait(self) -> None:
         """Waits for the queued writes and removals; raises the first one's error."""
-        pending, self._pending = self._pending, []
-        concurrent.futures.wait(pending)  # those queued behind a failure are skipped: soon done
+        # Forgotten only once done: a Ctrl-C during the wait left them untracked, and a load
+        # that waits for them first read the checkpoint a queued write was still replacing.
+        concurrent.futures.wait(self._pending)  # those queued behind a failure are skipped: soon done
+        self._pending = []
         failed, self._failed = self._failed, None  # what is queued from now on runs
         if failed is not None:
             failed.result()  # raises its error
