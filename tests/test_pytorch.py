@@ -1082,6 +1082,66 @@ def test_dcp_save_while_another_threads_save_to_the_same_path_writes_is_refused(
     assert torch.equal(back["x"], torch.ones(3)) and os.listdir(tmp_path) == ["c"]
 
 
+def dcp_loaded(path: Path) -> torch.Tensor:
+    back = {"w": torch.zeros(4)}
+    dcp.load(back, storage_reader=DCPReader(path))
+    return back["w"]
+
+
+def test_dcp_a_writer_in_a_save_refuses_another_save_beside_it(tmp_path) -> None:
+    """One DCPWriter in two saves at once (dcp.async_save twice, no wait between): the second's
+    reset() or planning took the first's state (its pending checkpoint aborted, its path moved),
+    and the first committed the other's temporary with its own manifest: a save reported success
+    while its checkpoint was missing or corrupt, and with overwrite=True a good checkpoint was
+    replaced by it. While the writer writes a save, another is refused before it touches
+    anything of that save, which commits; the writer saves again once it has."""
+    good = tmp_path / "good"
+    dcp.save({"w": torch.zeros(4)}, storage_writer=DCPWriter(good))
+    planner = HeldSavePlanner(while_writing=True)
+    writer = DCPWriter(overwrite=True)
+    first = dcp.async_save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "one", storage_writer=writer,
+                           planner=planner)
+    refused = rf"this DCPWriter is in a save to {tmp_path}/one \(on thread .*\) now; .*make a DCPWriter for each save"
+    try:
+        assert planner.holding.wait(120)
+        for checkpoint_id in (tmp_path / "two", good, None):  # None: the writer's own path
+            second = dcp.async_save({"w": torch.full((4,), 2.0)}, checkpoint_id=checkpoint_id, storage_writer=writer)
+            with pytest.raises((RuntimeError, CheckpointException), match=refused):
+                second.result(120)
+        with pytest.raises(CheckpointException, match=refused):  # a plain save, on this thread
+            dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=writer)
+    finally:
+        planner.go_on.set()
+    first.result(120)
+    assert torch.equal(dcp_loaded(tmp_path / "one"), torch.ones(4))
+    assert torch.equal(dcp_loaded(good), torch.zeros(4)) and not (tmp_path / "two").exists()
+    dcp.async_save({"w": torch.full((4,), 2.0)}, checkpoint_id=tmp_path / "two", storage_writer=writer).result(120)
+    dcp.save({"w": torch.full((4,), 3.0)}, checkpoint_id=good, storage_writer=writer)
+    assert torch.equal(dcp_loaded(tmp_path / "two"), torch.full((4,), 2.0))
+    assert torch.equal(dcp_loaded(good), torch.full((4,), 3.0))
+    assert sorted(os.listdir(tmp_path)) == ["good", "one", "two"]
+
+
+def test_dcp_a_save_between_its_writers_steps_is_overtaken_and_fails_before_touching_anything(tmp_path) -> None:
+    """torch tells a DCPWriter nothing of a save that failed outside the writer's steps (on
+    another rank, in the planner), whose thread may run on (the caller's, for dcp.save): a
+    save between the writer's steps may have ended, and a new save takes the writer. The
+    earlier one, still running here, fails at its next step: neither commits the other's files."""
+    planner = HeldSavePlanner()  # between the writer's planning and its write_data
+    writer = DCPWriter()
+    first = dcp.async_save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "one", storage_writer=writer,
+                           planner=planner)
+    try:
+        assert planner.holding.wait(120)
+        dcp.save({"w": torch.full((4,), 2.0)}, checkpoint_id=tmp_path / "two", storage_writer=writer)
+    finally:
+        planner.go_on.set()
+    with pytest.raises(CheckpointException, match="this save through a DCPWriter .* was overtaken"):
+        first.result(120)
+    assert torch.equal(dcp_loaded(tmp_path / "two"), torch.full((4,), 2.0))
+    assert os.listdir(tmp_path) == ["two"]
+
+
 def test_dcp_retry_of_a_path_leaves_the_writers_later_save_to_another_path_alone(tmp_path) -> None:
     """A writer whose save to A failed after planning, reused for a save to B on another
     thread: a retry of A by a new writer freed the temporary of the writer's save to B,
@@ -1731,17 +1791,28 @@ def test_a_failed_async_save_handled_through_its_future_is_not_raised_again(smal
 
 
 class HeldSavePlanner(dcp.DefaultSavePlanner):
-    """Holds each save it plans before its writes begin, until ``go_on`` is set: a
-    background save surely still runs while the test does what it must meanwhile."""
+    """Holds each save it plans until ``go_on`` is set: a background save surely still runs
+    while the test does what it must meanwhile. Held before its writes begin (between
+    DCPWriter's steps), or ``while_writing``: inside DCPWriter.write_data."""
 
-    def __init__(self) -> None:
+    def __init__(self, while_writing: bool = False) -> None:
         super().__init__()
+        self.while_writing = while_writing
         self.holding, self.go_on = threading.Event(), threading.Event()
 
-    def finish_plan(self, plan):
+    def _hold(self) -> None:
         self.holding.set()
         assert self.go_on.wait(120), "the test never let the save go on"
+
+    def finish_plan(self, plan):
+        if not self.while_writing:
+            self._hold()
         return super().finish_plan(plan)
+
+    def resolve_data(self, item):
+        if self.while_writing:
+            self._hold()
+        return super().resolve_data(item)
 
 
 def test_a_ctrl_c_while_waiting_for_a_background_save_leaves_it_tracked(small_tmpfs) -> None:
@@ -2429,6 +2500,45 @@ def scenario_dcp_failed_steps_leave_nothing_behind(rank: int, world: int, root: 
 @pytest.mark.slow
 def test_dcp_failed_steps_leave_nothing_behind_on_2_ranks(small_tmpfs) -> None:
     run(2, small_tmpfs, "dcp_failed_steps_leave_nothing_behind", timeout=300)
+
+
+def scenario_dcp_writer_reused_for_async_saves(rank: int, world: int, root: str) -> None:
+    """One DCPWriter per rank for a loop of dcp.async_save: a save that failed on another rank
+    (of which torch tells the coordinator's writer nothing) leaves the writer free for a retry
+    at once; a second save while the writer writes one is refused on every rank, and the
+    first commits."""
+    writer = DCPWriter(overwrite=True)
+
+    def save(step: int, size: int, planner: Any = None) -> Any:
+        return dcp.async_save({f"w{rank}": torch.full((size,), float(step))}, storage_writer=writer, planner=planner,
+                              checkpoint_id=os.path.join(root, f"step_{step}"))
+
+    with pytest.raises(CheckpointException, match="No space left on device"):
+        save(1, (1 << 20) if rank == 1 else 1024).result(120)  # 4 MiB on rank 1: more than the disk holds
+    save(1, 1024).result(120)
+    planner = HeldSavePlanner(while_writing=True)
+    first = save(2, 1024, planner)
+    try:
+        assert planner.holding.wait(120)
+        with pytest.raises(RuntimeError, match=r"this DCPWriter is in a save to .*step_2 \(on thread"):
+            save(3, 1024).result(120)
+    finally:
+        planner.go_on.set()
+    first.result(120)
+    for step in (1, 2):
+        back = {f"w{rank}": torch.zeros(1024)}
+        dcp.load(back, storage_reader=DCPReader(os.path.join(root, f"step_{step}")))
+        assert (back[f"w{rank}"] == step).all()
+    dist.barrier()
+    if rank == 0:
+        from tensorferry.temporaries import wait_for_discards
+        wait_for_discards()
+        assert sorted(os.listdir(root)) == ["step_1", "step_2"]
+
+
+@pytest.mark.slow
+def test_dcp_writer_reused_for_async_saves_on_2_ranks(small_tmpfs) -> None:
+    run(2, small_tmpfs, "dcp_writer_reused_for_async_saves", timeout=300, group_timeout=120)
 
 
 class _Rank1WritesAfterRank0(DCPWriter):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import math
 import os
@@ -89,6 +90,53 @@ def _forget_coordinating(pending: PendingCheckpoint) -> None:
             del _coordinating[pending.directory]
 
 
+@dataclasses.dataclass
+class _Holder:
+    """The save a DCPWriter is in: the thread torch calls its steps on, and whether that
+    thread is inside one of them now."""
+
+    thread: threading.Thread
+    stepping: bool = False
+
+
+# A writer keeps the state of its save on itself (the path, the pending checkpoint, the files
+# written), so it runs one save at a time. Two dcp.async_save calls in flight with one writer took
+# each other's state: one committed the other's temporary with its own manifest, or replaced a
+# good checkpoint with it. torch says nothing to a writer whose save failed outside its steps (on
+# another rank, in the planner), so a save between steps may have ended: a new save takes the
+# writer from it, and it fails at its next step, if any, before touching anything; one inside a
+# step is saving surely, and a new save is refused.
+_holders: weakref.WeakKeyDictionary[DCPWriter, _Holder] = weakref.WeakKeyDictionary()
+
+_ONE_SAVE_AT_A_TIME = ("a DCPWriter keeps its save's state, so it runs one save at a time: make a DCPWriter for "
+                       "each save that may run while another does (as FSDPCheckpointer does), or wait for the one "
+                       "before")
+
+
+def _save_step(begins: bool = False, ends: bool = False) -> Callable[[Callable], Callable]:
+    """A DCPWriter's step of a save (torch calls a save's steps on one thread: the caller's,
+    or dcp.async_save's own). ``begins``: it may be the save's first, which takes the writer;
+    ``ends``: the save's last. A step that raises ends the save: torch calls nothing more of it."""
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def step(self: DCPWriter, *args: Any, **kwargs: Any) -> Any:
+            self._enter_step(begins)
+            try:
+                result = method(self, *args, **kwargs)
+            except BaseException:
+                self._end_save()
+                raise
+            finally:
+                self._leave_step()
+            if ends:
+                self._end_save()
+            return result
+
+        return step
+
+    return decorate
+
+
 @dataclasses.dataclass(frozen=True)
 class _RankFiles:
     """A rank's part of the global plan: the names of its files."""
@@ -128,6 +176,8 @@ class DCPWriter(StorageWriter):
     Use as ``dcp.save(state_dict, storage_writer=DCPWriter(path))`` (or with
     ``dcp.async_save``), with or without a process group; not with
     ``use_collectives=False``, which it refuses (its coordinator commits every rank's part).
+    A writer runs one save at a time: ``dcp.async_save`` calls that may be in flight together
+    need a writer each (a save begun while the writer writes another is refused).
 
     Args:
         path: the checkpoint directory; it appears only once complete.
@@ -151,6 +201,7 @@ class DCPWriter(StorageWriter):
         self._alone = False  # the coordinator of a save of one rank
         self._written: dict[str, ShardInfo] = {}  # the files this process wrote, by name
 
+    @_save_step(begins=True)
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
             self.path = absolute_local_path(checkpoint_id)
@@ -158,6 +209,37 @@ class DCPWriter(StorageWriter):
             raise ValueError("DCPWriter needs a path: DCPWriter(path) or dcp.save(..., checkpoint_id=path)")
         self._abandon_failed_save()
         self._written = {}
+
+    def _enter_step(self, begins: bool) -> None:
+        """Before a step: one that ``begins`` a save takes this writer, unless another thread
+        is inside a step of its own save with it now (refused: that save then completes as if
+        this one had not been tried); a later step of a save whose writer another save has
+        taken meanwhile fails, before it touches anything."""
+        me = threading.current_thread()
+        with _coordinating_lock:
+            holder = _holders.get(self)
+            if holder is None or holder.thread is not me:
+                if not begins:
+                    raise RuntimeError(f"this save through a DCPWriter (on thread {me.name!r}) was overtaken: "
+                                       f"another save took the writer while it ran; {_ONE_SAVE_AT_A_TIME}")
+                if holder is not None and holder.stepping:
+                    raise RuntimeError(f"this DCPWriter is in a save to {self.path} (on thread "
+                                       f"{holder.thread.name!r}) now; {_ONE_SAVE_AT_A_TIME}")
+                holder = _holders[self] = _Holder(me)
+            holder.stepping = True
+
+    def _leave_step(self) -> None:
+        with _coordinating_lock:
+            holder = _holders.get(self)
+            if holder is not None and holder.thread is threading.current_thread():
+                holder.stepping = False
+
+    def _end_save(self) -> None:
+        """The save of this thread has ended: a next one takes the writer."""
+        with _coordinating_lock:
+            holder = _holders.get(self)
+            if holder is not None and holder.thread is threading.current_thread():
+                del _holders[self]
 
     def _abandon_failed_save(self) -> None:
         """Removes the temporary of this writer's last save if it failed before finish()
@@ -217,6 +299,7 @@ class DCPWriter(StorageWriter):
     def close(self) -> None:
         """Nothing to release: staging buffers go back to their pool when dropped."""
 
+    @_save_step(begins=True)  # the first step of a save given no checkpoint_id: torch calls reset() only with one
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not kwargs.get("use_collectives", True):
             # Without them each rank plans, writes and commits alone, as the only rank:
@@ -226,6 +309,7 @@ class DCPWriter(StorageWriter):
                              "or save with torch's FileSystemWriter, which writes a metadata file per rank")
         self.is_coordinator = is_coordinator
 
+    @_save_step()
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # Fail on every rank before anything is written.
         if not self.overwrite:
@@ -235,6 +319,7 @@ class DCPWriter(StorageWriter):
                 safetensors_dtype(item.tensor_data.properties.dtype, item.index.fqn)
         return plan
 
+    @_save_step()
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._abandon_failed_save()
         self._abandon_ended_saves()
@@ -251,6 +336,7 @@ class DCPWriter(StorageWriter):
         return [dataclasses.replace(plan, storage_data=_RankFiles(f"rank{rank:05d}"))
                 for rank, plan in enumerate(plans)]
 
+    @_save_step()
     @gc_paused(main_thread_only=True)  # the writes last as long as the drive takes
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         where: _RankFiles = plan.storage_data
@@ -292,8 +378,11 @@ class DCPWriter(StorageWriter):
             if self._pending is not None and self._alone:
                 self._abandon_failed_save()
             raise
+        if not self.is_coordinator:  # its last step of the save; the coordinator's is finish()
+            self._end_save()
         return _done([r for results in per_file for r in results])
 
+    @_save_step(ends=True)
     @gc_paused()
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         pending = self._pending
