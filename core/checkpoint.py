@@ -40,7 +40,7 @@ from .shard import (CHECKSUM_ALGORITHM, DEFAULT_BUFFER_SIZE, Deferred, ShardInfo
                     first_names, foreign_files_hint, fsync_after_commit, fsync_dir, gc_paused, subfolders_holding)
 from .temporaries import (NEW_TEMPORARY_TRIES, TMP_MARKER, aside_name, discard_later, earlier_stem, held_here,
                           hold_new, hold_to_move, is_temporary_name, refuse_temporary_marker, release,
-                          remove_stale_temporaries, temporary_name, temporary_stem, temporary_token)
+                          remove_stale_temporaries, stale_temporaries, temporary_name, temporary_stem, temporary_token)
 
 MANIFEST = "tensorferry.json"
 FORMAT_VERSION = MANIFEST_VERSION
@@ -911,6 +911,11 @@ def remove_leftovers(root: str | os.PathLike) -> list[str]:
     return remove_stale_temporaries(root, keep=functools.partial(_recoverable_paths, root))
 
 
+def leftovers(root: str | os.PathLike) -> list[str]:
+    """What :func:`remove_leftovers` would remove from ``root`` now (``tensorferry clean --dry-run``)."""
+    return stale_temporaries(root, keep=functools.partial(_recoverable_paths, root))
+
+
 def remove_checkpoints(paths: Iterable[str], *, wait: bool = True) -> list[str]:
     """Removes checkpoint directories, each leaving its name at once (renamed aside, its
     files freed in the background unless ``wait``); returns those removed. One that
@@ -1014,7 +1019,7 @@ def verify_checkpoint(directory: str | os.PathLike, *, engine: Engine | None = N
 
 
 __all__ = ["MANIFEST", "Committed", "PendingCheckpoint", "build_manifest", "committed_checkpoints",
-           "encode_manifest", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "open_shard",
+           "encode_manifest", "latest_checkpoint", "leftovers", "list_checkpoints", "load_checkpoint", "open_shard",
            "prune_checkpoints", "read_manifest", "read_manifest_file", "read_other_file", "recoverable_checkpoints",
            "refuse_dcp_folder_without_metadata", "remove_checkpoints", "remove_leftovers", "resolve_checkpoint",
            "save_checkpoint",

@@ -32,14 +32,14 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from . import __version__, bench, layouts
-from .checkpoint import (DEFAULT_SHARD_BYTES, MANIFEST, PendingCheckpoint, occupied, recoverable_checkpoints,
-                         remove_leftovers, split_by_size)
+from .checkpoint import (DEFAULT_SHARD_BYTES, MANIFEST, PendingCheckpoint, leftovers, occupied, remove_leftovers,
+                         split_by_size)
 from .config import count_arg, parse_size, size_arg
 from .errors import CorruptCheckpointError, TensorferryError
 from .layouts.safetensors import to_file_metadata
 from .schema import STRUCTURE_KEY, check_structure, parse_json
 from .shard import ShardWriter, write_order
-from .temporaries import is_temporary_name, stale_temporaries
+from .temporaries import is_temporary_name
 
 EXIT_OK, EXIT_FINDING, EXIT_ERROR = 0, 1, 2
 
@@ -437,7 +437,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
     unread: list[str] = []  # folders under the root it could not list: not cleaned
     for directory in _directories_to_clean(args.root, unread):
         if args.dry_run:  # not an interrupted overwrite's old checkpoint
-            found += stale_temporaries(directory, keep=recoverable_checkpoints(directory).values())
+            found += leftovers(directory)
         else:
             found += remove_leftovers(directory)
     verb = "would remove" if args.dry_run else "removed"

@@ -235,10 +235,12 @@ def is_leftover_name(name: str) -> bool:
 
 
 def stale_temporaries(root: str | os.PathLike, target: str | None = None,
-                      keep: Iterable[str] = ()) -> list[str]:
+                      keep: Iterable[str] | Callable[[], Iterable[str]] = ()) -> list[str]:
     """Temporaries under ``root`` (of ``target``'s name only, if given) that no live
-    writer holds, except those in ``keep``."""
-    keep = {os.path.abspath(p) for p in keep}
+    writer holds, except those in ``keep``. ``keep`` may be a function giving them, asked
+    once the temporaries are found: what it names may have been made meanwhile (an old
+    checkpoint an overwrite set aside, then killed, which a list made before the scan
+    left out)."""
     root = os.fspath(root)
     prefix = temporary_name(target) if target is not None else None
     found = []
@@ -247,8 +249,7 @@ def stale_temporaries(root: str | os.PathLike, target: str | None = None,
     except FileNotFoundError:
         return []
     for entry in entries:
-        if ((prefix is not None and not entry.name.startswith(prefix)) or not is_leftover_name(entry.name)
-                or os.path.abspath(entry.path) in keep):
+        if (prefix is not None and not entry.name.startswith(prefix)) or not is_leftover_name(entry.name):
             continue
         try:
             fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -261,7 +262,8 @@ def stale_temporaries(root: str | os.PathLike, target: str | None = None,
             pass  # held by a running save, or no flock on this filesystem
         finally:
             os.close(fd)
-    return sorted(found)
+    kept = {os.path.abspath(p) for p in (keep() if callable(keep) else keep)}
+    return sorted(path for path in found if os.path.abspath(path) not in kept)
 
 
 def aside_name(path: str, why: str) -> str:
@@ -334,12 +336,8 @@ def remove_stale_temporaries(root: str | os.PathLike, target: str | None = None,
                              keep: Iterable[str] | Callable[[], Iterable[str]] = ()) -> list[str]:
     """Removes the leftovers of killed saves under ``root`` (those of ``target``, a name
     in ``root``, only, if given), never a temporary a live writer holds nor one in
-    ``keep``; returns what went. ``keep`` may be a function giving them, asked once the
-    temporaries are found: what it names may have been made meanwhile (an old checkpoint an
-    overwrite set aside, then killed, which a list made before the scan left out)."""
-    stale = stale_temporaries(root, target)
-    kept = {os.path.abspath(p) for p in (keep() if callable(keep) else keep)}
-    return [path for path in stale if os.path.abspath(path) not in kept and remove_if_stale(path)]
+    ``keep`` (as :func:`stale_temporaries` takes it); returns what went."""
+    return [path for path in stale_temporaries(root, target, keep) if remove_if_stale(path)]
 
 
 __all__ = ["DCP_TOKEN", "NEW_TEMPORARY_TRIES", "TMP_MARKER", "aside_name", "discard_later", "earlier_stem",

@@ -758,3 +758,20 @@ def test_messages_name_each_thing_once(tmp_path: Path) -> None:
     assert found["bad_files"] == [files[1]] and found["problems"] == [f"{files[1]}: missing"]
     result = run("convert", hf / files[0], tmp_path / "one", "--to", "tensorferry")
     assert result.returncode == 0 and ": 1 tensor," in result.stdout
+
+
+def test_clean_dry_run_lists_what_clean_removes_not_an_interrupted_overwrites_checkpoint(tmp_path: Path) -> None:
+    """The dry run and clean itself decide alike (checkpoint.leftovers, remove_leftovers): the
+    old checkpoint an overwrite killed between its two renames set aside is the checkpoint,
+    never a leftover, and only a killed save's temporary goes."""
+    from tensorferry.checkpoint import OLD_REASON, leftovers
+    from tensorferry.temporaries import aside_name
+    tensorferry.save_checkpoint(tmp_path / "step_1", {"x": np.arange(3)})
+    aside = aside_name(str(tmp_path / "step_1"), OLD_REASON)
+    os.rename(tmp_path / "step_1", aside)  # the overwrite, killed after its first rename
+    make_entries(tmp_path, {"step_2.tmp-0123456789ab": "dir"})
+    killed = [str(tmp_path / "step_2.tmp-0123456789ab")]
+    assert leftovers(tmp_path) == killed
+    assert run_json("clean", tmp_path, "--dry-run")["removed"] == killed
+    assert run_json("clean", tmp_path)["removed"] == killed
+    assert tensorferry.load_checkpoint(tmp_path / "step_1")["x"].tolist() == [0, 1, 2]
